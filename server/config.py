@@ -1,0 +1,77 @@
+"""Engine configuration: one dataclass, filled from the CLI, the environment or Python."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'8GiB', '512M', '1073741824' -> bytes (binary units)."""
+    if text is None or isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 4GiB, 512MiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                  # folder, .gguf file, or None for the embedded default
+    device: str = "auto"                      # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes for the KV cache; default: CPU 1 GiB, GPU from utilization
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"                 # auto | dummy (random weights for the model's config)
+    served_model_name: str | None = None
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = True
+    enforce_eager: bool = False               # no CUDA graphs
+    seed: int = 0
+    offload_dir: str | None = None            # CPU backend: where offloaded tags are written while asleep
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in [0.05, 1], got {self.gpu_memory_utilization}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but this machine has no usable CUDA device")
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        return dev
+
+    def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32  # bf16 matmuls are slow on most CPUs
+        return torch.float16 if checkpoint_dtype in ("float16", "fp16") else torch.bfloat16
+
+    def batched_tokens(self, device: torch.device) -> int:
+        return self.max_num_batched_tokens or (512 if device.type == "cpu" else 8192)

@@ -1,0 +1,87 @@
+"""Per-request sampling parameters, validated where they enter, with errors that name the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve as asked; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                     # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16        # None: up to the context limit
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None        # top-k log-probs to return beside each sampled token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(param: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(message, param=param)
+
+        if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
+            raise bad("n", f"n must be an integer from 1 to 128, got {self.n!r}")
+        if self.temperature < 0:
+            raise bad("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+            raise bad("logprobs", f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 64:
+            raise bad("seed", "seed must fit in 64 bits")
+        if vocab_size is not None:
+            ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+            out = [i for i in ids if not 0 <= int(i) < vocab_size]
+            if out:
+                raise bad("stop_token_ids" if out[0] in self.stop_token_ids else "logit_bias",
+                          f"token ids must be in [0, {vocab_size}), got {out[0]}")
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -1,0 +1,108 @@
+"""Turn logits into tokens: penalties, bias, min_tokens, temperature, top-k/top-p/min-p, seeds, log-probs.
+
+Rows that need no history (the common case) are handled as one batch; only rows that ask for
+penalties, a bias or min_tokens touch their own slice.
+"""
+from __future__ import annotations
+
+import torch
+
+from server.engine.outputs import Logprob, TokenLogprobs
+from server.engine.sequence import Sequence
+
+
+def _apply_history(logits: torch.Tensor, seq: Sequence, stop_ids: list[int]) -> None:
+    p = seq.params
+    row = logits
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias.keys()), device=row.device, dtype=torch.long)
+        row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype))
+    if p.min_tokens and seq.num_output_tokens < p.min_tokens and stop_ids:
+        row[torch.tensor(stop_ids, device=row.device)] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        out = seq.output_token_ids
+        if out:
+            counts = torch.bincount(torch.tensor(out, device=row.device), minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _filter(scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """top-k, top-p and min-p on temperature-scaled logits, vectorized over rows."""
+    top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
+    top_p = [s.params.top_p for s in seqs]
+    min_p = [s.params.min_p for s in seqs]
+    dev = scaled.device
+    if any(min_p):
+        probs = scaled.softmax(-1)
+        floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
+        return scaled
+    sorted_logits, order = scaled.sort(-1, descending=True)
+    V = scaled.shape[-1]
+    ranks = torch.arange(V, device=dev)[None, :]
+    k = torch.tensor([k if k else V for k in top_k], device=dev)[:, None]
+    drop = ranks >= k
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    drop |= before >= torch.tensor(top_p, device=dev)[:, None]
+    drop[:, 0] = False
+    return scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
+           tokenizer=None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [N, V] float32, one row per sequence that needs a token."""
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.logit_bias or p.needs_penalties or (p.min_tokens and s.num_output_tokens < p.min_tokens):
+            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_ids))
+            _apply_history(logits[i], s, stop_ids)
+
+    greedy = [s.params.greedy for s in seqs]
+    tokens = logits.argmax(-1)
+    if not all(greedy):
+        temps = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)],
+                             device=logits.device)
+        probs = _filter(logits / temps[:, None], seqs).softmax(-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each seeded row
+        # draw its noise from its own generator, so its output does not depend on the batch.
+        noise = torch.empty_like(probs).exponential_()
+        for i, s in enumerate(seqs):
+            if s.generator is not None and not greedy[i]:
+                noise[i].exponential_(generator=s.generator)
+        drawn = (probs / noise).argmax(-1)
+        tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, drawn)
+    token_list = tokens.tolist()
+    return token_list, _logprobs(logits, seqs, token_list, tokenizer)
+
+
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], tokenizer) -> list[TokenLogprobs | None]:
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(seqs)
+    if not want:
+        return result
+    rows = logits[want].log_softmax(-1)
+    for j, i in enumerate(want):
+        row = rows[j]
+        tok = tokens[i]
+        chosen = float(row[tok])
+        entry: TokenLogprobs = {}
+        k = seqs[i].params.logprobs
+        if k:
+            vals, ids = row.topk(k)
+            for rank, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
+                entry[t] = Logprob(v, rank, _piece(tokenizer, t))
+        rank = int((row > chosen).sum()) + 1
+        entry[tok] = Logprob(chosen, rank, _piece(tokenizer, tok))
+        result[i] = entry
+    return result
+
+
+def _piece(tokenizer, token_id: int) -> str | None:
+    return None if tokenizer is None else tokenizer.decode([token_id])

@@ -1,0 +1,102 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Each step: running sequences first (a decode is one token; an unfinished prompt continues with a
+chunk), oldest first; if blocks run out, the newest running sequence is preempted (its blocks are
+freed and it waits to be recomputed). Then waiting sequences are admitted while the budget, the
+sequence limit and free blocks allow.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.engine.kv_cache import BlockManager
+from server.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.can_grow(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted += 1
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, n)
+                batch.items.append((seq, n))
+                budget -= n
+                i += 1
+        if batch.preempted:
+            return batch  # no admissions while the cache is under pressure
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.blocks.match_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
+            if not self.blocks.admit(seq, n, cached):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.items.append((seq, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence that is done (or aborted) and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def preempt_all(self) -> list[Sequence]:
+        """Release every running sequence's KV (they will be recomputed): used when the KV cache
+        is discarded by sleep with mode=keep."""
+        seqs = list(self.running)
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            self._preempt(seq)
+        return seqs

@@ -1,0 +1,157 @@
+"""A request and the sequences it samples (n of them), with their KV-cache and output state."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from server.engine.detokenizer import IncrementalDetokenizer, find_stop
+from server.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from server.engine.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sampled continuation. Its tokens are prompt + output; `num_computed` of them have KV in
+    the cache (held in `block_table`). Preemption resets num_computed: the KV is recomputed later."""
+
+    def __init__(self, seq_id: int, request: "Request", index: int, generator: torch.Generator | None):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.params = request.params
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chain hashes of this sequence's full, computed blocks
+        self.status = SeqStatus.WAITING
+        self.generator = generator
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] | None = [] if self.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.num_cached_tokens = 0
+        self.detok: IncrementalDetokenizer | None = None
+        # What has been handed out already, so each output carries only the new part as its delta.
+        self._emitted_text = 0
+        self._emitted_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int],
+               max_model_len: int, tokenizer) -> None:
+        """Record a sampled token and decide whether the sequence is done."""
+        p = self.params
+        self.token_ids.append(token_id)
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id].logprob
+        n_out = self.num_output_tokens
+        is_eos = (not p.ignore_eos) and token_id in eos_ids
+        if n_out >= p.min_tokens and (is_eos or token_id in p.stop_token_ids):
+            self.finish_reason = "stop"
+            self.stop_reason = None if is_eos and token_id not in p.stop_token_ids else token_id
+            self._finish_text()
+            return
+        if self.detok is None:
+            self.detok = IncrementalDetokenizer(tokenizer, self.request.prompt_token_ids, p.skip_special_tokens)
+        delta = self.detok.add(token_id)
+        if delta:
+            self.text += delta
+            if p.stop and n_out >= p.min_tokens and self._check_stop_strings(len(delta)):
+                return
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+            self._finish_text()
+
+    def _check_stop_strings(self, new_chars: int) -> bool:
+        hit = find_stop(self.text, self.params.stop, new_chars)
+        if hit is None:
+            return False
+        start, stop = hit
+        self.text = self.text[: start + len(stop)] if self.params.include_stop_str_in_output else self.text[:start]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def _finish_text(self) -> None:
+        if self.detok is not None:
+            tail = self.detok.flush()
+            if tail:
+                self.text += tail
+                if self.params.stop and self._check_stop_strings(len(tail)):
+                    return
+
+    def abort(self) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+
+    def output(self) -> CompletionOutput:
+        """A snapshot with the delta since the last snapshot. While generating, text that might be the
+        start of a stop string is held back, so a client never sees text that is later cut off."""
+        text = self.text
+        if self.finish_reason is None and self.params.stop:
+            hold = max(map(len, self.params.stop)) - 1
+            text = text[: max(self._emitted_text, len(text) - hold)]
+        out_ids = self.output_token_ids
+        delta_lp = None
+        if self.logprobs is not None:
+            delta_lp = self.logprobs[self._emitted_tokens:]
+        out = CompletionOutput(
+            index=self.index, text=text, token_ids=list(out_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            delta_text=text[self._emitted_text:], delta_token_ids=out_ids[self._emitted_tokens:],
+            delta_logprobs=delta_lp,
+        )
+        self._emitted_text, self._emitted_tokens = len(text), len(out_ids)
+        return out
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    # Called (on the engine's thread) with each new RequestOutput.
+    on_output: Callable[[RequestOutput], None] | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.output() for s in self.seqs], finished=self.finished,
+            num_cached_tokens=max((s.num_cached_tokens for s in self.seqs), default=0),
+        )

@@ -1,0 +1,102 @@
+"""The in-process API for code that embeds the engine (RLHF frameworks do):
+
+    from server import LLM, SamplingParams
+    llm = LLM(model=None, device="cpu")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Sequence as Seq
+
+import torch
+
+from server.config import EngineConfig
+from server.engine.core import EngineCore
+from server.engine.outputs import RequestOutput
+from server.engine.params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, enable_sleep_mode: bool = True, **config):
+        self.engine = EngineCore(EngineConfig(model=model, enable_sleep_mode=enable_sleep_mode, **config))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Seq[str] | Seq[list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids), batched; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                rid = f"llm-{next(self._ids)}"
+                if isinstance(prompt, str):
+                    self.engine.add_request(rid, prompt=prompt, params=p)
+                else:
+                    self.engine.add_request(rid, prompt_token_ids=list(prompt), params=p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             **template_kwargs) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the tokenizer's chat template applies."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.encode_chat(c, **template_kwargs) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        while wanted - done.keys():
+            if not self.engine.can_step:
+                raise RuntimeError("the engine cannot make progress: " + str(self.engine.sleep_state()))
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # -- sleep mode ------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> dict:
+        plan = self.engine.plan_sleep(level, tags, mode)
+        if plan.mode == "wait":
+            self.engine.begin_drain()
+            while self.engine.has_unfinished and self.engine.can_step:
+                self.engine.step()
+        return self.engine.sleep(plan)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        return self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    def update_weights(self, path: str | None = None,
+                       named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+                       weight_version: str | None = None) -> dict:
+        return self.engine.update_weights(path=path, named_tensors=named_tensors, weight_version=weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""The Llama family (Llama / SmolLM2, Mistral, Qwen2, Qwen3) in plain PyTorch over a flat token batch.
+
+Module and parameter names mirror Hugging Face checkpoints, so loading and in-place weight updates
+are a by-name copy. Parameters are created on the meta device and materialized by the loader inside
+the memory pool (tag `weights`), so every byte of them is sleepable.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.model.attention import AttentionContext, decode_attention_torch, paged_attention
+from server.model.config import ModelConfig
+from server.model.rope import apply_rotary, cos_sin_table
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv, bias = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+        # Views of this layer's slice of the pooled KV cache, bound by the model runner.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+                decode_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, decode_fn)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+                decode_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        # The same order of additions as Hugging Face, so fp32 results agree exactly.
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, decode_fn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.max_positions = max_positions
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Derived from the config, not the checkpoint: init_buffers() refills them after a reload.
+        self.register_buffer("rope_cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.decode_fn: Callable[..., torch.Tensor] = decode_attention_torch
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        cos, sin = cos_sin_table(self.config, self.max_positions)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """[T] token ids and positions -> final hidden states [T, hidden] (normed)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx, self.decode_fn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.output_weight()).float()

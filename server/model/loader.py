@@ -1,0 +1,213 @@
+"""Find a model, build it inside the memory pool, and load (or reload) its weights by name."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from server.model.config import ModelConfig
+from server.model.default_model import DEFAULT_NAME, ModelNotFoundError, converted_folder, default_gguf_path
+from server.model.llama import LlamaForCausalLM
+
+log = logging.getLogger("sleepserve.model")
+
+WEIGHTS_TAG = "weights"
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that does not fit the served model; raised before any weight is touched."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    folder: Path          # a Hugging Face folder: config.json, safetensors, tokenizer
+    name: str             # the default served-model name
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """None -> the embedded default; a folder -> itself; a .gguf file -> its converted cache."""
+    if model is None or model == "" or model == DEFAULT_NAME:
+        return ModelSource(converted_folder(default_gguf_path()), DEFAULT_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(converted_folder(path), path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file")
+        return ModelSource(path, path.name)
+    raise ModelNotFoundError(
+        f"model {model!r} is neither a local folder nor a .gguf file (sleepserve never downloads from a hub)")
+
+
+def materialize(model: nn.Module, pool, dtype: torch.dtype) -> None:
+    """Give every meta parameter and buffer real storage in the pool under tag `weights`."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(pool.empty(p.shape, dtype, WEIGHTS_TAG), requires_grad=False)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = pool.empty(b.shape, dtype if b.is_floating_point() else b.dtype, WEIGHTS_TAG)
+
+
+def build_model(cfg: ModelConfig, pool, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    materialize(model, pool, dtype)
+    model.init_buffers()
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading checkpoints
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The .safetensors files of a folder (sharded or not) or a single file."""
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise WeightLoadError(f"{path} is not a .safetensors file")
+        return [path]
+    if not path.is_dir():
+        raise WeightLoadError(f"{path} does not exist")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightLoadError(f"{index} is not a valid safetensors index: {e}") from None
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"{path} holds no .safetensors files")
+    return files
+
+
+def _skip(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def checkpoint_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype string), read from the headers alone."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    if not _skip(name):
+                        sl = st.get_slice(name)
+                        shapes[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise WeightLoadError(f"could not read {f}: {e}") from None
+    return shapes
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    if not _skip(name):
+                        yield name, st.get_tensor(name)
+        except WeightLoadError:
+            raise
+        except Exception as e:
+            raise WeightLoadError(f"could not read {f}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Copying weights into the model, in place
+
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
+def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters()}
+
+
+def _alias(name: str, model: LlamaForCausalLM) -> str | None:
+    """Checkpoints of tied models sometimes carry lm_head.weight too: it is the embedding, skip it."""
+    if name == "lm_head.weight" and model.lm_head is None:
+        return None
+    return name
+
+
+def check_checkpoint(model: LlamaForCausalLM, shapes: dict[str, tuple[tuple[int, ...], str]],
+                     require_all: bool) -> None:
+    """Reject a checkpoint that does not fit, naming every problem, before any byte is copied."""
+    targets = _targets(model)
+    problems: list[str] = []
+    seen: set[str] = set()
+    for name, (shape, dt) in shapes.items():
+        target = _alias(name, model)
+        if target is None:
+            continue
+        if target not in targets:
+            problems.append(f"unexpected tensor {name!r}")
+            continue
+        seen.add(target)
+        if tuple(targets[target].shape) != tuple(shape):
+            problems.append(f"{name}: shape {list(shape)} but the model has {list(targets[target].shape)}")
+        if dt not in _FLOAT_DTYPES:
+            problems.append(f"{name}: dtype {dt} is not a floating-point type")
+    if require_all:
+        missing = sorted(set(targets) - seen)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            problems.append(f"missing tensors: {', '.join(missing[:5])}{more}")
+    if problems:
+        raise WeightLoadError("the weights do not fit the served model: " + "; ".join(problems[:10]))
+
+
+_TORCH_TO_ST = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
+
+
+def describe(named: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {n: (tuple(t.shape), _TORCH_TO_ST.get(t.dtype, str(t.dtype))) for n, t in named.items()}
+
+
+@torch.no_grad()
+def copy_weights(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy checked tensors into the existing parameters (addresses unchanged). Returns the names set."""
+    targets = _targets(model)
+    loaded: set[str] = set()
+    for name, tensor in named:
+        target = _alias(name, model)
+        if target is None:
+            continue
+        targets[target].copy_(tensor)
+        loaded.add(target)
+    model.init_buffers()
+    return loaded
+
+
+def load_checkpoint(model: LlamaForCausalLM, path: Path) -> set[str]:
+    files = safetensors_files(path)
+    check_checkpoint(model, checkpoint_shapes(files), require_all=True)
+    return copy_weights(model, iter_checkpoint(files))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights of a realistic scale, for benchmarks of sizes that cannot be downloaded here."""
+    gen = torch.Generator(device=model.output_weight().device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    model.init_buffers()
+
+
+def parameter_names(model: LlamaForCausalLM) -> set[str]:
+    return set(_targets(model))
