@@ -1,0 +1,196 @@
+"""Host backups of offloaded tags: storage reused across sleep cycles, and the copies in and out.
+
+CUDA: one pinned host buffer per tag, allocated on the first sleep and reused afterwards (pinning
+8 GiB costs about 2.8 s on an H200 host against 0.16 s to copy it), filled and drained by chunked
+asynchronous copies on a stream of our own, which run near the pinned-copy bandwidth.
+CPU: one file per tag in a backup folder, so the process's resident memory really drops.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from .types import PoolError
+
+if TYPE_CHECKING:  # the CUDA side imports cuda-python, which CPU-only users need not load
+    from .driver import DeviceContext, Stream
+
+# Big enough that per-call overhead vanishes (128 calls for 8 GiB), small enough that a 40 GiB
+# allocation is not one monolithic copy.
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Segment:
+    ptr: int  # device address of the allocation
+    size: int
+    offset: int  # where its bytes sit in the backup
+
+
+def plan(allocations: Iterable[tuple[int, int]]) -> list[Segment]:
+    """Lay (ptr, size) allocations end to end, in address order."""
+    segments, offset = [], 0
+    for ptr, size in sorted(allocations):
+        segments.append(Segment(ptr, size, offset))
+        offset += size
+    return segments
+
+
+class PinnedBackup:
+    """One tag's pinned host buffer and the layout of what the last sleep put in it."""
+
+    def __init__(self, ctx: "DeviceContext") -> None:
+        self._ctx = ctx
+        self.ptr = 0
+        self.capacity = 0
+        self.layout: list[Segment] = []
+
+    def prepare(self, allocations: Iterable[tuple[int, int]]) -> list[Segment]:
+        """Lay out the allocations, growing the buffer when they no longer fit. Reuses the
+        buffer otherwise, which is the point: pinning is far slower than copying."""
+        from . import driver
+
+        layout = plan(allocations)
+        needed = layout[-1].offset + layout[-1].size if layout else 0
+        if needed > self.capacity:
+            self.release()
+            try:
+                self.ptr = driver.host_alloc(self._ctx, needed)
+            except PoolError as err:
+                raise PoolError(
+                    f"{err}: not enough host memory to back up {needed / 2**30:.2f} GiB; "
+                    "discard this tag instead of offloading it, or free host memory"
+                ) from err
+            self.capacity = needed
+        self.layout = layout
+        return layout
+
+    def release(self) -> None:
+        from . import driver
+
+        if self.ptr:
+            driver.host_free(self._ctx, self.ptr)
+        self.ptr, self.capacity, self.layout = 0, 0, []
+
+
+class Copier:
+    """Chunked asynchronous copies between device allocations and pinned backups."""
+
+    def __init__(self, ctx: "DeviceContext", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self._ctx = ctx
+        self._chunk = chunk_bytes
+        self._stream: "Stream | None" = None
+
+    def _get_stream(self) -> "Stream":
+        if self._stream is None:
+            from .driver import Stream
+
+            self._stream = Stream(self._ctx)
+        return self._stream
+
+    def _chunks(self, segments: Sequence[Segment]) -> Iterable[tuple[int, int, int]]:
+        for seg in segments:
+            for start in range(0, seg.size, self._chunk):
+                yield seg.ptr + start, seg.offset + start, min(self._chunk, seg.size - start)
+
+    def save(self, backup: PinnedBackup) -> int:
+        """Enqueue device-to-host copies of backup.layout; returns the bytes enqueued."""
+        from . import driver
+
+        stream, total = self._get_stream(), 0
+        with self._ctx.current():
+            for dev, off, n in self._chunks(backup.layout):
+                driver.copy_to_host_async(backup.ptr + off, dev, n, stream)
+                total += n
+        return total
+
+    def restore(self, backup: PinnedBackup, segments: Sequence[Segment]) -> int:
+        """Enqueue host-to-device copies of the given segments of backup.layout."""
+        from . import driver
+
+        stream, total = self._get_stream(), 0
+        with self._ctx.current():
+            for dev, off, n in self._chunks(segments):
+                driver.copy_to_device_async(dev, backup.ptr + off, n, stream)
+                total += n
+        return total
+
+    def wait(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.destroy()
+            self._stream = None
+
+
+class FileBackup:
+    """One tag's backup file. Rewritten in place on every sleep; deleted by release()."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def nbytes(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def write(self, buffers: Sequence[memoryview]) -> list[int]:
+        """Write the buffers end to end; returns the offset of each."""
+        offsets, total = [], 0
+        for buf in buffers:
+            offsets.append(total)
+            total += buf.nbytes
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, total)
+                for buf, offset in zip(buffers, offsets):
+                    done = 0
+                    while done < buf.nbytes:
+                        done += os.pwrite(fd, buf[done:], offset + done)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise PoolError(
+                f"writing backup {self.path} ({total / 2**20:.1f} MiB) failed: {err}; "
+                "free disk space or pass another backup_dir to create_pool()"
+            ) from err
+        return offsets
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        """Fill buf from the file at offset, entirely or not at all (PoolError)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as err:
+            raise PoolError(
+                f"cannot open backup {self.path}: {err}; the backup folder must stay readable "
+                "while the tag sleeps"
+            ) from err
+        try:
+            done = 0
+            while done < buf.nbytes:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+                if n == 0:
+                    raise PoolError(
+                        f"backup {self.path} ends {buf.nbytes - done} bytes early (truncated "
+                        "while the tag slept?); the tag's content cannot be restored from it"
+                    )
+                done += n
+        except OSError as err:
+            raise PoolError(f"reading backup {self.path} failed: {err}") from err
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,109 @@
+"""Thin, checked helpers over cuda-python's driver bindings (cuda.bindings.driver).
+
+Everything here runs in the device's primary context, the one torch uses, so pointers and
+streams are shared with torch. Imported only by the CUDA backend.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from cuda.bindings import driver as cu
+
+from .types import PoolError
+
+SUCCESS = cu.CUresult.CUDA_SUCCESS
+
+
+def check(result: Any, what: str) -> Any:
+    """Unpack a cuda-python (CUresult, *values) tuple; raise PoolError on error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        _, desc = cu.cuGetErrorString(err)
+        name_s = name.decode() if isinstance(name, bytes) else str(err)
+        desc_s = desc.decode() if isinstance(desc, bytes) else ""
+        raise PoolError(f"{what} failed: {name_s} ({desc_s})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def is_out_of_memory(err: PoolError) -> bool:
+    return "CUDA_ERROR_OUT_OF_MEMORY" in str(err)
+
+
+class DeviceContext:
+    """The primary context of one device, retained for this object's lifetime."""
+
+    def __init__(self, ordinal: int) -> None:
+        check(cu.cuInit(0), "cuInit")
+        self.ordinal = ordinal
+        self._device = check(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+        self._ctx = check(cu.cuDevicePrimaryCtxRetain(self._device), f"cuDevicePrimaryCtxRetain({ordinal})")
+        self._retained = True
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        check(cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            cu.cuCtxPopCurrent()
+
+    def mem_info(self) -> tuple[int, int]:
+        with self.current():
+            free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        with self.current():
+            check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def release(self) -> None:
+        if self._retained:
+            self._retained = False
+            cu.cuDevicePrimaryCtxRelease(self._device)
+
+
+class Stream:
+    """A non-blocking stream of our own, so backup copies never queue behind torch's work."""
+
+    def __init__(self, ctx: DeviceContext) -> None:
+        self._ctx = ctx
+        with ctx.current():
+            self.handle = check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
+
+    def synchronize(self) -> None:
+        with self._ctx.current():
+            check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize(copy stream)")
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            with self._ctx.current():
+                cu.cuStreamDestroy(self.handle)
+            self.handle = None
+
+
+def host_alloc(ctx: DeviceContext, nbytes: int) -> int:
+    """Pinned host memory usable from every context (PORTABLE)."""
+    with ctx.current():
+        ptr = check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE),
+                    f"cuMemHostAlloc({nbytes / 2**30:.2f} GiB pinned)")
+    return int(ptr)
+
+
+def host_free(ctx: DeviceContext, ptr: int) -> None:
+    with ctx.current():
+        check(cu.cuMemFreeHost(ptr), "cuMemFreeHost")
+
+
+def copy_to_host_async(host: int, device: int, nbytes: int, stream: Stream) -> None:
+    check(cu.cuMemcpyDtoHAsync(host, cu.CUdeviceptr(device), nbytes, stream.handle),
+          f"cuMemcpyDtoHAsync({nbytes} bytes from 0x{device:x})")
+
+
+def copy_to_device_async(device: int, host: int, nbytes: int, stream: Stream) -> None:
+    check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(device), host, nbytes, stream.handle),
+          f"cuMemcpyHtoDAsync({nbytes} bytes to 0x{device:x})")

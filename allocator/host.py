@@ -1,0 +1,195 @@
+"""CPU backend: every tensor lives in its own private anonymous mmap arena.
+
+Sleep releases the arena's pages with madvise(MADV_DONTNEED), so the process's RSS really drops,
+while the mapping (and so every tensor's address) stays. The mapping must be MAP_PRIVATE: on a
+shared mapping MADV_DONTNEED drops only this process's page-table entries, not the memory.
+Offloaded tags are first written to a backup file and read back bit-exact on wake; discarded tags
+come back as zero pages.
+
+An arena lives as long as some tensor views it (torch.frombuffer keeps the mmap alive): the pool
+holds only weak references, so a dropped tensor returns its memory to the OS at once.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import tempfile
+import time
+import weakref
+from contextlib import nullcontext
+from itertools import count
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .backup import FileBackup
+from .types import PoolError, SleepCost, TagUsage, WakeCost
+
+PAGE = mmap.PAGESIZE
+_serial = count()
+
+
+class _Arena:
+    __slots__ = ("ref", "size", "resident", "backup_offset", "__weakref__")
+
+    def __init__(self, mm: mmap.mmap, size: int) -> None:
+        self.ref = weakref.ref(mm)
+        self.size = size
+        self.resident = True
+        self.backup_offset = -1
+
+    def release_pages(self) -> None:
+        mm = self.ref()
+        if mm is not None:
+            mm.madvise(mmap.MADV_DONTNEED)
+        self.resident = False
+
+
+def meminfo() -> tuple[int, int]:
+    """(MemAvailable, MemTotal) in bytes, from /proc/meminfo."""
+    fields: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("MemAvailable", "MemTotal"):
+                fields[key] = int(rest.split()[0]) * 1024
+    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
+
+
+def default_backup_dir() -> Path:
+    return Path(os.environ.get("SLEEPSERVE_BACKUP_DIR") or tempfile.gettempdir())
+
+
+class HostBackend:
+    name = "cpu-mmap"
+
+    def __init__(self, backup_dir: str | os.PathLike[str] | None = None) -> None:
+        self.device = torch.device("cpu")
+        self._dir = Path(backup_dir) if backup_dir is not None else default_backup_dir()
+        self._prefix = f"sleepserve-{os.getpid()}-{next(_serial)}"
+        self._arenas: dict[str, list[_Arena]] = {}
+        self._backups: dict[str, FileBackup] = {}
+
+    def _live(self, tag: str) -> list[tuple[_Arena, mmap.mmap]]:
+        """The tag's arenas still viewed by some tensor (dead ones are dropped)."""
+        live, kept = [], []
+        for arena in self._arenas.get(tag, []):
+            mm = arena.ref()
+            if mm is not None:
+                live.append((arena, mm))
+                kept.append(arena)
+        self._arenas[tag] = kept
+        return live
+
+    # ------------------------------------------------------------------ allocation
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor:
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)  # nothing to pool
+        size = -(-numel * dtype.itemsize // PAGE) * PAGE
+        try:
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as err:
+            raise PoolError(f"mmap of {size / 2**20:.1f} MiB for tag '{tag}' failed: {err}") from err
+        self._arenas.setdefault(tag, []).append(_Arena(mm, size))
+        return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
+
+    def use(self, tag: str) -> Any:
+        return nullcontext()  # MemoryPool tracks the default tag of empty()
+
+    def graph_pool(self, tag: str) -> Any:
+        raise PoolError("graph_pool() needs the CUDA backend: CUDA graphs do not exist on CPU")
+
+    def usage(self) -> dict[str, TagUsage]:
+        out = {}
+        for tag in list(self._arenas):
+            live = self._live(tag)
+            if live:
+                out[tag] = TagUsage(sum(a.size for a, _ in live), len(live))
+        return out
+
+    def released(self, tag: str) -> bool:
+        return any(not a.resident for a, _ in self._live(tag))
+
+    # ------------------------------------------------------------------ sleep and wake
+
+    def _backup(self, tag: str) -> FileBackup:
+        if tag not in self._backups:
+            self._backups[tag] = FileBackup(self._dir / f"{self._prefix}-{tag}.bin")
+        return self._backups[tag]
+
+    def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost:
+        start = time.perf_counter()
+        offloaded = discarded = 0
+        # Every backup is written before any page is released: a full disk fails the call with
+        # all memory intact.
+        for tag in offload:
+            live = self._live(tag)
+            offsets = self._backup(tag).write([memoryview(mm) for _, mm in live])
+            for (arena, _), offset in zip(live, offsets):
+                arena.backup_offset = offset
+            offloaded += sum(a.size for a, _ in live)
+        copy_seconds = time.perf_counter() - start
+        for tag in [*offload, *discard]:
+            for arena, _ in self._live(tag):
+                arena.release_pages()
+                if tag in discard:
+                    discarded += arena.size
+        return SleepCost(offloaded, discarded, copy_seconds)
+
+    def wake(self, restore: Sequence[str], remap: Sequence[str]) -> WakeCost:
+        start = time.perf_counter()
+        restored = mapped = 0
+        try:
+            for tag in restore:
+                backup = self._backup(tag)
+                for arena, mm in self._live(tag):
+                    if not arena.resident:
+                        backup.read_into(memoryview(mm), arena.backup_offset)
+                        arena.resident = True
+                        restored += arena.size
+                        mapped += arena.size
+            copy_seconds = time.perf_counter() - start
+            for tag in remap:
+                # Released private anonymous pages read back as zeros: nothing to do but count.
+                for arena, _ in self._live(tag):
+                    if not arena.resident:
+                        arena.resident = True
+                        mapped += arena.size
+        except PoolError:
+            # All or nothing: every tag of this call goes back to sleep, the one that failed
+            # half-way included. Their backups are untouched, so a later wake can succeed.
+            for tag in [*restore, *remap]:
+                for arena, _ in self._live(tag):
+                    arena.release_pages()
+            raise
+        return WakeCost(restored, mapped, copy_seconds)
+
+    # ------------------------------------------------------------------ backups and lifetime
+
+    def release_backups(self, tags: Sequence[str]) -> None:
+        for tag in tags:
+            backup = self._backups.pop(tag, None)
+            if backup is not None:
+                backup.release()
+
+    def backup_tags(self) -> list[str]:
+        return list(self._backups)
+
+    def backup_bytes(self) -> int:
+        return sum(b.nbytes for b in self._backups.values())
+
+    def memory_info(self) -> tuple[int, int]:
+        return meminfo()
+
+    def close(self) -> None:
+        for tag in list(self._arenas):
+            for arena, _ in self._live(tag):
+                arena.release_pages()
+        self._arenas.clear()
+        self.release_backups(list(self._backups))

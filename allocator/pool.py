@@ -1,0 +1,350 @@
+"""MemoryPool: tags, their sleep state, and the rules of sleep/wake, independent of the backend.
+
+The pool owns memory and the per-tag state; the engine decides when to sleep and wake. A tag is
+awake, offloaded or discarded. Tags only change state here, after the backend did the work, so
+a failed call leaves every tag in a state that matches its memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from .types import (
+    Backend,
+    PoolError,
+    PoolStats,
+    SleepReport,
+    TagState,
+    TagStats,
+    WakeReport,
+    check_tag,
+)
+
+
+def _tag_list(tags: str | Iterable[str] | None) -> list[str]:
+    if tags is None:
+        return []
+    if isinstance(tags, str):
+        tags = [tags]
+    out: list[str] = []
+    for tag in tags:
+        check_tag(tag)
+        if tag not in out:
+            out.append(tag)
+    return out
+
+
+def _shape(shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]:
+    if isinstance(shape, int):
+        return (shape,)
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise PoolError(f"negative dimension in shape {dims}")
+    return dims
+
+
+class MemoryPool:
+    """A pool of tensors whose memory sleeps and wakes per tag while their addresses stay put.
+
+    Build one with allocator.create_pool(device). Tensors come from empty(), adopt() or, on CUDA,
+    any torch allocation inside `with pool.use(tag)`.
+    """
+
+    def __init__(self, backend: Backend, keep_backups: bool = True) -> None:
+        self._backend = backend
+        self._keep_backups = keep_backups
+        self._sleeping: dict[str, TagState] = {}
+        self._lock = threading.RLock()
+        self._local = threading.local()  # .tags: this thread's stack of use() tags
+        self._open_uses: Counter[str] = Counter()
+        self._closed = False
+
+    # ------------------------------------------------------------------ allocation
+
+    @property
+    def device(self) -> torch.device:
+        return self._backend.device
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend.name
+
+    def _use_stack(self) -> list[str]:
+        stack = getattr(self._local, "tags", None)
+        if stack is None:
+            stack = self._local.tags = []
+        return stack
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolError("the pool is closed; create a new one with allocator.create_pool()")
+
+    def _check_awake(self, tag: str, action: str) -> None:
+        state = self._sleeping.get(tag)
+        if state is not None:
+            raise PoolError(
+                f"cannot {action} tag '{tag}': it is asleep ({state.value}); "
+                f"call pool.wake_up(['{tag}']) first"
+            )
+
+    def empty(
+        self,
+        shape: int | Sequence[int] | torch.Size,
+        dtype: torch.dtype = torch.float32,
+        tag: str | None = None,
+    ) -> torch.Tensor:
+        """A new contiguous, uninitialized tensor living in the pool under `tag` (default: the
+        tag of the innermost `with pool.use(tag)` on this thread)."""
+        if tag is None:
+            stack = self._use_stack()
+            if not stack:
+                raise PoolError("pool.empty() needs a tag, or must run inside `with pool.use(tag)`")
+            tag = stack[-1]
+        check_tag(tag)
+        dims = _shape(shape)
+        with self._lock:
+            self._check_open()
+            self._check_awake(tag, "allocate in")
+        return self._backend.empty(dims, dtype, tag)
+
+    def adopt(self, module: torch.nn.Module, tag: str) -> torch.nn.Module:
+        """Move every parameter and buffer of `module` into the pool under `tag`, in place.
+
+        Parameter objects stay the same (only .data is replaced), so optimizers, tied weights and
+        references held elsewhere keep working; values are copied exactly. Returns the module.
+        """
+        check_tag(tag)
+        # Keyed by id() of objects kept alive in the values, so ids cannot be recycled meanwhile.
+        params: dict[int, torch.nn.Parameter] = {}
+        buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def pooled_copy(t: torch.Tensor) -> torch.Tensor:
+            new = self.empty(tuple(t.shape), t.dtype, tag)
+            new.copy_(t)
+            return new
+
+        with torch.no_grad():
+            for mod in module.modules():
+                for param in mod._parameters.values():
+                    if param is None or id(param) in params:
+                        continue  # tied weights are moved once
+                    param.data = pooled_copy(param.detach())
+                    params[id(param)] = param
+                for name, buf in list(mod._buffers.items()):
+                    if buf is None:
+                        continue
+                    if id(buf) not in buffers:
+                        buffers[id(buf)] = (buf, pooled_copy(buf))
+                    mod._buffers[name] = buffers[id(buf)][1]
+        return module
+
+    @contextmanager
+    def use(self, tag: str) -> Iterator[None]:
+        """Route allocations of this thread to the pool under `tag`.
+
+        CUDA: every torch allocation inside lands in the pool. CPU: sets the default tag of
+        pool.empty(). A tag cannot be slept while a use() of it is open (on any thread).
+        """
+        check_tag(tag)
+        with self._lock:
+            self._check_open()
+            self._check_awake(tag, "allocate in")
+            self._open_uses[tag] += 1
+        stack = self._use_stack()
+        stack.append(tag)
+        try:
+            with self._backend.use(tag):
+                yield
+        finally:
+            stack.pop()
+            with self._lock:
+                self._open_uses[tag] -= 1
+
+    def graph_pool(self, tag: str = "cuda_graph") -> Any:
+        """The value to pass as torch.cuda.graph(g, pool=...) so the graph's memory lands in the
+        pool under `tag`. CUDA only.
+
+        Recipe (warm up inside use() so the cuBLAS workspace of the capture stream is pool memory
+        too, then capture outside use(): torch refuses to route one pool twice at once):
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with pool.use("cuda_graph"), torch.cuda.stream(stream):
+                for _ in range(3):
+                    fn(static_input)                       # warm-up
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool.graph_pool("cuda_graph"), stream=stream):
+                static_output = fn(static_input)
+
+        Call graph_pool() right at each capture (as above): it also tells the pool which tag the
+        capture's allocations belong to. Capture before the first sleep: sleep releases torch's
+        cached cuBLAS workspaces, and a later capture may reuse a workspace block of the pool.
+        """
+        check_tag(tag)
+        with self._lock:
+            self._check_open()
+            self._check_awake(tag, "capture into")
+            if self._use_stack():
+                raise PoolError(
+                    "pool.graph_pool() was called inside `with pool.use(...)`: capture the graph "
+                    "outside use() (torch cannot route allocations to two pools at once); "
+                    "see the recipe in MemoryPool.graph_pool's docstring"
+                )
+            return self._backend.graph_pool(tag)
+
+    # ------------------------------------------------------------------ sleep and wake
+
+    def sleep(
+        self,
+        offload_tags: str | Iterable[str] = (),
+        discard_tags: str | Iterable[str] = (),
+    ) -> SleepReport:
+        """Release the physical memory of the given tags; returns when it is really free.
+
+        Offloaded tags are copied to a host backup first and come back bit-exact on wake;
+        discarded tags lose their content. Tags already asleep, and tags without allocations,
+        are skipped. Addresses never change.
+        """
+        offload = _tag_list(offload_tags)
+        discard = _tag_list(discard_tags)
+        both = sorted(set(offload) & set(discard))
+        if both:
+            raise PoolError(f"tags {both} are both offloaded and discarded; pick one for each")
+        start = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            usage = self._backend.usage()
+            todo_offload = [t for t in offload if self._needs_sleep(t, usage)]
+            todo_discard = [t for t in discard if self._needs_sleep(t, usage)]
+            busy = [t for t in todo_offload + todo_discard if self._open_uses[t] > 0]
+            if busy:
+                raise PoolError(
+                    f"cannot sleep {busy}: a `with pool.use(...)` of them is still open; "
+                    "leave it first (its allocations would land in released memory)"
+                )
+            if not todo_offload and not todo_discard:
+                return SleepReport(0, 0, time.perf_counter() - start)
+            try:
+                cost = self._backend.sleep(todo_offload, todo_discard)
+            except PoolError as err:
+                released = self._reconcile(todo_offload, TagState.OFFLOADED)
+                released += self._reconcile(todo_discard, TagState.DISCARDED)
+                raise PoolError(
+                    f"sleep failed: {err}. "
+                    + (f"Tags {released} were released anyway and count as asleep. "
+                       if released else "No memory was released. ")
+                    + "Fix the cause and call sleep again."
+                ) from err
+            for tag in todo_offload:
+                self._sleeping[tag] = TagState.OFFLOADED
+            for tag in todo_discard:
+                self._sleeping[tag] = TagState.DISCARDED
+        return SleepReport(cost.bytes_offloaded, cost.bytes_discarded,
+                           time.perf_counter() - start, cost.copy_seconds)
+
+    def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
+        """Re-create the memory of sleeping tags (all of them when tags is None) and restore
+        offloaded content. All or nothing: on failure (e.g. out of memory) everything this call
+        re-created is released again, the tags stay asleep, and PoolError says why."""
+        wanted = None if tags is None else _tag_list(tags)
+        start = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            targets = [t for t in (self._sleeping if wanted is None else wanted) if t in self._sleeping]
+            restore = [t for t in targets if self._sleeping[t] is TagState.OFFLOADED]
+            remap = [t for t in targets if self._sleeping[t] is TagState.DISCARDED]
+            if not targets:
+                return WakeReport(0, 0, time.perf_counter() - start)
+            try:
+                cost = self._backend.wake(restore, remap)
+            except PoolError as err:
+                awake = [t for t in targets if not self._backend.released(t)]
+                for tag in awake:
+                    del self._sleeping[tag]
+                asleep = {t: s.value for t, s in self._sleeping.items() if t in targets}
+                raise PoolError(
+                    f"wake_up failed and was rolled back: {err}. Tags {asleep} stay asleep"
+                    + (f" (rollback could not release {awake}, which count as awake)" if awake else "")
+                    + "; free the resource named above and call wake_up again."
+                ) from err
+            for tag in targets:
+                del self._sleeping[tag]
+            if not self._keep_backups and restore:
+                self._backend.release_backups(restore)
+        return WakeReport(cost.bytes_restored, cost.bytes_mapped,
+                          time.perf_counter() - start, cost.copy_seconds)
+
+    def _needs_sleep(self, tag: str, usage: dict) -> bool:
+        return tag not in self._sleeping and tag in usage and usage[tag].bytes > 0
+
+    def _reconcile(self, tags: list[str], state: TagState) -> list[str]:
+        released = [t for t in tags if self._backend.released(t)]
+        for tag in released:
+            self._sleeping[tag] = state
+        return released
+
+    # ------------------------------------------------------------------ inspection
+
+    def tag_state(self, tag: str) -> str:
+        """'awake', 'offloaded' or 'discarded'; a tag never allocated is 'awake'."""
+        check_tag(tag)
+        with self._lock:
+            return self._sleeping.get(tag, TagState.AWAKE).value
+
+    def sleeping_tags(self) -> dict[str, str]:
+        with self._lock:
+            return {tag: state.value for tag, state in self._sleeping.items()}
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            self._check_open()
+            usage = self._backend.usage()
+            tags = {}
+            for tag in sorted(set(usage) | set(self._sleeping)):
+                u = usage.get(tag)
+                state = self._sleeping.get(tag, TagState.AWAKE).value
+                tags[tag] = TagStats(u.bytes if u else 0, u.allocations if u else 0, state)
+            free, total = self._backend.memory_info()
+            return PoolStats(
+                backend=self._backend.name,
+                device=str(self.device),
+                tags=tags,
+                host_backup_bytes=self._backend.backup_bytes(),
+                device_free=free,
+                device_total=total,
+            )
+
+    # ------------------------------------------------------------------ lifetime
+
+    def release_backups(self) -> None:
+        """Free the host backups of awake tags (kept by default so the next sleep reuses them)."""
+        with self._lock:
+            self._check_open()
+            awake = [t for t in self._backend.backup_tags() if t not in self._sleeping]
+            self._backend.release_backups(sorted(awake))
+
+    def close(self) -> None:
+        """Release every byte the pool holds. Pool tensors must not be used afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sleeping.clear()
+            self._backend.close()
+
+    def __enter__(self) -> "MemoryPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MemoryPool(backend={self._backend.name!r}, device={str(self.device)!r}, sleeping={self.sleeping_tags()})"
+

@@ -1,0 +1,126 @@
+"""The pool's vocabulary: its error, tag states, the reports it returns, and the backend contract."""
+
+from __future__ import annotations
+
+import re
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+class PoolError(RuntimeError):
+    """A pool operation failed. The message says what happened and what to do next."""
+
+
+class TagState(str, Enum):
+    AWAKE = "awake"
+    OFFLOADED = "offloaded"  # bytes saved to a host backup, physical memory released
+    DISCARDED = "discarded"  # physical memory released, content lost
+
+
+# Tags end up in file names (CPU backups) and in a fixed-size C field (CUDA registry).
+TAG_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+def check_tag(tag: object) -> str:
+    if not isinstance(tag, str) or not TAG_PATTERN.match(tag):
+        raise PoolError(
+            f"invalid tag {tag!r}: use 1-64 characters from letters, digits and _ . : - "
+            "(for example 'weights', 'kv_cache', 'cuda_graph')"
+        )
+    return tag
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    bytes_offloaded: int
+    bytes_discarded: int
+    seconds: float  # the whole call, from entry to memory released and device synchronized
+    copy_seconds: float = 0.0  # the part spent copying offloaded tags to their backups
+
+
+@dataclass(frozen=True)
+class WakeReport:
+    bytes_restored: int
+    bytes_mapped: int  # physical memory re-created, restored tags included
+    seconds: float
+    copy_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TagStats:
+    bytes: int  # reserved by the tag's allocations, whether or not they are backed right now
+    allocations: int
+    state: str
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    backend: str
+    device: str
+    tags: dict[str, TagStats] = field(default_factory=dict)
+    host_backup_bytes: int = 0  # pinned host buffers (CUDA) or backup files on disk (CPU)
+    device_free: int = 0  # CUDA: cuMemGetInfo; CPU: MemAvailable from /proc/meminfo
+    device_total: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TagUsage:
+    bytes: int
+    allocations: int
+
+
+@dataclass(frozen=True)
+class SleepCost:
+    bytes_offloaded: int
+    bytes_discarded: int
+    copy_seconds: float
+
+
+@dataclass(frozen=True)
+class WakeCost:
+    bytes_restored: int
+    bytes_mapped: int
+    copy_seconds: float
+
+
+class Backend(Protocol):
+    """What a memory backend does for MemoryPool, which owns the per-tag state and its rules.
+
+    sleep() and wake() receive only tags that have allocations and are in the right state.
+    wake() is all or nothing: on failure it releases again whatever it re-created, then raises
+    PoolError. After any failure the pool asks released() to learn what state each tag is in.
+    """
+
+    name: str
+    device: torch.device
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor: ...
+
+    def use(self, tag: str) -> AbstractContextManager[None]: ...
+
+    def graph_pool(self, tag: str) -> Any: ...
+
+    def usage(self) -> dict[str, TagUsage]: ...
+
+    def released(self, tag: str) -> bool: ...
+
+    def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost: ...
+
+    def wake(self, restore: Sequence[str], remap: Sequence[str]) -> WakeCost: ...
+
+    def release_backups(self, tags: Sequence[str]) -> None: ...
+
+    def backup_tags(self) -> list[str]: ...
+
+    def backup_bytes(self) -> int: ...
+
+    def memory_info(self) -> tuple[int, int]: ...
+
+    def close(self) -> None: ...
