@@ -39,7 +39,9 @@ class SleepReport:
     bytes_offloaded: int
     bytes_discarded: int
     seconds: float  # the whole call, from entry to memory released and device synchronized
-    copy_seconds: float = 0.0  # the part spent copying offloaded tags to their backups
+    # From the first backup copy started to the last one done (CUDA: discarded tags are
+    # unmapped meanwhile). 0 when nothing was offloaded.
+    copy_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class WakeReport:
     bytes_restored: int
     bytes_mapped: int  # physical memory re-created, restored tags included
     seconds: float
-    copy_seconds: float = 0.0
+    copy_seconds: float = 0.0  # from the first restore copy started to the last one done
 
 
 @dataclass(frozen=True)

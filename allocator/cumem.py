@@ -1,0 +1,175 @@
+"""ctypes binding of csrc/sleep_alloc.c: the allocation registry and its map/unmap operations.
+
+This module only loads our own library; driver work done from Python goes through cuda-python
+(allocator/driver.py). The library is built on first use when missing or stale.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .types import PoolError
+
+ABI_VERSION = 1  # must match SA_ABI_VERSION in csrc/sleep_alloc.c
+TAG_MAX = 96  # must match SA_TAG_MAX
+
+
+class _Info(ctypes.Structure):
+    _fields_ = [
+        ("ptr", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("device", ctypes.c_int32),
+        ("mapped", ctypes.c_int32),
+        ("tag", ctypes.c_char * TAG_MAX),
+    ]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    ptr: int
+    size: int
+    device: int
+    mapped: bool
+    tag: str
+
+
+def _allocation(info: _Info) -> Allocation:
+    return Allocation(int(info.ptr), int(info.size), int(info.device), bool(info.mapped), info.tag.decode())
+
+
+class CuMemLibrary:
+    """The loaded library. Methods raise PoolError carrying the C side's message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during calls: map/unmap can be long
+        self._lib = lib
+        sig = {
+            "sa_abi_version": ([], ctypes.c_int),
+            "sa_tag_max": ([], ctypes.c_int),
+            "sa_last_error": ([], ctypes.c_char_p),
+            "sa_init": ([], ctypes.c_int),
+            "sa_granularity": ([ctypes.c_int], ctypes.c_int64),
+            "sa_set_thread_tag": ([ctypes.c_char_p], ctypes.c_int),
+            "sa_thread_tag": ([], ctypes.c_char_p),
+            "sa_set_capture_tag": ([ctypes.c_char_p], ctypes.c_int),
+            "sa_list": ([ctypes.c_char_p, ctypes.POINTER(_Info), ctypes.c_int64], ctypes.c_int64),
+            "sa_lookup": ([ctypes.c_uint64, ctypes.POINTER(_Info)], ctypes.c_int),
+            "sa_retag": ([ctypes.c_uint64, ctypes.c_char_p], ctypes.c_int),
+            "sa_unmap_tag": ([ctypes.c_char_p], ctypes.c_int64),
+            "sa_map_tag": ([ctypes.c_char_p], ctypes.c_int64),
+            "sa_unmap": ([ctypes.c_uint64], ctypes.c_int),
+            "sa_map": ([ctypes.c_uint64], ctypes.c_int),
+        }
+        for name, (args, res) in sig.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = res
+        if lib.sa_abi_version() != ABI_VERSION or lib.sa_tag_max() != TAG_MAX:
+            raise PoolError(
+                f"{path} is a different build (ABI {lib.sa_abi_version()}, expected {ABI_VERSION}); "
+                "rebuild it with `python -m allocator.build`"
+            )
+
+    def _error(self, what: str) -> PoolError:
+        msg = (self._lib.sa_last_error() or b"").decode(errors="replace")
+        return PoolError(f"{what}: {msg}" if msg else what)
+
+    def init(self) -> None:
+        """Load libcuda and resolve its entry points (PoolError when there is no driver)."""
+        if self._lib.sa_init() != 0:
+            raise self._error("the CUDA pool library cannot start")
+
+    def granularity(self, device: int) -> int:
+        g = self._lib.sa_granularity(device)
+        if g < 0:
+            raise self._error(f"allocation granularity of device {device}")
+        return int(g)
+
+    def set_thread_tag(self, tag: str | None) -> None:
+        if self._lib.sa_set_thread_tag(tag.encode() if tag else None) != 0:
+            raise self._error("set_thread_tag")
+
+    def thread_tag(self) -> str | None:
+        return (self._lib.sa_thread_tag() or b"").decode() or None
+
+    def set_capture_tag(self, tag: str | None) -> None:
+        if self._lib.sa_set_capture_tag(tag.encode() if tag else None) != 0:
+            raise self._error("set_capture_tag")
+
+    def list(self, prefix: str = "") -> list[Allocation]:
+        """Allocations whose tag starts with prefix (all when empty)."""
+        raw_prefix = prefix.encode() if prefix else None
+        cap = 256
+        while True:
+            buf = (_Info * cap)()
+            n = self._lib.sa_list(raw_prefix, buf, cap)
+            if n <= cap:
+                return [_allocation(buf[i]) for i in range(n)]
+            cap = int(n) + 64  # the registry grew between the calls; try again
+
+    def lookup(self, addr: int) -> Allocation | None:
+        info = _Info()
+        return _allocation(info) if self._lib.sa_lookup(addr, ctypes.byref(info)) else None
+
+    def retag(self, ptr: int, tag: str) -> None:
+        if self._lib.sa_retag(ptr, tag.encode()) != 0:
+            raise self._error("retag")
+
+    def unmap_tag(self, tag: str) -> int:
+        n = self._lib.sa_unmap_tag(tag.encode())
+        if n < 0:
+            raise self._error(f"releasing the memory of '{tag}'")
+        return int(n)
+
+    def map_tag(self, tag: str) -> int:
+        n = self._lib.sa_map_tag(tag.encode())
+        if n < 0:
+            raise self._error(f"re-creating the memory of '{tag}'")
+        return int(n)
+
+    def unmap(self, ptr: int) -> None:
+        if self._lib.sa_unmap(ptr) != 0:
+            raise self._error(f"unmapping 0x{ptr:x}")
+
+    def map(self, ptr: int) -> None:
+        if self._lib.sa_map(ptr) != 0:
+            raise self._error(f"mapping 0x{ptr:x}")
+
+
+_lock = threading.Lock()
+_library: CuMemLibrary | None = None
+_allocator = None
+
+
+def library() -> CuMemLibrary:
+    """The process-wide library, built if needed and started (one registry per process)."""
+    global _library
+    with _lock:
+        if _library is None:
+            from .build import BuildError, ensure_library
+
+            try:
+                path = ensure_library()
+            except BuildError as err:
+                raise PoolError(f"the CUDA pool needs its C library: {err}") from err
+            lib = CuMemLibrary(path)
+            lib.init()
+            _library = lib
+        return _library
+
+
+def pluggable_allocator():  # -> torch.cuda.memory.CUDAPluggableAllocator
+    """The process-wide torch allocator over sleep_malloc/sleep_free. Kept alive for the whole
+    process: MemPools and their segments refer to it."""
+    global _allocator
+    lib = library()
+    with _lock:
+        if _allocator is None:
+            import torch
+
+            _allocator = torch.cuda.memory.CUDAPluggableAllocator(str(lib.path), "sleep_malloc", "sleep_free")
+        return _allocator
