@@ -155,6 +155,12 @@ class CudaBackend:
             sizes[a.tag[len(self._ns):]].append(a.size)
         return {tag: TagUsage(sum(s), len(s)) for tag, s in sizes.items()}
 
+    def tag_of(self, address: int) -> str | None:
+        found = self._lib.lookup(address)
+        if found is None or not found.tag.startswith(self._ns):
+            return None
+        return found.tag[len(self._ns):]
+
     def released(self, tag: str) -> bool:
         return any(not a.mapped for a in self._allocations(tag))
 

@@ -33,10 +33,11 @@ _serial = count()
 
 
 class _Arena:
-    __slots__ = ("ref", "size", "resident", "backup_offset", "__weakref__")
+    __slots__ = ("ref", "address", "size", "resident", "backup_offset", "__weakref__")
 
-    def __init__(self, mm: mmap.mmap, size: int) -> None:
+    def __init__(self, mm: mmap.mmap, address: int, size: int) -> None:
         self.ref = weakref.ref(mm)
+        self.address = address
         self.size = size
         self.resident = True
         self.backup_offset = -1
@@ -96,8 +97,9 @@ class HostBackend:
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as err:
             raise PoolError(f"mmap of {size / 2**20:.1f} MiB for tag '{tag}' failed: {err}") from err
-        self._arenas.setdefault(tag, []).append(_Arena(mm, size))
-        return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
+        tensor = torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
+        self._arenas.setdefault(tag, []).append(_Arena(mm, tensor.data_ptr(), size))
+        return tensor
 
     def use(self, tag: str) -> Any:
         return nullcontext()  # MemoryPool tracks the default tag of empty()
@@ -112,6 +114,13 @@ class HostBackend:
             if live:
                 out[tag] = TagUsage(sum(a.size for a, _ in live), len(live))
         return out
+
+    def tag_of(self, address: int) -> str | None:
+        for tag in list(self._arenas):
+            for arena, _ in self._live(tag):
+                if arena.address <= address < arena.address + arena.size:
+                    return tag
+        return None
 
     def released(self, tag: str) -> bool:
         return any(not a.resident for a, _ in self._live(tag))

@@ -292,6 +292,15 @@ class MemoryPool:
 
     # ------------------------------------------------------------------ inspection
 
+    def tag_of(self, tensor: torch.Tensor) -> str | None:
+        """The tag whose memory holds the tensor's first byte, or None when it is not pool memory.
+        For tests and invariant checks: memory outside the pool is memory sleep cannot free."""
+        if tensor.device != self.device or tensor.numel() == 0:
+            return None
+        with self._lock:
+            self._check_open()
+            return self._backend.tag_of(tensor.data_ptr())
+
     def tag_state(self, tag: str) -> str:
         """'awake', 'offloaded' or 'discarded'; a tag never allocated is 'awake'."""
         check_tag(tag)

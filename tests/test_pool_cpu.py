@@ -273,7 +273,9 @@ def test_use_sets_the_default_tag_of_empty(pool):
         c = pool.empty((4,), torch.float32)
     tags = pool.stats().tags
     assert tags["weights"].allocations == 2 and tags["kv_cache"].allocations == 1
-    assert len({a.data_ptr(), b.data_ptr(), c.data_ptr()}) == 3
+    assert [pool.tag_of(t) for t in (a, b, c)] == ["weights", "kv_cache", "weights"]
+    assert pool.tag_of(a[2:]) == "weights"  # views too
+    assert pool.tag_of(torch.zeros(4)) is None  # ordinary memory is not pool memory
 
 
 def test_asleep_tags_refuse_new_allocations_and_open_uses_block_sleep(pool):

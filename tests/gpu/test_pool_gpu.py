@@ -1,0 +1,369 @@
+"""The sleepable pool on a real GPU: cuMem mappings, pinned backups, CUDA graphs, footprint.
+
+Run with `pytest -m gpu tests/gpu/test_pool_gpu.py` on a CUDA host. Some checks need a process
+that has never touched CUDA (footprint, expandable segments): they run this file as a script in
+a subprocess (`python tests/gpu/test_pool_gpu.py <scenario>`) that prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from allocator import MemoryPool, PoolError, create_pool  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8).clone()
+
+
+def free_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def host_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.fixture
+def pool():
+    p = create_pool("cuda")
+    yield p
+    p.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int = 1024, hidden: int = 4096) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(torch.nn.functional.gelu(self.up(x))) + x)
+
+
+def capture(pool: MemoryPool, fn, static_input: torch.Tensor):
+    """The recipe of MemoryPool.graph_pool's docstring."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with pool.use("cuda_graph"), torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(static_input)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool.graph_pool("cuda_graph"), stream=stream):
+        static_output = fn(static_input)
+    torch.cuda.synchronize()
+    return graph, static_output
+
+
+# ---------------------------------------------------------------------------- in-process tests
+
+
+def test_offload_restores_bit_exact_at_the_same_addresses(pool):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = pool.empty((256, MiB // 2), torch.bfloat16, "weights")  # 256 MiB
+    a.copy_(torch.randn(a.shape, generator=g, device="cuda").to(torch.bfloat16))
+    a[0, 0] = float("nan")
+    b = pool.empty((3, 5, 7), torch.int64, "weights")
+    b.copy_(torch.arange(105, device="cuda").view(3, 5, 7))
+    view = a[10:20, 100:200]
+    ptrs = (a.data_ptr(), b.data_ptr(), view.data_ptr())
+    before = [raw(a), raw(b), raw(view)]
+
+    free0 = free_bytes()
+    report = pool.sleep(offload_tags=["weights"])
+    assert report.bytes_offloaded >= 256 * MiB
+    assert free_bytes() - free0 >= 0.95 * report.bytes_offloaded
+    assert pool.tag_state("weights") == "offloaded"
+    assert pool.stats().host_backup_bytes >= report.bytes_offloaded
+
+    wake = pool.wake_up()
+    assert wake.bytes_restored == report.bytes_offloaded
+    assert (a.data_ptr(), b.data_ptr(), view.data_ptr()) == ptrs
+    for t, expected in zip((a, b, view), before):
+        assert torch.equal(raw(t), expected)
+
+
+def test_discard_releases_device_memory_and_the_tag_is_usable_after_wake(pool):
+    kv = pool.empty((2 * GiB,), torch.uint8, "kv_cache")
+    kv.fill_(1)
+    free0 = free_bytes()
+    report = pool.sleep(discard_tags=["kv_cache"])
+    assert report.bytes_discarded >= 2 * GiB
+    asleep_free = free_bytes()
+    assert asleep_free - free0 >= 2 * GiB - 64 * MiB
+    pool.wake_up(["kv_cache"])
+    assert asleep_free - free_bytes() >= 2 * GiB - 64 * MiB
+    kv.fill_(3)
+    assert int(kv[:: 4 * MiB].sum()) == 3 * (2 * GiB // (4 * MiB))
+
+
+def test_use_routes_every_torch_allocation_and_tags_never_mix(pool):
+    # Small tensors of two tags, interleaved: torch packs small blocks into shared 2 MiB
+    # segments, so mixing would show up here.
+    with pool.use("weights"):
+        w = [torch.full((1000,), float(i), device="cuda") for i in range(20)]
+        prod = w[0].view(10, 100) @ w[1].view(100, 10)
+    with pool.use("kv_cache"):
+        kv = [torch.full((1000,), -float(i), device="cuda") for i in range(20)]
+        with pool.use("scratch"):  # nesting: the innermost tag wins
+            s = torch.ones(10, device="cuda")
+        k2 = torch.zeros(10, device="cuda")
+    outside = torch.ones(10, device="cuda")
+    assert {pool.tag_of(t) for t in w + [prod]} == {"weights"}
+    assert {pool.tag_of(t) for t in kv + [k2]} == {"kv_cache"}
+    assert pool.tag_of(s) == "scratch" and pool.tag_of(outside) is None
+
+    pool.sleep(discard_tags=["weights"])
+    for i, t in enumerate(kv):  # another tag's memory stayed mapped and intact
+        assert torch.equal(t, torch.full((1000,), -float(i), device="cuda"))
+        t.add_(1)
+    pool.wake_up()
+    torch.cuda.synchronize()
+
+
+def test_adopt_keeps_module_outputs(pool):
+    torch.manual_seed(0)
+    model = MLP().cuda().eval()
+    x = torch.randn(8, 1024, device="cuda")
+    with torch.no_grad():
+        reference = model(x)
+        pool.adopt(model, "weights")
+        assert all(pool.tag_of(p) == "weights" for p in model.parameters())
+        assert torch.equal(model(x), reference)
+        pool.sleep(offload_tags=["weights"])
+        pool.wake_up()
+        assert torch.equal(model(x), reference)
+
+
+def test_cuda_graph_memory_lives_in_the_pool_and_replays_after_wake(pool):
+    torch.manual_seed(0)
+    model = MLP().cuda().to(torch.bfloat16).eval()
+    pool.adopt(model, "weights")
+    host_weights = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    static_x = pool.empty((16, 1024), torch.bfloat16, "cuda_graph")
+    static_x.copy_(torch.randn(16, 1024, device="cuda").to(torch.bfloat16))
+
+    with torch.no_grad():
+        graph, static_y = capture(pool, model, static_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        reference = static_y.clone()
+    assert pool.tag_of(static_y) == "cuda_graph"
+    assert pool.stats().tags["cuda_graph"].bytes > static_x.numel() * 2
+
+    # Level 1: weights offloaded, graph memory offloaded, KV discarded.
+    kv = pool.empty((GiB,), torch.uint8, "kv_cache")
+    pool.sleep(offload_tags=["weights", "cuda_graph"], discard_tags=["kv_cache"])
+    pool.wake_up()
+    static_y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, reference)
+
+    # Level 2: weights discarded, then reloaded in place (RLHF weight update) before replay.
+    pool.sleep(offload_tags=["cuda_graph"], discard_tags=["weights", "kv_cache"])
+    pool.wake_up(["weights"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(host_weights[name])
+    pool.wake_up()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, reference)
+    del kv
+
+
+def test_failed_wake_rolls_back_and_a_later_wake_succeeds(pool):
+    weights = pool.empty((512 * MiB,), torch.uint8, "weights")
+    weights.copy_(torch.randint(0, 256, weights.shape, device="cuda", dtype=torch.uint8))
+    expected = raw(weights)
+    free0 = free_bytes()
+    kv = pool.empty((free0 // 4,), torch.uint8, "kv_cache")
+    pool.sleep(offload_tags=["weights"], discard_tags=["kv_cache"])
+    asleep_free = free_bytes()
+
+    # Something else takes the memory while the pool sleeps: room for weights, not for kv.
+    hog = torch.empty((asleep_free - kv.numel() // 2,), dtype=torch.uint8, device="cuda")
+    with pytest.raises(PoolError, match="OUT_OF_MEMORY") as info:
+        pool.wake_up()  # weights map and restore first, then kv fails
+    assert "rolled back" in str(info.value)
+    assert pool.sleeping_tags() == {"weights": "offloaded", "kv_cache": "discarded"}
+    del hog
+    torch.cuda.empty_cache()
+    assert free_bytes() >= asleep_free - 64 * MiB  # the weights mapped before the failure were released
+
+    pool.wake_up()
+    assert torch.equal(raw(weights), expected)
+    kv.fill_(1)
+    torch.cuda.synchronize()
+
+
+def test_keep_backups_false_frees_pinned_memory_after_wake():
+    pool = create_pool("cuda", keep_backups=False)
+    try:
+        w = pool.empty((64 * MiB,), torch.uint8, "weights")
+        w.fill_(9)
+        pool.sleep(offload_tags=["weights"])
+        assert pool.stats().host_backup_bytes >= 64 * MiB
+        pool.wake_up()
+        assert pool.stats().host_backup_bytes == 0
+        assert int(w[:: MiB].sum()) == 9 * 64
+    finally:
+        pool.close()
+
+
+def test_stats_on_cuda(pool):
+    w = pool.empty((100 * MiB,), torch.uint8, "weights")
+    stats = pool.stats()
+    assert stats.backend == "cuda-vmm" and stats.device.startswith("cuda")
+    assert stats.tags["weights"].bytes >= 100 * MiB and stats.tags["weights"].allocations >= 1
+    assert 0 < stats.device_free < stats.device_total
+    json.dumps(stats.as_dict())
+    pool.sleep(discard_tags=["weights"])
+    assert pool.stats().tags["weights"].state == "discarded"
+    pool.wake_up()
+    del w
+
+
+def test_fifty_cycles_leak_nothing_on_device_or_host(pool):
+    weights = pool.empty((256 * MiB,), torch.uint8, "weights")
+    weights.copy_(torch.randint(0, 256, weights.shape, device="cuda", dtype=torch.uint8))
+    expected = raw(weights).cpu()
+    kv = pool.empty((GiB,), torch.uint8, "kv_cache")
+
+    def cycle() -> None:
+        pool.sleep(offload_tags=["weights"], discard_tags=["kv_cache"])
+        pool.wake_up()
+        kv.fill_(1)
+        torch.cuda.synchronize()
+
+    for _ in range(2):
+        cycle()
+    gc.collect()
+    device0, host0 = free_bytes(), host_rss()
+    for _ in range(50):
+        cycle()
+    gc.collect()
+    assert device0 - free_bytes() < 8 * MiB, "device memory leaked over 50 cycles"
+    assert host_rss() - host0 < 64 * MiB, "host memory leaked over 50 cycles"
+    assert torch.equal(raw(weights).cpu(), expected)
+
+
+# ---------------------------------------------------------------------------- subprocess tests
+
+
+def run_scenario(name: str, env: dict[str, str] | None = None) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, name], cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    assert out.returncode == 0, f"scenario {name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_full_sleep_leaves_no_more_than_a_bare_process():
+    result = run_scenario("footprint")
+    assert result["overhead"] <= 64 * MiB, result
+    assert result["asleep_free"] - result["awake_free"] >= 3 * GiB  # the pool really held memory
+
+
+def test_expandable_segments_env_still_pools_everything():
+    result = run_scenario("expandable", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert result["tags"] == ["cuda_graph", "weights"], result
+    assert result["freed"] >= 0.95 * result["pooled"], result
+    assert result["bit_exact"] and result["graph_equal"], result
+
+
+def scenario_footprint() -> dict:
+    from allocator import probe
+
+    index = 0
+    bare_alone = probe.bare_process_used(index)  # before this process touches CUDA
+    pool = create_pool(f"cuda:{index}")
+    torch.manual_seed(0)
+    model = MLP(2048, 8192).cuda().to(torch.bfloat16).eval()
+    pool.adopt(model, "weights")
+    with pool.use("weights"):
+        big = torch.empty((GiB,), dtype=torch.uint8, device="cuda")
+    kv = pool.empty((2 * GiB,), torch.uint8, "kv_cache")
+    static_x = pool.empty((32, 2048), torch.bfloat16, "cuda_graph")
+    with torch.no_grad():
+        eager = model(torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16))  # cuBLAS, default pool
+        graph, _ = capture(pool, model, static_x)
+    del eager
+    torch.cuda.synchronize()
+    awake_free = torch.cuda.mem_get_info(index)[0]
+    pool.sleep(offload_tags=["weights", "cuda_graph"], discard_tags=["kv_cache"])
+    fp = probe.footprint(index, bare_alone)
+    asleep_free = torch.cuda.mem_get_info(index)[0]
+    pool.wake_up()
+    graph.replay()
+    torch.cuda.synchronize()
+    del big, kv
+    return {**fp.as_dict(), "awake_free": awake_free, "asleep_free": asleep_free}
+
+
+def scenario_expandable() -> dict:
+    pool = create_pool("cuda")
+    torch.manual_seed(0)
+    model = MLP().cuda().eval()
+    pool.adopt(model, "weights")
+    w = pool.empty((512 * MiB,), torch.uint8, "weights")
+    w.copy_(torch.randint(0, 256, w.shape, device="cuda", dtype=torch.uint8))
+    expected = raw(w)
+    static_x = pool.empty((16, 1024), torch.float32, "cuda_graph")
+    static_x.normal_()
+    with torch.no_grad():
+        graph, static_y = capture(pool, model, static_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        reference = static_y.clone()
+    tags = sorted(t for t, s in pool.stats().tags.items() if s.bytes > 0)
+    pooled = sum(s.bytes for s in pool.stats().tags.values())
+    free0 = free_bytes()
+    pool.sleep(offload_tags=["weights", "cuda_graph"])
+    freed = free_bytes() - free0
+    pool.wake_up()
+    static_y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return {
+        "tags": tags,
+        "pooled": pooled,
+        "freed": freed,
+        "bit_exact": bool(torch.equal(raw(w), expected)),
+        "graph_equal": bool(torch.equal(static_y, reference)),
+    }
+
+
+if __name__ == "__main__":
+    scenarios = {"footprint": scenario_footprint, "expandable": scenario_expandable}
+    print(json.dumps(scenarios[sys.argv[1]]()))
