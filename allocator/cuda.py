@@ -87,6 +87,11 @@ class CudaBackend:
         self._mempools: dict[str, Any] = {}
         self._backups: dict[str, PinnedBackup] = {}
         self._expandable = expandable_segments_requested()
+        self._local = threading.local()
+        missing = [f for f in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool",
+                               "_cuda_releasePool") if not hasattr(torch._C, f)]
+        if missing:
+            raise PoolError(f"this torch ({torch.__version__}) lacks {missing}: the CUDA pool needs torch >= 2.8")
 
     # ------------------------------------------------------------------ allocation
 
@@ -105,19 +110,55 @@ class CudaBackend:
                     "memory would be recorded under the wrong tag; capture with "
                     "pool=pool.graph_pool(tag) instead"
                 )
-        mempool = self._mempool(tag)
-        previous = self._lib.thread_tag()
-        self._lib.set_thread_tag(self._ns + tag)
+        stack = self._routes()
+        if stack and stack[-1] == tag:  # torch refuses to route one pool twice; nothing to do
+            yield
+            return
+        previous_c_tag = self._lib.thread_tag()
         if self._expandable:
             _expandable_off.enter()
+        # At most one of our pools is routed per thread at any time: torch versions disagree on
+        # whether the innermost or the outermost routing wins, and the C tag must match it.
+        if stack:
+            self._unroute(stack[-1])
         try:
-            # The current device too, so plain "cuda" allocations inside land in this pool.
-            with torch.cuda.device(self.device), torch.cuda.use_mem_pool(mempool, device=self.device):
-                yield
-        finally:
-            self._lib.set_thread_tag(previous)
+            self._route(tag)
+        except BaseException:
+            if stack:
+                self._route(stack[-1])
             if self._expandable:
                 _expandable_off.exit()
+            raise
+        stack.append(tag)
+        self._lib.set_thread_tag(self._ns + tag)
+        try:
+            # The current device too, so plain "cuda" allocations inside land in this pool.
+            with torch.cuda.device(self.device):
+                yield
+        finally:
+            stack.pop()
+            self._unroute(tag)
+            if stack:
+                self._route(stack[-1])
+            self._lib.set_thread_tag(previous_c_tag)
+            if self._expandable:
+                _expandable_off.exit()
+
+    def _routes(self) -> list[str]:
+        stack = getattr(self._local, "routes", None)
+        if stack is None:
+            stack = self._local.routes = []
+        return stack
+
+    def _route(self, tag: str) -> None:
+        """Send this thread's allocations on our device to the tag's MemPool (what
+        torch.cuda.use_mem_pool does on entry)."""
+        torch._C._cuda_beginAllocateCurrentThreadToPool(self.device.index, self._mempool(tag).id)
+
+    def _unroute(self, tag: str) -> None:
+        pool_id = self._mempool(tag).id
+        torch._C._cuda_endAllocateToPool(self.device.index, pool_id)
+        torch._C._cuda_releasePool(self.device.index, pool_id)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor:
         with self.use(tag):
@@ -169,7 +210,26 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ sleep and wake
 
+    def verify(self, tags: Sequence[str]) -> None:
+        """Raise unless every segment torch keeps in the tags' MemPools is ours: torch settings
+        such as expandable segments could route memory around the allocator, and a sleep would
+        then silently free nothing."""
+        for tag in tags:
+            pool = self._mempools.get(tag)
+            if pool is None:
+                continue
+            strays = [s for s in pool.snapshot() if self.tag_of(int(s["address"])) != tag]
+            if strays:
+                raise PoolError(
+                    f"{len(strays)} segment(s) of tag '{tag}' ({sum(int(s['total_size']) for s in strays) / 2**20:.1f} MiB) "
+                    f"are not pool memory and would not be freed by sleep; "
+                    f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r} routes "
+                    "allocations around the pool: unset expandable_segments"
+                )
+
     def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost:
+        if self._expandable:
+            self.verify([*offload, *discard])
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
         # Pinned buffers first (seconds on the first cycle, free afterwards): a failure here

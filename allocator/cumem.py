@@ -36,6 +36,11 @@ class Allocation:
     tag: str
 
 
+def _shown(tag: str) -> str:
+    """A registry tag as users know it (without the per-pool "poolN/" prefix)."""
+    return tag.partition("/")[2] or tag
+
+
 def _allocation(info: _Info) -> Allocation:
     return Allocation(int(info.ptr), int(info.size), int(info.device), bool(info.mapped), info.tag.decode())
 
@@ -122,13 +127,13 @@ class CuMemLibrary:
     def unmap_tag(self, tag: str) -> int:
         n = self._lib.sa_unmap_tag(tag.encode())
         if n < 0:
-            raise self._error(f"releasing the memory of '{tag}'")
+            raise self._error(f"releasing the memory of tag '{_shown(tag)}'")
         return int(n)
 
     def map_tag(self, tag: str) -> int:
         n = self._lib.sa_map_tag(tag.encode())
         if n < 0:
-            raise self._error(f"re-creating the memory of '{tag}'")
+            raise self._error(f"re-creating the memory of tag '{_shown(tag)}'")
         return int(n)
 
     def unmap(self, ptr: int) -> None:

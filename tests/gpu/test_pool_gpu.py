@@ -140,6 +140,7 @@ def test_use_routes_every_torch_allocation_and_tags_never_mix(pool):
     assert {pool.tag_of(t) for t in w + [prod]} == {"weights"}
     assert {pool.tag_of(t) for t in kv + [k2]} == {"kv_cache"}
     assert pool.tag_of(s) == "scratch" and pool.tag_of(outside) is None
+    pool._backend.verify(["weights", "kv_cache", "scratch"])  # torch's view of each MemPool agrees
 
     pool.sleep(discard_tags=["weights"])
     for i, t in enumerate(kv):  # another tag's memory stayed mapped and intact
@@ -178,6 +179,7 @@ def test_cuda_graph_memory_lives_in_the_pool_and_replays_after_wake(pool):
         reference = static_y.clone()
     assert pool.tag_of(static_y) == "cuda_graph"
     assert pool.stats().tags["cuda_graph"].bytes > static_x.numel() * 2
+    pool._backend.verify(["weights", "cuda_graph"])  # the capture's segments are all recorded as ours
 
     # Level 1: weights offloaded, graph memory offloaded, KV discarded.
     kv = pool.empty((GiB,), torch.uint8, "kv_cache")
