@@ -92,6 +92,11 @@ class CudaBackend:
                                "_cuda_releasePool") if not hasattr(torch._C, f)]
         if missing:
             raise PoolError(f"this torch ({torch.__version__}) lacks {missing}: the CUDA pool needs torch >= 2.8")
+        if self._expandable and not hasattr(torch.cuda.memory, "_set_allocator_settings"):
+            raise PoolError(
+                "PYTORCH_CUDA_ALLOC_CONF enables expandable_segments and this torch cannot turn them "
+                "off inside the pool, whose memory would then not be freed by sleep; unset it"
+            )
 
     # ------------------------------------------------------------------ allocation
 
