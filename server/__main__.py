@@ -1,0 +1,4 @@
+"""`python -m server ...` is `sleepserve ...`."""
+from server.cli import run
+
+run()

@@ -1,0 +1,113 @@
+"""Request bodies, read by hand so every way a body can be wrong answers 400 with what to fix.
+
+FastAPI's automatic body parsing would answer 422 in its own shape, and its answers to bytes that
+are not UTF-8 or JSON are vague; here each failure names the problem and the field.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from server.api.errors import APIError
+
+M = TypeVar("M", bound=BaseModel)
+
+MAX_BODY_BYTES = 32 << 20  # a prompt far beyond any context still fits; a runaway upload does not
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+async def read_json(request: Request, allow_empty: bool = False) -> dict[str, Any]:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+    if not body.strip():
+        if allow_empty:
+            return {}
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}); "
+                            "send JSON encoded as UTF-8") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                            "send a JSON object") from None
+    except ValueError as e:  # NaN / Infinity
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}; "
+                            'send {"field": value, ...}')
+    return data
+
+
+async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
+    data = await read_json(request, allow_empty)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        message, param = describe_validation_error(e.errors(include_url=False))
+        raise APIError(400, message, param) from None
+
+
+# Pydantic names the member of a union that failed inside `loc` ("str", "list[str]"): noise for the
+# client, except that the members together say which types the field takes.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith("function-"))
+
+
+def _loc(loc: Sequence[Any]) -> tuple[str, str, list[str]]:
+    """(dotted field path, the path up to the first union member, union members named in loc)."""
+    out, tags, field = "", [], None
+    for part in loc:
+        if part in ("body", "query", "path", "header"):
+            continue
+        if _is_type_tag(part):
+            tags.append(part)
+            field = out if field is None else field
+        elif isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out, out if field is None else field, tags
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) for the first problem, with the rest counted: one clear thing to fix at a time."""
+    if not errors:
+        return "the request is invalid", None
+    first = errors[0]
+    param, field, _ = _loc(first.get("loc", ()))
+    # Errors under one union field are one problem: a value that fits none of the union's members.
+    members = list(dict.fromkeys(m for e in errors for (_, f, tags) in [_loc(e.get("loc", ()))]
+                                 if f == field for m in tags[:1]))
+    if len(members) > 1:
+        param = field
+    got = first.get("input")
+    if first.get("type") == "missing":
+        text = f"{param} is required" if param else "a required field is missing"
+    elif len(members) > 1:
+        text = f"{param}: expected {' or '.join(members)} (got {_shown(got)})"
+    else:
+        text = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid value")
+        if not isinstance(got, (dict, list)):
+            text += f" (got {_shown(got)})"
+    others = len({_loc(e.get("loc", ()))[1] for e in errors} - {field})
+    if others:
+        text += f"; and {others} more field(s) to fix"
+    return text, param or None

@@ -1,0 +1,124 @@
+"""Every failure leaves the server as an OpenAI-shaped error: {"error": {message, type, param, code}}.
+
+Engine errors map to statuses here and only here, so routes just raise and never pick a status.
+Nothing a client sends may surface as a 500: anything unexpected is logged with its traceback and
+answered with a message that points at the log.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.api.state import engine_state_name
+from server.engine.errors import ConflictError, EngineDeadError, EngineUnavailableError, InvalidRequestError
+
+log = logging.getLogger("sleepserve.api")
+
+# The `type` field, by status, following OpenAI's vocabulary.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+          500: "server_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error the HTTP layer itself decides on (bad body, wrong key, unknown model)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error" if status < 500
+                                                             else "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def unavailable_code(state: dict) -> str:
+    """A machine-readable reason for a 503, read from the engine's state snapshot."""
+    name = engine_state_name(state)
+    return "unavailable" if name == "awake" else name
+
+
+def as_api_error(exc: BaseException, state: dict | None = None) -> APIError | None:
+    """The APIError an engine exception stands for; None for an unexpected exception (a bug)."""
+    from server.model.loader import WeightLoadError  # imports torch: keep it out of module import
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), exc.param, exc.code)
+    if isinstance(exc, WeightLoadError):
+        return APIError(400, str(exc), "path", "weight_load_error")
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), None, unavailable_code(state or {}),
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, ConflictError):
+        return APIError(409, str(exc), None, "conflict")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"{exc}; restart the server", None, "engine_dead")
+    return None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    def state() -> dict:
+        engine = getattr(app.state, "engine", None)
+        return engine.state if engine is not None else {}
+
+    async def on_known(request: Request, exc: Exception) -> JSONResponse:
+        err = as_api_error(exc, state())
+        assert err is not None
+        return error_response(err.status, err.message, err.param, err.code, err.headers)
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own validation covers query parameters (the dev routes); bodies are parsed in body.py.
+        from server.api.body import describe_validation_error
+
+        message, param = describe_validation_error(exc.errors())
+        return error_response(400, message, param)
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+            if request.url.path in DEV_PATHS:
+                message += "; the dev-mode routes need --dev-mode (or SLEEPSERVE_DEV_MODE=1)"
+            return error_response(404, message, None, "not_found")
+        if exc.status_code == 405:
+            return error_response(405, f"{request.method} is not allowed on {request.url.path}", None,
+                                  "method_not_allowed", headers=dict(exc.headers or {}))
+        return error_response(exc.status_code, str(exc.detail), None, None, headers=dict(exc.headers or {}))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises after this answer, so uvicorn logs the traceback once; do not log twice.
+        return error_response(500, f"internal error ({type(exc).__name__}: {exc}); see the server log", None,
+                              "internal_error")
+
+    from server.model.loader import WeightLoadError
+
+    for cls in (APIError, InvalidRequestError, WeightLoadError, EngineUnavailableError, ConflictError,
+                EngineDeadError):
+        app.add_exception_handler(cls, on_known)
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+# Paths that exist only in dev mode: a 404 on them says how to turn them on.
+DEV_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/pause", "/resume",
+                       "/memory", "/update_weights"})

@@ -1,0 +1,54 @@
+"""Open routes (no key): /health, /version, /metrics. Health reports the sleep state without failing:
+a sleeping server is healthy, it is just not serving; only a dead engine answers 503."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server import __version__
+from server.api.state import engine_state_name
+
+router = APIRouter()
+log = logging.getLogger("sleepserve.api")
+
+POOL_SCRAPE_TIMEOUT_S = 2.0
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    engine = request.app.state.engine
+    if engine.dead is not None:
+        return JSONResponse({"status": "dead", "detail": f"the engine stopped: {engine.dead}; restart the server"},
+                            status_code=503)
+    state = engine.state
+    name = engine_state_name(state)
+    body: dict[str, Any] = {"status": "ok" if name == "awake" else name}
+    body.update({k: state[k] for k in ("is_sleeping", "level", "sleeping_tags", "paused", "draining",
+                                       "weights_valid") if k in state})
+    return JSONResponse(body)
+
+
+@router.get("/version")
+async def version(request: Request) -> dict[str, Any]:
+    return {"version": __version__, "model": request.app.state.served_model_name,
+            "weight_version": request.app.state.engine.state.get("weight_version")}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    engine = request.app.state.engine
+    pool = None
+    try:
+        # Pool stats are read on the engine thread; a sleep or wake in progress holds the pool, and a
+        # scrape must not hang on it: past the timeout, this scrape goes without the pool gauges.
+        pool = (await asyncio.wait_for(engine.snapshot(), POOL_SCRAPE_TIMEOUT_S))["pool"]
+    except asyncio.TimeoutError:
+        log.debug("pool stats not ready within %.1f s; scraping without them", POOL_SCRAPE_TIMEOUT_S)
+    except Exception as e:  # a dead engine still has metrics worth reading
+        log.debug("pool stats unavailable: %s", e)
+    return Response(request.app.state.metrics.render(pool), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,55 @@
+"""Server-Sent Events: `data: {json}\\n\\n` per chunk, `data: [DONE]` at the end (OpenAI's framing)."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from server.api.errors import as_api_error, error_body
+from server.engine.outputs import RequestOutput
+
+log = logging.getLogger("sleepserve.api")
+
+DONE = b"data: [DONE]\n\n"
+
+ChunkFn = Callable[[RequestOutput], list[dict[str, Any]]]
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+async def events(first: RequestOutput, gen: AsyncIterator[RequestOutput], chunks: ChunkFn, tail: ChunkFn,
+                 state: Callable[[], dict]) -> AsyncIterator[bytes]:
+    """The SSE body. Once the 200 is sent, an error can only travel as an event: it goes out as an
+    OpenAI error object, then [DONE], so clients never wait on a stream that will not end.
+    When the client disconnects, Starlette cancels this generator; closing `gen` aborts the request."""
+    last = first
+    try:
+        for c in chunks(first):
+            yield sse(c)
+        async for out in gen:
+            last = out
+            for c in chunks(out):
+                yield sse(c)
+        for c in tail(last):
+            yield sse(c)
+    except Exception as e:
+        err = as_api_error(e, state())
+        if err is None:
+            log.exception("stream failed")
+            yield sse(error_body(500, f"internal error ({type(e).__name__}: {e}); see the server log",
+                                 code="internal_error"))
+        else:
+            yield sse(error_body(err.status, err.message, err.param, err.code))
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
+    yield DONE
+
+
+def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
+    # No caching and no proxy buffering: tokens must reach the client as they are made.
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

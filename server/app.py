@@ -1,0 +1,107 @@
+"""The FastAPI app around one AsyncEngine, and `serve`, which runs it under uvicorn.
+
+The engine is built before uvicorn starts, so a bad model path, a bad flag value or a KV cache
+that does not fit fails at once with a clear message and exit code 1, before any port is bound.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+
+from server import __version__
+from server.api import admin, health, openai
+from server.api.errors import install_error_handlers
+from server.api.settings import ServerSettings
+from server.config import EngineConfig
+from server.engine.engine import AsyncEngine
+from server.logging_setup import AccessLogMiddleware, configure_logging
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("sleepserve.server")
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            # Joining the engine thread can take a step's time; keep the loop free meanwhile.
+            await asyncio.to_thread(engine.shutdown)
+            app.state.shut_down = True
+
+    app = FastAPI(title="sleepserve", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible inference server whose memory can sleep and wake.")
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.metrics = ServerMetrics(engine)
+    app.state.served_model_name = engine.core.served_model_name
+    app.state.started_at = int(time.time())
+    app.state.shut_down = False
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(openai.router)
+    if settings.dev_mode:
+        app.include_router(admin.router)
+    app.add_middleware(AccessLogMiddleware)
+    return app
+
+
+def startup_lines(engine: AsyncEngine, settings: ServerSettings) -> list[str]:
+    core = engine.core
+    plan = core.kv_plan
+    dtype = str(core.dtype).removeprefix("torch.")
+    admin_key = "admin key required" if settings.effective_admin_key else "no admin key"
+    return [
+        f"sleepserve {__version__}: model {core.served_model_name!r} from {core.model_path}",
+        f"device {core.device}, dtype {dtype}, weights loaded in {core.load_seconds:.1f} s "
+        f"(weight_version {core.weight_version!r})",
+        f"KV cache: {plan.num_blocks - 1} blocks of {plan.block_size} tokens = {plan.bytes / 2**30:.2f} GiB "
+        f"({plan.capacity_tokens} tokens); max model len {core.max_model_len}, "
+        f"max num seqs {core.config.max_num_seqs}, prefix caching "
+        f"{'on' if core.config.enable_prefix_caching else 'off'}",
+        "sleep mode dev routes: " + (f"on (POST /sleep, /wake_up, /update_weights, ...; {admin_key})"
+                                     if settings.dev_mode else "off (start with --dev-mode to enable)"),
+        "API key: " + ("required on /v1/*" if settings.api_key else "none (anyone who can connect may generate)"),
+    ]
+
+
+def serve(settings: ServerSettings, config: EngineConfig) -> int:
+    """Load, then serve until interrupted. Returns the process exit code."""
+    import uvicorn
+
+    from allocator import PoolError
+    from server.model.default_model import ModelNotFoundError
+    from server.model.loader import WeightLoadError
+
+    configure_logging(settings.log_level)
+    try:
+        engine = AsyncEngine(config)
+    except (ModelNotFoundError, WeightLoadError, PoolError, ValueError, OSError) as e:
+        log.error("could not start: %s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    for line in startup_lines(engine, settings):
+        log.info(line)
+    if settings.dev_mode and not settings.effective_admin_key and settings.host not in ("127.0.0.1", "localhost",
+                                                                                        "::1"):
+        log.warning("dev routes are on, without a key, on %s: anyone who can connect can put the server to "
+                    "sleep; set --admin-api-key", settings.host)
+
+    app = create_app(engine, settings)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="on",
+        timeout_graceful_shutdown=10, server_header=False))
+    try:
+        server.run()
+    finally:
+        if not app.state.shut_down:  # uvicorn never ran the lifespan (e.g. it could not bind)
+            engine.shutdown()
+    return 0 if server.started else 1

@@ -1,0 +1,239 @@
+"""`sleepserve serve [MODEL] [flags]` and `sleepserve prepare [MODEL]`.
+
+Every flag can also come from SLEEPSERVE_<FLAG> (e.g. --dev-mode: SLEEPSERVE_DEV_MODE=1,
+--api-key: SLEEPSERVE_API_KEY); the command line wins over the environment. Nothing heavy is
+imported until the arguments are read, so `--help` answers at once (no torch, no FastAPI).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from server.logging_setup import LEVELS
+
+ENV_PREFIX = "SLEEPSERVE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a port number from 0 to 65535, got {value}")
+    return value
+
+
+def boolean(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError("must be 1/true/yes/on or 0/false/no/off")
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    help: str
+    default: Any = None
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    negation: str | None = None       # a boolean flag's opposite, so the command line can undo the env
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+    @property
+    def is_bool(self) -> bool:
+        return self.type is boolean
+
+
+SERVE_OPTIONS: tuple[Option, ...] = (
+    Option("--host", "address to listen on (0.0.0.0 for every interface)", "127.0.0.1"),
+    Option("--port", "port to listen on", 8000, port_number),
+    Option("--device", "where the model runs (auto: CUDA when present)", "auto",
+           choices=("auto", "cpu", "cuda")),
+    Option("--dtype", "weight and activation dtype (auto: float32 on CPU, the checkpoint's 16-bit type on CUDA)",
+           "auto", choices=("auto", "float32", "bfloat16", "float16")),
+    Option("--max-model-len", "context length in tokens, prompt plus output (default: the model's)", None,
+           positive_int, metavar="N"),
+    Option("--max-num-seqs", "most sequences in one batch", 64, positive_int, metavar="N"),
+    Option("--max-num-batched-tokens", "most tokens in one step (default: 512 on CPU, 8192 on CUDA)", None,
+           positive_int, metavar="N"),
+    Option("--block-size", "tokens per KV-cache block", 16, positive_int, choices=None, metavar="N"),
+    Option("--kv-cache-memory", "KV-cache size, e.g. 4GiB or 512MiB (default: 1 GiB on CPU; on CUDA what "
+           "--gpu-memory-utilization leaves)", None, metavar="SIZE"),
+    Option("--gpu-memory-utilization", "fraction of the GPU's memory the server may use", 0.9, float,
+           metavar="F"),
+    Option("--load-format", "auto: read the checkpoint; dummy: random weights of the model's shape", "auto",
+           choices=("auto", "dummy")),
+    Option("--served-model-name", "the name clients pass as `model` (default: the model folder's name)",
+           None, metavar="NAME"),
+    Option("--api-key", "require `Authorization: Bearer KEY` on /v1/*", None, metavar="KEY"),
+    Option("--admin-api-key", "key for the dev-mode routes (default: --api-key)", None, metavar="KEY"),
+    Option("--dev-mode", "mount the sleep-mode routes (/sleep, /wake_up, /update_weights, ...)", False, boolean,
+           negation="--no-dev-mode"),
+    Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
+    Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
+           negation="--prefix-caching"),
+    Option("--offload-dir", "CPU device: folder for offloaded weights while asleep (default: the temp folder)",
+           None, metavar="DIR"),
+    Option("--seed", "seed of the global random state (requests with `seed` are reproducible regardless)",
+           0, int, metavar="N"),
+    Option("--log-level", "log verbosity", "info", choices=LEVELS),
+)
+_EXCLUSIVE = ("kv_cache_memory", "gpu_memory_utilization")
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    for opt in SERVE_OPTIONS:
+        target = group if opt.dest in _EXCLUSIVE else parser
+        shown = "" if opt.default is None or opt.is_bool else f" (default: {opt.default})"
+        help_text = f"{opt.help}{shown} [env {opt.env}]"
+        if opt.is_bool:
+            target.add_argument(opt.flag, dest=opt.dest, action="store_const", const=True, default=None,
+                                help=help_text)
+            if opt.negation:
+                target.add_argument(opt.negation, dest=opt.dest, action="store_const", const=False,
+                                    default=None, help=f"undo {opt.flag}")
+        else:
+            target.add_argument(opt.flag, dest=opt.dest, type=_argparse_type(opt), choices=opt.choices,
+                                default=None, metavar=opt.metavar, help=help_text)
+
+
+def _argparse_type(opt: Option) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return opt.type(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} {e}" if "must" in str(e) else f"invalid value {text!r}")
+    convert.__name__ = getattr(opt.type, "__name__", "value")
+    return convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sleepserve", description="OpenAI-compatible LLM server whose memory can sleep and wake.",
+        epilog="Every flag can also be set as SLEEPSERVE_<FLAG> in the environment; the command line wins.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,prepare}")
+    serve = sub.add_parser("serve", help="serve a model over HTTP",
+                           description="Serve MODEL (a Hugging Face folder or a .gguf file; default: the "
+                                       "embedded SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API.")
+    serve.set_defaults(parser=serve)  # so errors about values print serve's usage
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help=f"model folder or .gguf file (default: the embedded model) [env {ENV_PREFIX}MODEL]")
+    _add_options(serve)
+    prepare = sub.add_parser("prepare", help="convert and cache a model, then print its folder",
+                             description="Convert MODEL (default: the embedded model) into the cache once, so "
+                                         "later starts load fast; prints the folder (Docker runs it at build).")
+    prepare.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    prepare.add_argument("--log-level", default="warning", choices=LEVELS)
+    return parser
+
+
+def resolve_options(args: argparse.Namespace, env: dict[str, str],
+                    parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Command line, else SLEEPSERVE_<FLAG>, else the default."""
+    values: dict[str, Any] = {"model": args.model if args.model is not None else env.get(ENV_PREFIX + "MODEL")}
+    from_cli = {o.dest for o in SERVE_OPTIONS if getattr(args, o.dest) is not None}
+    for opt in SERVE_OPTIONS:
+        value = getattr(args, opt.dest)
+        raw = env.get(opt.env)
+        # The two KV-size flags exclude each other: one given on the command line hides the other's env.
+        other_on_cli = opt.dest in _EXCLUSIVE and any(d in from_cli for d in _EXCLUSIVE if d != opt.dest)
+        if value is None and raw is not None and not other_on_cli:
+            try:
+                value = opt.type(raw)
+            except ValueError as e:
+                parser.error(f"{opt.env}={raw!r}: {e}")
+            if opt.choices and value not in opt.choices:
+                parser.error(f"{opt.env}={raw!r}: choose from {', '.join(opt.choices)}")
+        values[opt.dest] = opt.default if value is None else value
+    if not from_cli & set(_EXCLUSIVE) and all(env.get(ENV_PREFIX + d.upper()) for d in _EXCLUSIVE):
+        parser.error(f"{ENV_PREFIX}KV_CACHE_MEMORY and {ENV_PREFIX}GPU_MEMORY_UTILIZATION are both set; "
+                     "keep one")
+    return values
+
+
+def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(ServerSettings, EngineConfig keyword arguments)."""
+    from server.api.settings import ServerSettings
+
+    settings = ServerSettings(host=values["host"], port=values["port"], api_key=values["api_key"] or None,
+                              admin_api_key=values["admin_api_key"] or None, dev_mode=values["dev_mode"],
+                              log_level=values["log_level"])
+    engine = {
+        "model": values["model"] or None, "device": values["device"], "dtype": values["dtype"],
+        "max_model_len": values["max_model_len"], "max_num_seqs": values["max_num_seqs"],
+        "max_num_batched_tokens": values["max_num_batched_tokens"], "block_size": values["block_size"],
+        "kv_cache_memory": values["kv_cache_memory"], "gpu_memory_utilization": values["gpu_memory_utilization"],
+        "load_format": values["load_format"], "served_model_name": values["served_model_name"],
+        "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
+        "seed": values["seed"], "offload_dir": values["offload_dir"],
+    }
+    return settings, engine
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    settings, engine_kwargs = split_options(resolve_options(args, dict(os.environ), parser))
+    from server.app import serve  # heavy: torch, transformers, FastAPI
+    from server.config import EngineConfig
+
+    try:
+        config = EngineConfig(**engine_kwargs)
+    except ValueError as e:
+        parser.error(str(e))
+    return serve(settings, config)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from server.logging_setup import configure_logging
+    from server.model.default_model import ModelNotFoundError
+    from server.model.loader import resolve_model
+
+    configure_logging(args.log_level)
+    model = args.model if args.model is not None else os.environ.get(ENV_PREFIX + "MODEL")
+    try:
+        folder = resolve_model(model or None).folder
+    except (ModelNotFoundError, OSError, ValueError) as e:
+        print(f"sleepserve prepare: error: {e}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args, args.parser)
+    if args.command == "prepare":
+        return _prepare(args)
+    parser.print_help()
+    return 2
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()
