@@ -96,11 +96,12 @@ class AsyncEngine:
             report = self.core.sleep(plan)
         except BaseException as e:
             self.core.draining = False
+            self.state = self.core.sleep_state()
             done(None, e)
         else:
+            self.state = self.core.sleep_state()  # before done(): the caller reads it next
             self._notify("sleep", report)
             done(report, None)
-        self.state = self.core.sleep_state()
 
     def _notify(self, kind: str, report: dict) -> None:
         for fn in self.on_transition:
@@ -129,12 +130,17 @@ class AsyncEngine:
             loop.call_soon_threadsafe(apply)
 
         def cmd() -> None:
+            result: Any = None
+            error: BaseException | None = None
             try:
                 result = fn(self.core)
             except BaseException as e:
-                settle(None, e)
-            else:
-                settle(result, None)
+                error = e
+            # Refresh the snapshot before the caller resumes: a handler that awaited a wake must not
+            # see the pre-wake state in unavailable_reason() (a spurious 503) or in /is_sleeping.
+            self.state = self.core.sleep_state()
+            self.stats = self.core.stats()
+            settle(result, error)
 
         self._commands.put(cmd)
         self._wake.set()
