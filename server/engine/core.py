@@ -350,6 +350,10 @@ class EngineCore:
             check_checkpoint(self.model, describe(named), require_all=False)
             loaded = copy_weights(self.model, named.items())
             source = "tensors"
+        elif path is None and self.config.load_format == "dummy":
+            # "Reload the served checkpoint" of a dummy model: the same seeded random weights.
+            init_dummy_weights(self.model, self.config.seed)
+            loaded, source = parameter_names(self.model), "dummy"
         else:
             folder = Path(path).expanduser() if path else self.model_path
             files = safetensors_files(folder)

@@ -58,6 +58,10 @@ def converted_folder(gguf: Path) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         _convert(gguf, scratch)
+        # mkdtemp made it private; the cache is shared (a container's non-root user reads it).
+        scratch.chmod(0o755)
+        for f in scratch.iterdir():
+            f.chmod(0o644)
         try:
             scratch.rename(target)
         except OSError:  # another process won the race; its copy is as good as ours

@@ -1,0 +1,176 @@
+"""Decode throughput of sleepserve against Hugging Face transformers' generate, same model, same run.
+
+CPU (default): the embedded SmolLM2-135M in fp32, 1 and 8 concurrent requests, against generate at
+batch 1. CUDA: a ~1.2B bf16 Llama with random weights at batch 1, 8 and 64, against generate at the
+same batch sizes and against the HBM roofline (weight bytes / device copy bandwidth, measured now).
+
+    python bench/throughput.py --device cpu
+    python bench/throughput.py --device cuda --model llama-1b --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
+
+from bench.common import copy_bandwidth, hardware, now_iso, sync, table, timed, write_json
+from bench.models import model_folder
+
+PROMPT_LEN = 32
+
+
+def prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Avoid the first ids (special tokens) so prompts look like ordinary text to the tokenizer.
+    return torch.randint(1000, min(vocab, 40000), (batch, PROMPT_LEN), generator=g).tolist()
+
+
+def engine_decode_rate(llm, batch: int, new_tokens: int, device: torch.device) -> dict:
+    """Tokens/s of the decode phase (first token of every request out → all done), and end to end."""
+    from server import SamplingParams
+
+    core = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [f"bench-{batch}-{i}" for i in range(batch)]
+    t_start = time.perf_counter()
+    for rid, p in zip(ids, prompts(batch, core.model_config.vocab_size, batch)):
+        core.add_request(rid, prompt_token_ids=p, params=params)
+    reqs = [core.requests[r] for r in ids]
+    while any(r.first_token_time is None for r in reqs):
+        core.step()
+    sync(device)
+    t_first = time.perf_counter()
+    while core.has_unfinished:
+        core.step()
+    sync(device)
+    t_end = time.perf_counter()
+    return {"decode_tok_s": batch * (new_tokens - 1) / (t_end - t_first),
+            "e2e_tok_s": batch * new_tokens / (t_end - t_start)}
+
+
+def hf_decode_rate(model, batch: int, new_tokens: int, vocab: int, device: torch.device) -> dict:
+    ids = torch.tensor(prompts(batch, vocab, batch), device=device)
+    kw = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        t_prefill = timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), device)
+        t_full = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw),
+                       device)
+    return {"decode_tok_s": batch * (new_tokens - 1) / max(t_full - t_prefill, 1e-9),
+            "e2e_tok_s": batch * new_tokens / t_full}
+
+
+def load_hf(folder: Path, dtype: torch.dtype, device: torch.device, our_model=None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if our_model is None:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    # Dummy weights: the same values as ours, copied by name, so both run the very same model.
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {n: p for n, p in our_model.named_parameters()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    return model.eval()
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    batches = [r["batch"] for r in rows]
+    x = range(len(batches))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([i - 0.2 for i in x], [r["sleepserve_tok_s"] for r in rows], 0.4, label="sleepserve")
+    ax.bar([i + 0.2 for i in x], [r["hf_tok_s"] for r in rows if r["hf_tok_s"] is not None] +
+           [0] * sum(r["hf_tok_s"] is None for r in rows), 0.4, label="transformers generate")
+    if result.get("roofline_tok_s_batch1"):
+        ax.axhline(result["roofline_tok_s_batch1"], color="k", ls="--", lw=1, label="HBM roofline, batch 1")
+    ax.set_xticks(list(x), [f"batch {b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{result['model']} on {result['hardware'].split(',')[0]}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default=None, help="llama-1b / llama-8b (dummy weights) or a folder; "
+                                                  "default: the embedded SmolLM2 on CPU, llama-1b on CUDA")
+    ap.add_argument("--batches", default=None, help="comma-separated; default 1,8 (CPU) or 1,8,64 (CUDA)")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+
+    from server import LLM
+
+    device = torch.device(args.device)
+    batches = [int(b) for b in (args.batches or ("1,8" if device.type == "cpu" else "1,8,64")).split(",")]
+    new_tokens = args.new_tokens or (64 if device.type == "cpu" else 256)
+    dummy = device.type == "cuda" and args.model in (None, "llama-1b", "llama-8b", "llama-tiny")
+    if dummy:
+        name = args.model or "llama-1b"
+        folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=4096)
+        llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_num_seqs=max(batches),
+                  max_model_len=2048)
+    else:
+        name = args.model or "SmolLM2-135M-Instruct"
+        llm = LLM(model=args.model, device=args.device, max_num_seqs=max(batches))
+        folder = llm.engine.model_path
+    dtype = llm.engine.dtype
+    vocab = llm.engine.model_config.vocab_size
+    engine_decode_rate(llm, max(batches), 8, device)  # warm-up: allocator, kernels, graphs
+
+    hf = load_hf(folder, dtype, device, llm.engine.model if dummy else None)
+    hf_batches = batches if device.type == "cuda" else [1]
+    rows = []
+    for b in batches:
+        ours = engine_decode_rate(llm, b, new_tokens, device)
+        ref = hf_decode_rate(hf, b, new_tokens, vocab, device) if b in hf_batches else None
+        rows.append({"batch": b, "sleepserve_tok_s": ours["decode_tok_s"], "sleepserve_e2e_tok_s": ours["e2e_tok_s"],
+                     "hf_tok_s": ref["decode_tok_s"] if ref else None})
+    hf_b1 = next(r["hf_tok_s"] for r in rows if r["batch"] == 1) if 1 in hf_batches else None
+    for r in rows:
+        same = r["hf_tok_s"]
+        r["x_vs_hf_same_batch"] = r["sleepserve_tok_s"] / same if same else None
+        r["x_vs_hf_batch1"] = r["sleepserve_tok_s"] / hf_b1 if hf_b1 else None
+
+    result = {"date": now_iso(), "hardware": hardware(device), "model": name, "dtype": str(dtype).split(".")[-1],
+              "parameters": sum(p.numel() for p in llm.engine.model.parameters()), "new_tokens": new_tokens,
+              "prompt_tokens": PROMPT_LEN, "rows": rows}
+    if device.type == "cuda":
+        bw = copy_bandwidth(device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+        result.update(copy_bandwidth_GBs=bw / 1e9, weight_bytes=weight_bytes, roofline_tok_s_batch1=bw / weight_bytes)
+        result["batch1_fraction_of_roofline"] = rows[0]["sleepserve_tok_s"] / result["roofline_tok_s_batch1"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out, f"throughput-{device.type}", result)
+    plot(result, args.out / f"throughput-{device.type}.png")
+    llm.close()
+
+    print(f"\nthroughput ({result['model']}, {result['dtype']}, {result['hardware']}, {result['date']})")
+    print(table([[r["batch"], f"{r['sleepserve_tok_s']:.1f}", f"{r['hf_tok_s']:.1f}" if r["hf_tok_s"] else "-",
+                  f"{r['x_vs_hf_same_batch']:.2f}x" if r["x_vs_hf_same_batch"] else "-",
+                  f"{r['x_vs_hf_batch1']:.2f}x" if r["x_vs_hf_batch1"] else "-"] for r in rows],
+                ["batch", "sleepserve tok/s", "HF generate tok/s", "vs HF same batch", "vs HF batch 1"]))
+    if device.type == "cuda":
+        print(f"HBM roofline at batch 1: {result['roofline_tok_s_batch1']:.0f} tok/s "
+              f"({result['weight_bytes'] / 1e9:.2f} GB of weights at {result['copy_bandwidth_GBs']:.0f} GB/s); "
+              f"sleepserve reaches {100 * result['batch1_fraction_of_roofline']:.0f}% (target 60%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
+# Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
+# goes under $OUT (default ./gpu-results). Stages: tests pool throughput sleepwake e2e (default: all).
+#   make gpu-check ARGS="tests pool"
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-results}
+RESULTS="$OUT/results"
+mkdir -p "$RESULTS"
+LOG="$OUT/gpu_check.log"
+export PYTHONUNBUFFERED=1
+export SLEEPSERVE_TOKENIZER_DIR=${SLEEPSERVE_TOKENIZER_DIR:-$PWD/.gpu_assets/tokenizer}
+export SLEEPSERVE_CACHE=${SLEEPSERVE_CACHE:-/tmp/sleepserve-cache}
+# The device image lacks the web stack: carried wheels (shared/tools/device-wheels.sh) fill it in.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PY:-python3}
+stages=${*:-tests pool throughput sleepwake e2e}
+failed=()
+
+run() {  # run NAME CMD...: log everything, print the tail, remember failures
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*" | tee -a "$LOG"
+  "$@" >> "$LOG" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  [ $rc -eq 0 ] || failed+=("$name")
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv; \
+  $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee -a "$LOG"
+run build $PY -m allocator.build --strict
+for stage in $stages; do
+  case $stage in
+    tests)      run tests $PY -m pytest -m gpu -q -x --timeout=900 tests/gpu -p no:cacheprovider ;;
+    pool)       run pool $PY bench/pool_table.py --out "$RESULTS" ;;
+    throughput) run throughput $PY bench/throughput.py --device cuda --model llama-1b --out "$RESULTS" ;;
+    sleepwake)  run sleepwake $PY bench/sleep_wake.py --device cuda --out "$RESULTS" ;;
+    e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
+    *) echo "unknown stage $stage"; failed+=("$stage") ;;
+  esac
+done
+# The device tool returns few files: pack the results into one archive beside the log.
+tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
+echo "=== tables"
+grep -h -A14 -E "^(pool table|throughput|sleep/wake|end to end)" "$LOG" || true
+if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi
+echo "gpu-check: all stages passed"

@@ -1,0 +1,47 @@
+"""Measure the activation memory of the largest step, so the KV cache gets the rest (CUDA only)."""
+from __future__ import annotations
+
+import torch
+
+from server.model.attention import AttentionContext, PrefillSpan
+from server.model.llama import LlamaForCausalLM
+
+
+@torch.inference_mode()
+def measure_activation_peak(model: LlamaForCausalLM, num_tokens: int, block_size: int,
+                            dtype: torch.dtype, num_logit_rows: int = 256) -> int:
+    """Bytes above the current allocation that one forward over num_tokens (one prompt, the
+    worst case for attention) plus sampling-sized logits needs. Its scratch cache is freed after."""
+    dev = model.output_weight().device
+    cfg = model.config
+    n = min(num_tokens, model.max_positions)
+    blocks = -(-n // block_size) + 1
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    scratch = torch.zeros((cfg.num_layers, 2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+                          dtype=dtype, device=dev)
+    saved = [(l.self_attn.k_cache, l.self_attn.v_cache) for l in model.model.layers]
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.k_cache, layer.self_attn.v_cache = scratch[i, 0], scratch[i, 1]
+    try:
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        table = torch.arange(1, blocks, dtype=torch.int32, device=dev)
+        slots = (table.long()[:, None] * block_size + torch.arange(block_size, device=dev)).flatten()[:n]
+        ctx = AttentionContext(slot_mapping=slots, num_decode_tokens=0,
+                               block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
+                               context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+                               max_decode_context=0, prefills=[PrefillSpan(0, n, n, table)])
+        ids = torch.randint(0, cfg.vocab_size, (n,), device=dev)
+        hidden = model(ids, torch.arange(n, device=dev), ctx)
+        logits = model.compute_logits(hidden[-min(n, num_logit_rows):])
+        # The sampler's sort for top-p/top-k holds about two more copies of the logits.
+        _ = logits.sort(-1, descending=True)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+    finally:
+        for layer, (k, v) in zip(model.model.layers, saved):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        del scratch
+        torch.cuda.empty_cache()
+    return int(peak)

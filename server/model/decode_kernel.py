@@ -1,0 +1,83 @@
+"""Fused paged decode attention in Triton: one program per (sequence, KV head).
+
+Each program loads its KV head's pages once and serves every query head of the group (GQA), so
+K/V bytes are read once per step: decode attention is bound by those bytes, not by arithmetic.
+Pages are gathered a tile at a time (several blocks per iteration) to keep enough loads in flight.
+Context lengths are read on the device, so the launch is the same for every step and can be
+captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+                  stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    ctx = tl.load(lens_ptr + seq)
+    g = tl.arange(0, PADDED_GROUP)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None], other=0.0)
+    m = tl.full([PADDED_GROUP], float("-inf"), tl.float32)
+    l = tl.zeros([PADDED_GROUP], tl.float32)
+    acc = tl.zeros([PADDED_GROUP, HEAD_DIM], tl.float32)
+    t = tl.arange(0, TILE)
+    start = 0
+    # A while loop rather than range(): Triton's CPU interpreter (which runs this kernel in CI)
+    # cannot iterate up to a bound loaded from memory.
+    while start < ctx:
+        tok = start + t
+        valid = tok < ctx
+        block = tl.load(tables_ptr + seq * stride_tb + tok // BLOCK_SIZE, mask=valid, other=0)
+        offs = block[:, None] * stride_kb + (tok % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+        start += TILE
+    out = acc / l[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+
+
+def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            max_context: int | None = None) -> torch.Tensor:
+    """Same contract as attention.decode_attention_torch: q [B, H, D] -> [B, H, D]."""
+    B, H, D = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = H // kv_heads
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    # tl.dot needs at least 16 rows; padded heads are masked out on load and store.
+    padded = max(16, triton.next_power_of_2(group))
+    tile = max(64, block_size)
+    _paged_decode[(B, kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, PADDED_GROUP=padded, HEAD_DIM=D, BLOCK_SIZE=block_size, TILE=tile,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )
+    return out

@@ -1,0 +1,27 @@
+"""The compiled Triton kernel on the GPU against the PyTorch reference, bf16 and fp16, at model shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernel_cases import random_case, relative_error
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim, block_size, max_len", [
+    (1, 32, 8, 64, 16, 1),
+    (7, 32, 8, 64, 16, 517),
+    (64, 32, 8, 64, 16, 300),
+    (16, 32, 8, 128, 16, 2049),
+    (8, 28, 4, 128, 32, 1000),
+    (3, 9, 3, 64, 16, 4095),
+])
+def test_kernel_matches_reference(dtype, batch, heads, kv_heads, head_dim, block_size, max_len):
+    from server.model.decode_kernel import triton_decode_attention
+
+    for seed in range(3):  # fresh inputs each time: the kernel must compute the function, not one case
+        case = random_case(batch, heads, kv_heads, head_dim, block_size, max_len, dtype, "cuda", seed)
+        err = relative_error(triton_decode_attention, case, head_dim ** -0.5)
+        assert err < 1e-2, f"relative error {err:.2e}"
