@@ -1,14 +1,15 @@
-"""The OpenAI-compatible routes under /v1, all behind --api-key when one is set."""
+"""The OpenAI-compatible routes under /v1 (and vLLM's /tokenize, /detokenize), all behind --api-key."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from server.api import chat, completions
+from server.api import chat, completions, tokenize
 from server.api.auth import require_api_key
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 router.include_router(completions.router)
 router.include_router(chat.router)
+router.include_router(tokenize.router)
 
 
 @router.get("/v1/models")

@@ -1,0 +1,60 @@
+"""POST /tokenize and /detokenize (vLLM's extras): what the server's tokenizer makes of a text.
+
+Run on the engine thread, which owns the tokenizer; they work while the engine sleeps.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from server.api import generation
+from server.api.body import parse_body
+from server.api.schemas import ChatMessage, _Body
+from server.engine.params import InvalidRequestError
+
+router = APIRouter()
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    body = await parse_body(request, TokenizeRequest)
+    generation.check_model(request, body.model)
+    engine = request.app.state.engine
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        if not body.messages:
+            raise InvalidRequestError("messages is empty; send at least one message", "messages")
+        msgs = [m.template_dict(i) for i, m in enumerate(body.messages)]
+        ids = await engine.call(lambda core: core.encode_chat(msgs, add_generation_prompt=body.add_generation_prompt))
+    else:
+        text = body.prompt
+        ids = await engine.call(lambda core: core.tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids)
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    body = await parse_body(request, DetokenizeRequest)
+    generation.check_model(request, body.model)
+    engine = request.app.state.engine
+    vocab = engine.core.model_config.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise InvalidRequestError(f"token ids must be in [0, {vocab})", "tokens")
+    text = await engine.call(lambda core: core.tokenizer.decode(body.tokens))
+    return {"prompt": text}

@@ -1,0 +1,153 @@
+"""Starts the real server (`python -m server serve ...`) as a subprocess on a free loopback port.
+
+Servers are shared: `shared_server(name, args)` starts one the first time a test module asks for it
+and keeps it for the rest of the pytest run (start-up costs about 10 s on CPU; CI has 2 cores).
+Tests that change server state (sleep, pause) must leave it serving again.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 240.0  # a first run converts the default model (about 40 s) before serving
+# Small limits keep CPU tests fast: a short context makes over-context prompts cheap to build.
+BASE_ARGS = ["--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--log-level", "info"]
+# Flags come from the environment too; the test's command line must be all the server sees.
+_KEEP_ENV = {"SLEEPSERVE_CACHE", "SLEEPSERVE_BACKUP_DIR"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLEEPSERVE_") or k in _KEEP_ENV}
+    env["PYTHONPATH"] = str(REPO)  # this checkout, never a stray sitecustomize
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, api_key: str | None = None):
+        self.args = list(args)
+        self.env = env
+        self.api_key = api_key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="sleepserve-test-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "server", "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(self.env), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def headers(self, key: str | None = None) -> dict[str, str]:
+        key = key or self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def client(self, timeout: float = 120.0, key: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout, headers=self.headers(key))
+
+    def async_client(self, timeout: float = 120.0) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=self.headers(),
+                                 limits=httpx.Limits(max_connections=200, max_keepalive_connections=100))
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample from /metrics, e.g. metric("sleepserve_kv_cache_blocks_used")."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+        if m is None:
+            raise AssertionError(f"{name}{labels} is not in /metrics")
+        return float(m.group(1))
+
+
+_shared: dict[str, ServerProcess] = {}
+
+
+def shared_server(name: str, args: list[str], api_key: str | None = None) -> ServerProcess:
+    server = _shared.get(name)
+    if server is None or not server.alive:
+        server = ServerProcess([*BASE_ARGS, *args], api_key=api_key).start()
+        _shared[name] = server
+    return server
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in _shared.values():
+        server.stop()
+
+
+def wait_for(condition, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+    """Poll until condition() is truthy; return its value, or fail saying what was awaited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+# The main server: an API key, no dev routes. The dev server: dev routes behind an admin key.
+MAIN_KEY = "sk-test-main"
+DEV_KEY = "sk-test-dev"
+ADMIN_KEY = "sk-test-admin"
+
+
+def main_server() -> ServerProcess:
+    return shared_server("main", ["--api-key", MAIN_KEY, "--served-model-name", "smol"], api_key=MAIN_KEY)
+
+
+def dev_server() -> ServerProcess:
+    return shared_server("dev", ["--api-key", DEV_KEY, "--admin-api-key", ADMIN_KEY, "--dev-mode"],
+                         api_key=DEV_KEY)
