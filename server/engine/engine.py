@@ -59,7 +59,9 @@ class AsyncEngine:
         core = self.core
         while not self._stop:
             self._drain_commands()
-            if self._pending_sleep is not None and not core.has_unfinished:
+            # Only mode=wait waits for the requests in flight; abort and keep sleep at once (between steps).
+            pending = self._pending_sleep
+            if pending is not None and (pending[0].mode != "wait" or not core.has_unfinished):
                 self._finish_sleep()
             if core.can_step:
                 try:
