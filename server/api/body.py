@@ -70,8 +70,6 @@ def _loc(loc: Sequence[Any]) -> tuple[str, str, list[str]]:
     """(dotted field path, the path up to the first union member, union members named in loc)."""
     out, tags, field = "", [], None
     for part in loc:
-        if part in ("body", "query", "path", "header"):
-            continue
         if _is_type_tag(part):
             tags.append(part)
             field = out if field is None else field
@@ -87,8 +85,11 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """(message, param) for the first problem, with the rest counted: one clear thing to fix at a time."""
+def describe_validation_error(errors: Sequence[Any], fastapi: bool = False) -> tuple[str, str | None]:
+    """(message, param) for the first problem, with the rest counted: one clear thing to fix at a time.
+    fastapi: the locs start with where the value came from ("query", "body"), which is dropped."""
+    if fastapi:
+        errors = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in errors]
     if not errors:
         return "the request is invalid", None
     first = errors[0]

@@ -90,7 +90,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # FastAPI's own validation covers query parameters (the dev routes); bodies are parsed in body.py.
         from server.api.body import describe_validation_error
 
-        message, param = describe_validation_error(exc.errors())
+        message, param = describe_validation_error(exc.errors(), fastapi=True)
         return error_response(400, message, param)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,0 +1,324 @@
+"""Sleep mode end to end through the real server's dev routes (DESIGN.md, "Sleep semantics")."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from http_server import ADMIN_KEY, DEV_KEY, dev_server, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+# Over 16 tokens, so it fills a KV block and can hit the prefix cache.
+PROMPT = "The history of the city of Paris, the capital of France, begins with a small settlement on an island"
+
+
+@pytest.fixture(scope="module")
+def server():
+    return dev_server()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def admin(server, method: str, path: str, **kwargs) -> httpx.Response:
+    return httpx.request(method, server.url + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                         timeout=120, **kwargs)
+
+
+def state(server) -> dict:
+    r = admin(server, "GET", "/is_sleeping")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(autouse=True)
+def leave_serving(server):
+    """Whatever a test did, the next one starts from an awake server with valid weights."""
+    yield
+    s = state(server)
+    if s["draining"]:
+        wait_for(lambda: not state(server)["draining"], timeout=60, what="the drain to end")
+        s = state(server)
+    if s["sleeping_tags"] or s["paused"]:
+        assert admin(server, "POST", "/wake_up").status_code == 200
+    if not state(server)["weights_valid"]:
+        assert admin(server, "POST", "/update_weights").status_code == 200
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def generate(client, max_tokens: int = 8, **extra) -> dict:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                                             "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def greedy(client, max_tokens: int = 8) -> str:
+    return generate(client, max_tokens)["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def reference(client) -> str:
+    return greedy(client)
+
+
+def assert_refused(client, code: str, words: str) -> None:
+    start = time.monotonic()
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+    elapsed = time.monotonic() - start
+    assert r.status_code == 503, r.text
+    assert int(r.headers["Retry-After"]) > 0
+    err = r.json()["error"]
+    assert err["code"] == code and words in err["message"], err
+    assert elapsed < 1.0, f"a refusal should be immediate, took {elapsed:.2f} s"
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 503 and chat.json()["error"]["code"] == code
+
+
+def rss_bytes(server) -> int | None:
+    status = Path(f"/proc/{server.proc.pid}/status")
+    if not status.exists():
+        return None
+    line = next(ln for ln in status.read_text().splitlines() if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+# -- access ------------------------------------------------------------------------------------
+
+
+def test_dev_routes_need_the_admin_key(server):
+    for headers in ({}, {"Authorization": f"Bearer {DEV_KEY}"}):  # the API key is not the admin key
+        r = httpx.post(server.url + "/sleep", headers=headers)
+        assert r.status_code == 401 and "--admin-api-key" in r.json()["error"]["message"]
+        assert httpx.get(server.url + "/is_sleeping", headers=headers).status_code == 401
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"},
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}).status_code == 401
+    assert state(server)["is_sleeping"] is False
+
+
+# -- level 1 and level 2 cycles ----------------------------------------------------------------
+
+
+def test_level1_cycle_refuses_then_serves_the_same_output(server, client, reference):
+    rss_awake = rss_bytes(server)
+    r = admin(server, "POST", "/sleep?level=1")
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes_offloaded"] > 100e6 and r.json()["state"]["is_sleeping"] is True
+    s = state(server)
+    assert s["is_sleeping"] and s["level"] == 1 and set(s["sleeping_tags"]) == {"weights", "kv_cache"}
+    assert s["tag_states"]["weights"] == "offloaded" and s["tag_states"]["kv_cache"] == "discarded"
+    if rss_awake is not None:  # the pages really went back to the OS
+        assert rss_bytes(server) < rss_awake - 300e6, (rss_awake, rss_bytes(server))
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "sleeping"
+    assert server.metric("sleepserve_engine_state", '{state="sleeping"}') == 1
+    assert server.metric("sleepserve_tag_asleep", '{tag="weights"}') == 1
+    assert_refused(client, "sleeping", "wake it with POST /wake_up")
+
+    r = admin(server, "POST", "/wake_up")
+    assert r.status_code == 200, r.text
+    assert set(r.json()["woke"]) == {"weights", "kv_cache"} and r.json()["bytes_restored"] > 100e6
+    assert not state(server)["is_sleeping"]
+    first = generate(client)
+    assert first["choices"][0]["text"] == reference
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the KV went: so did its index
+    again = generate(client)
+    assert again["choices"][0]["text"] == reference
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # a prefix hit, and it is correct
+
+
+def test_level2_needs_update_weights_then_serves_the_same_output(server, client, reference):
+    assert admin(server, "POST", "/sleep", params={"level": 2}).status_code == 200
+    assert state(server)["weights_valid"] is False
+    assert admin(server, "POST", "/wake_up").status_code == 200
+    s = state(server)
+    assert not s["is_sleeping"] and s["weights_valid"] is False
+    assert httpx.get(server.url + "/health").json()["status"] == "weights_invalid"
+    assert_refused(client, "weights_invalid",
+                   "weights were discarded by sleep level 2; load weights with POST /update_weights")
+
+    r = admin(server, "POST", "/update_weights", json={"weight_version": "reloaded"})
+    assert r.status_code == 200, r.text
+    assert r.json()["weights_valid"] is True and r.json()["weight_version"] == "reloaded"
+    assert state(server)["weight_version"] == "reloaded"
+    assert greedy(client) == reference
+
+
+def test_rlhf_order_with_tags(server, client, reference):
+    assert admin(server, "POST", "/sleep?level=2").status_code == 200
+    r = admin(server, "POST", "/wake_up?tags=weights")
+    assert r.status_code == 200 and r.json()["woke"] == ["weights"]
+    assert state(server)["sleeping_tags"] == ["kv_cache"]
+    assert_refused(client, "sleeping", "kv_cache")
+    assert admin(server, "POST", "/update_weights").status_code == 200  # no body: reload the served checkpoint
+    assert admin(server, "POST", "/wake_up", params={"tags": "kv_cache"}).status_code == 200
+    assert greedy(client) == reference
+
+
+def test_pause_and_resume(server, client, reference):
+    r = admin(server, "POST", "/pause")
+    assert r.status_code == 200 and r.json()["level"] == 0
+    assert state(server)["paused"] and httpx.get(server.url + "/health").json()["status"] == "paused"
+    assert_refused(client, "paused", "POST /resume")
+    assert admin(server, "POST", "/resume").status_code == 200
+    assert greedy(client) == reference
+
+
+def test_memory_and_prefix_cache_reset(server):
+    mem = admin(server, "GET", "/memory").json()
+    assert mem["tags"]["weights"]["bytes"] > 100e6 and mem["tags"]["weights"]["state"] == "awake"
+    assert mem["device_total"] > 0 and 0 <= mem["device_free"] <= mem["device_total"]
+    assert admin(server, "POST", "/reset_prefix_cache").status_code == 200
+
+
+def test_sleep_metrics(server):
+    def count(name: str, labels: str = "") -> float:
+        try:
+            return server.metric(name, labels)
+        except AssertionError:
+            return 0.0
+
+    sleeps = count("sleepserve_sleep_seconds_count", '{level="1"}')
+    wakes = count("sleepserve_wake_seconds_count", '{level="1"}')
+    offloaded = count("sleepserve_sleep_offloaded_bytes_total")
+    restored = count("sleepserve_wake_restored_bytes_total")
+    assert admin(server, "POST", "/sleep?level=1").status_code == 200
+    assert admin(server, "POST", "/wake_up").status_code == 200
+    assert count("sleepserve_sleep_seconds_count", '{level="1"}') == sleeps + 1
+    assert count("sleepserve_wake_seconds_count", '{level="1"}') == wakes + 1
+    assert count("sleepserve_sleep_offloaded_bytes_total") > offloaded + 100e6
+    assert count("sleepserve_wake_restored_bytes_total") > restored + 100e6
+    assert count("sleepserve_pool_bytes", '{state="awake",tag="weights"}') > 100e6
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method,path,body,status,words", [
+    ("POST", "/sleep?level=3", None, 400, "level must be 0, 1 or 2"),
+    ("POST", "/sleep?level=one", None, 400, "level: Input should be a valid integer"),
+    ("POST", "/sleep?tags=gpu", None, 400, "unknown tag 'gpu'"),
+    ("POST", "/sleep?mode=later", None, 400, "mode must be one of abort, wait, keep"),
+    ("POST", "/wake_up", None, 409, "nothing to wake"),
+    ("POST", "/wake_up?tags=gpu", None, 400, "unknown tag"),
+    ("POST", "/update_weights", {"path": "/no/such/checkpoint"}, 400, "does not exist"),
+    ("POST", "/update_weights", b"{oops", 400, "not valid JSON"),
+    ("POST", "/update_weights", {"path": 5}, 400, "path: Input should be a valid string"),
+    ("GET", "/sleep", None, 405, "not allowed"),
+])
+def test_bad_dev_input_is_4xx_and_server_keeps_serving(server, client, reference, method, path, body, status,
+                                                       words):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    r = admin(server, method, path, **kwargs)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"], r.json()
+    assert greedy(client) == reference
+
+
+def test_update_weights_rejects_a_mismatched_checkpoint(server, client, reference, tmp_path):
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(tmp_path / "model.safetensors"))
+    r = admin(server, "POST", "/update_weights", json={"path": str(tmp_path)})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "weight_load_error"
+    assert greedy(client) == reference  # nothing was touched
+
+
+# -- in-flight requests --------------------------------------------------------------------------
+
+
+class Progress:
+    """What a stream has received so far, readable by the action that runs beside it."""
+
+    def __init__(self) -> None:
+        self.text, self.finish, self.done, self.chunks = "", None, False, 0
+
+
+async def _stream(server, max_tokens: int, after: int, action) -> tuple[Progress, object]:
+    """Stream PROMPT; after `after` chunks start `action(progress)` beside it. Returns (progress, its result)."""
+    progress, task = Progress(), None
+    async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=server.headers()) as client:
+        async with client.stream("POST", "/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    progress.done = True
+                    continue
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                progress.text += choice["text"]
+                progress.finish = choice["finish_reason"] or progress.finish
+                progress.chunks += 1
+                if progress.chunks == after:
+                    task = asyncio.create_task(action(progress))
+    return progress, (await task) if task else None
+
+
+async def _admin(server, method: str, path: str) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                 headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as c:
+        return await c.request(method, path)
+
+
+def test_mode_abort_ends_streams_with_abort(server):
+    async def sleep(progress: Progress) -> httpx.Response:
+        return await _admin(server, "POST", "/sleep?level=1")
+
+    progress, r = asyncio.run(_stream(server, 400, 3, sleep))
+    assert r.status_code == 200 and r.json()["aborted"] == 1
+    assert progress.finish == "abort" and progress.done and progress.chunks < 100
+
+
+def test_mode_keep_resumes_streams_after_wake(server, client):
+    expected = greedy(client, max_tokens=24)
+
+    async def sleep_then_wake(progress: Progress) -> dict:
+        slept = await _admin(server, "POST", "/sleep?level=1&mode=keep")
+        asleep_at = progress.chunks
+        unfinished = progress.finish is None  # the sleep did not wait for the request
+        await asyncio.sleep(0.5)  # not synchronization: a window in which nothing may arrive
+        frozen = progress.chunks == asleep_at
+        woke = await _admin(server, "POST", "/wake_up")
+        return {"codes": [slept.status_code, woke.status_code], "aborted": slept.json()["aborted"],
+                "unfinished": unfinished, "frozen": frozen}
+
+    progress, out = asyncio.run(_stream(server, 24, 3, sleep_then_wake))
+    assert out["codes"] == [200, 200] and out["aborted"] == 0
+    assert out["unfinished"] and out["frozen"], out
+    # After wake the request recomputed its KV and went on: the same text as an undisturbed run.
+    assert progress.text == expected and progress.finish == "length" and progress.done
+
+
+def test_mode_wait_drains_before_sleeping(server, client):
+    expected = greedy(client, max_tokens=16)
+
+    async def sleep_wait(progress: Progress) -> dict:
+        task = asyncio.create_task(_admin(server, "POST", "/sleep?level=1&mode=wait"))
+        await asyncio.to_thread(wait_for, lambda: state(server)["draining"], 10, 0.02, "the drain to start")
+        # While draining: new requests are refused, and a second sleep is a conflict.
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=server.headers()) as c:
+            refused = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        second = await _admin(server, "POST", "/sleep?level=1")
+        slept = await task
+        return {"refused": refused, "second": second, "slept": slept, "finished_first": progress.finish}
+
+    progress, out = asyncio.run(_stream(server, 16, 2, sleep_wait))
+    assert progress.text == expected and progress.finish == "length" and progress.done  # finished untouched
+    assert out["finished_first"] == "length"  # the sleep answered only after the request was done
+    assert out["refused"].status_code == 503 and out["refused"].json()["error"]["code"] == "draining"
+    assert out["second"].status_code == 409 and "already in progress" in out["second"].json()["error"]["message"]
+    assert out["slept"].status_code == 200 and out["slept"].json()["aborted"] == 0
+    assert state(server)["is_sleeping"]
