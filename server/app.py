@@ -101,6 +101,9 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
         timeout_graceful_shutdown=10, server_header=False))
     try:
         server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises Ctrl-C after its graceful shutdown; the shutdown is done, so no traceback.
+        return 130
     finally:
         if not app.state.shut_down:  # uvicorn never ran the lifespan (e.g. it could not bind)
             engine.shutdown()

@@ -174,7 +174,13 @@ class AsyncEngine:
         def on_output(out: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        await self.call(lambda core: core.add_request(request_id, prompt, prompt_token_ids, params, on_output))
+        try:
+            await self.call(lambda core: core.add_request(request_id, prompt, prompt_token_ids, params, on_output))
+        except asyncio.CancelledError:
+            # Cancelled while the add waited for a step to end: the add still runs, so undo it, or the
+            # request would run to max_tokens for nobody (abort is queued behind the add, FIFO).
+            await self.abort(request_id)
+            raise
         finished = False
         try:
             while not finished:
