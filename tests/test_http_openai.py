@@ -249,3 +249,22 @@ def test_access_log_has_status_and_latency(server, client):
     log = server.log_text()
     for needle in ("device cpu", "dtype float32", "KV cache:", "GiB", "max model len 1024", "dev routes: off"):
         assert needle in log, needle
+
+
+def test_streamed_logprobs_match_non_streamed(client):
+    whole = complete(client, prompt=PROMPT, max_tokens=5, logprobs=2)["choices"][0]["logprobs"]
+    with client.stream("POST", "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2, "stream": True}) as r:
+        chunks = [json.loads(d) for _, d in sse_events(r)[:-1]]
+    tokens, offsets = [], []
+    for c in chunks:
+        lp = c["choices"][0]["logprobs"]
+        tokens += lp["tokens"]
+        offsets += lp["text_offset"]
+    assert tokens == whole["tokens"] and offsets == whole["text_offset"]
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0, "stream": True,
+            "logprobs": True, "top_logprobs": 1}) as r:
+        chunks = [json.loads(d) for _, d in sse_events(r)[:-1]]
+    content = [row for c in chunks if c["choices"][0]["logprobs"] for row in c["choices"][0]["logprobs"]["content"]]
+    assert len(content) == 3 and all(len(row["top_logprobs"]) == 1 for row in content)
