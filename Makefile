@@ -36,5 +36,10 @@ bench: $(STAMP)
 gpu-check:
 	bash scripts/gpu_check.sh $(ARGS)
 
+# The Docker files, checked without Docker (hadolint, `docker-compose config`, install steps vs
+# this Makefile); `make test` runs the same tests. Building the image needs a Docker engine.
+lint-docker: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_docker.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info allocator/_lib
