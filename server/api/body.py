@@ -6,6 +6,7 @@ are not UTF-8 or JSON are vague; here each failure names the problem and the fie
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Sequence, TypeVar
 
 from fastapi import Request
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from server.api.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger("sleepserve.api")
 
 MAX_BODY_BYTES = 32 << 20  # a prompt far beyond any context still fits; a runaway upload does not
 
@@ -51,10 +53,13 @@ async def read_json(request: Request, allow_empty: bool = False) -> dict[str, An
 async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
     data = await read_json(request, allow_empty)
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         message, param = describe_validation_error(e.errors(include_url=False))
         raise APIError(400, message, param) from None
+    if body.model_extra:
+        log.debug("%s %s: ignoring unknown fields %s", request.method, request.url.path, sorted(body.model_extra))
+    return body
 
 
 # Pydantic names the member of a union that failed inside `loc` ("str", "list[str]"): noise for the

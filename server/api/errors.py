@@ -6,7 +6,6 @@ answered with a message that points at the log.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,8 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.state import engine_state_name
 from server.engine.errors import ConflictError, EngineDeadError, EngineUnavailableError, InvalidRequestError
-
-log = logging.getLogger("sleepserve.api")
+from server.model.loader import WeightLoadError
 
 # The `type` field, by status, following OpenAI's vocabulary.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -58,8 +56,6 @@ def unavailable_code(state: dict) -> str:
 
 def as_api_error(exc: BaseException, state: dict | None = None) -> APIError | None:
     """The APIError an engine exception stands for; None for an unexpected exception (a bug)."""
-    from server.model.loader import WeightLoadError  # imports torch: keep it out of module import
-
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
@@ -108,8 +104,6 @@ def install_error_handlers(app: FastAPI) -> None:
         # Starlette re-raises after this answer, so uvicorn logs the traceback once; do not log twice.
         return error_response(500, f"internal error ({type(exc).__name__}: {exc}); see the server log", None,
                               "internal_error")
-
-    from server.model.loader import WeightLoadError
 
     for cls in (APIError, InvalidRequestError, WeightLoadError, EngineUnavailableError, ConflictError,
                 EngineDeadError):

@@ -17,19 +17,16 @@ MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 INT32_MAX = 2 ** 31 - 1
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
+    # extra="allow" rather than "ignore": body.py logs the names it ignores, at debug level.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    @property
-    def ignored_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
 
-
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     """The sampling fields both routes share: OpenAI's, plus the extras vLLM users rely on."""
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -123,7 +120,7 @@ class CompletionRequest(_Sampling):
         return self.sampling_params(self.max_tokens, self.logprobs)
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -175,6 +172,6 @@ class ChatCompletionRequest(_Sampling):
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
-class UpdateWeightsRequest(_Body):
+class UpdateWeightsRequest(RequestBody):
     path: str | None = None
     weight_version: str | None = None

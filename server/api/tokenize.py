@@ -11,13 +11,13 @@ from pydantic import Field
 
 from server.api import generation
 from server.api.body import parse_body
-from server.api.schemas import ChatMessage, _Body
+from server.api.schemas import ChatMessage, RequestBody
 from server.engine.params import InvalidRequestError
 
 router = APIRouter()
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -25,7 +25,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int] = Field(min_length=0)
 
