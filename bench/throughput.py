@@ -123,7 +123,7 @@ def main() -> None:
     dummy = device.type == "cuda" and args.model in (None, "llama-1b", "llama-8b", "llama-tiny")
     if dummy:
         name = args.model or "llama-1b"
-        folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=4096)
+        folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
         llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_num_seqs=max(batches),
                   max_model_len=2048)
     else:

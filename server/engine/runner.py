@@ -24,13 +24,20 @@ KV_TAG = "kv_cache"
 
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    ctx: AttentionContext
-    sample_index: torch.Tensor       # rows of the flat batch whose logits are sampled
+class HostBatch:
+    """A step's inputs as plain lists, before they go to the device (in one copy)."""
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    decode_tables: list[list[int]]
+    decode_lens: list[int]
+    spans: list[tuple[int, int, int, list[int]]]   # (offset, new tokens, context length, block table)
+    sample_rows: list[int]                          # rows of the flat batch whose logits are sampled
     sample_seqs: list[Sequence]
-    decode_only: bool
+
+    @property
+    def decode_only(self) -> bool:
+        return not self.spans
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -69,71 +76,70 @@ class ModelRunner:
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch) -> HostBatch:
         bs = self.block_size
         # Decodes (one new token) first: they share one batched attention call.
         items = sorted(batch.items, key=lambda it: it[1] != 1)
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        spans: list[tuple[int, int, int, list[int]]] = []
+        hb = HostBatch([], [], [], [], [], [], [], [])
         for seq, n in items:
             start = seq.num_computed
-            offset = len(ids)
-            ids.extend(seq.token_ids[start:start + n])
-            pos.extend(range(start, start + n))
+            offset = len(hb.ids)
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+                hb.ids.append(seq.token_ids[start])
+                hb.positions.append(start)
+                hb.slots.append(table[start // bs] * bs + start % bs)
+                hb.decode_tables.append(table)
+                hb.decode_lens.append(start + 1)
             else:
-                spans.append((offset, n, start + n, table))
+                hb.ids.extend(seq.token_ids[start:start + n])
+                hb.positions.extend(range(start, start + n))
+                hb.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                hb.spans.append((offset, n, start + n, table))
             if start + n == seq.num_tokens:
-                sample_rows.append(offset + n - 1)
-                sample_seqs.append(seq)
-        dev = self.device
-        width = max((len(t) for t in decode_tables), default=1)
-        tables = torch.zeros((len(decode_tables), width), dtype=torch.int32)
-        for r, t in enumerate(decode_tables):
-            tables[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
+                hb.sample_rows.append(offset + n - 1)
+                hb.sample_seqs.append(seq)
+        return hb
+
+    def to_device(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+        """(input ids, positions, attention context, sample rows) on the device, from ONE host-to-
+        device copy: small copies each cost a round of driver overhead, and a step has many."""
+        T, nd = len(hb.ids), len(hb.decode_tables)
+        width = max((len(t) for t in hb.decode_tables), default=1)
+        flat = hb.ids + hb.positions + hb.slots + hb.decode_lens + hb.sample_rows
+        for t in hb.decode_tables:
+            flat += t
+            flat += [0] * (width - len(t))
+        for _, _, _, t in hb.spans:
+            flat += t
+        d = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)
+        o = 3 * T + nd + len(hb.sample_rows)
+        spans, cursor = [], o + nd * width
+        for offset, n, ctx_len, t in hb.spans:
+            spans.append(PrefillSpan(offset, n, ctx_len, d[cursor:cursor + len(t)]))
+            cursor += len(t)
         ctx = AttentionContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            num_decode_tokens=len(decode_tables),
-            block_tables=tables.to(dev, non_blocking=True),
-            context_lens=torch.tensor(decode_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            max_decode_context=max(decode_lens, default=0),
-            prefills=[PrefillSpan(o, n, c, torch.tensor(t, dtype=torch.int32).to(dev, non_blocking=True))
-                      for o, n, c, t in spans],
-        )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
-            ctx=ctx,
-            sample_index=torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
-            sample_seqs=sample_seqs,
-            decode_only=not spans,
-        )
+            slot_mapping=d[2 * T:3 * T], num_decode_tokens=nd,
+            block_tables=d[o:o + nd * width].view(nd, width), context_lens=d[3 * T:3 * T + nd],
+            max_decode_context=max(hb.decode_lens, default=0), prefills=spans)
+        return d[:T], d[T:2 * T], ctx, d[3 * T + nd:o]
 
     # -- execution -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def logits(self, inputs: StepInputs) -> torch.Tensor:
-        if inputs.decode_only and self.graphs is not None and self.graphs.covers(len(inputs.sample_seqs)):
-            return self.graphs.replay(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
-        return self.model.compute_logits(hidden[inputs.sample_index])
+    def logits(self, hb: HostBatch) -> torch.Tensor:
+        if hb.decode_only and self.graphs is not None and self.graphs.covers(len(hb.ids)):
+            return self.graphs.run(hb)
+        ids, positions, ctx, rows = self.to_device(hb)
+        hidden = self.model(ids, positions, ctx)
+        return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer
                 ) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
-        inputs = self.prepare(batch)
-        logits = self.logits(inputs)
-        if not inputs.sample_seqs:
+        hb = self.prepare(batch)
+        logits = self.logits(hb)
+        if not hb.sample_seqs:
             return []
-        tokens, logprobs = sample(logits, inputs.sample_seqs, eos_ids, tokenizer)
-        return list(zip(inputs.sample_seqs, tokens, logprobs))
+        tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer)
+        return list(zip(hb.sample_seqs, tokens, logprobs))

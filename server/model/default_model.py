@@ -42,9 +42,15 @@ def default_gguf_path() -> Path:
 
 
 def _cache_key(gguf: Path) -> str:
-    st = gguf.stat()
-    digest = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return f"{gguf.stem}-{digest}"
+    """Size plus a hash of the file's head and tail: stable across copies and image layers (which
+    may round modification times), cheap to compute, and different for any other checkpoint."""
+    size = gguf.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return f"{gguf.stem}-{h.hexdigest()[:12]}"
 
 
 def converted_folder(gguf: Path) -> Path:

@@ -5,6 +5,10 @@ Padding rows write their K/V into the null block (slot 0) and read one token, so
 nothing and touch no sequence's cache. Every buffer a graph reads or writes is pool memory under
 tag `cuda_graph`, so sleep backs it up, wake restores it, and the graphs replay as captured
 (DESIGN.md invariant 2: nothing is re-captured).
+
+A step's inputs travel in one host-to-device copy from a pinned staging buffer laid out as
+[ids | positions | slots | lengths | block tables, compact]; one device copy then spreads the
+tables into the graph's fixed-width table.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 from server.model.attention import AttentionContext
 
 if TYPE_CHECKING:
-    from server.engine.runner import ModelRunner, StepInputs
+    from server.engine.runner import HostBatch, ModelRunner
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -35,16 +39,17 @@ class DecodeGraphs:
         self.runner = runner
         self.buckets = buckets
         pool, dev = runner.pool, runner.device
-        largest = buckets[-1]
-        width = -(-runner.model.max_positions // runner.block_size)
-        self.input_ids = pool.empty((largest,), torch.long, GRAPH_TAG)
-        self.positions = pool.empty((largest,), torch.long, GRAPH_TAG)
-        self.slots = pool.empty((largest,), torch.long, GRAPH_TAG)
-        self.tables = pool.empty((largest, width), torch.int32, GRAPH_TAG)
-        self.lens = pool.empty((largest,), torch.int32, GRAPH_TAG)
-        for t in (self.input_ids, self.positions, self.slots, self.tables):
-            t.zero_()
+        B = self.largest = buckets[-1]
+        self.width = -(-runner.model.max_positions // runner.block_size)
+        # The staging area: the first 4*B entries are the graph's own ids/positions/slots/lengths.
+        self.stage = pool.empty((4 * B + B * self.width,), torch.long, GRAPH_TAG)
+        self.tables = pool.empty((B, self.width), torch.long, GRAPH_TAG)
+        self.stage.zero_()
+        self.tables.zero_()
+        self.input_ids, self.positions, self.slots, self.lens = (self.stage[i * B:(i + 1) * B] for i in range(4))
         self.lens.fill_(1)
+        self.host = torch.zeros(self.stage.shape, dtype=torch.long, pin_memory=True)
+        self.host_np = self.host.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.device = dev
@@ -82,17 +87,23 @@ class DecodeGraphs:
     def covers(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
 
-    def replay(self, inputs: "StepInputs") -> torch.Tensor:
-        n = inputs.input_ids.shape[0]
+    def run(self, hb: "HostBatch") -> torch.Tensor:
+        """Stage a decode batch, replay the graph of its bucket, return the sampled rows' logits."""
+        n, B, h = len(hb.ids), self.largest, self.host_np
         bucket = next(b for b in self.buckets if b >= n)
-        ctx = inputs.ctx
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
-        self.slots[:n].copy_(ctx.slot_mapping)
-        self.lens[:n].copy_(ctx.context_lens)
-        self.tables[:n, : ctx.block_tables.shape[1]].copy_(ctx.block_tables)
-        if bucket > n:
-            self.slots[n:bucket].zero_()
-            self.lens[n:bucket].fill_(1)
+        w = max(len(t) for t in hb.decode_tables)
+        for i, values in enumerate((hb.ids, hb.positions, hb.slots, hb.decode_lens)):
+            h[i * B:i * B + n] = values
+            h[i * B + n:i * B + bucket] = 1 if i == 3 else 0
+        base = 4 * B
+        h[base:base + bucket * w] = 0
+        for r, t in enumerate(hb.decode_tables):
+            h[base + r * w:base + r * w + len(t)] = t
+        used = base + bucket * w
+        # The host buffer is rewritten only after this step's results were read (a sync), so the
+        # asynchronous copy never races with the next fill.
+        self.stage[:used].copy_(self.host[:used], non_blocking=True)
+        self.tables[:bucket, :w].copy_(self.stage[base:used].view(bucket, w))
         self.graphs[bucket].replay()
-        return self.logits[bucket][inputs.sample_index]
+        logits = self.logits[bucket]
+        return logits[:n] if len(hb.sample_rows) == n else logits[hb.sample_rows]
