@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
 # Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
-# goes under $OUT (default ./gpu-results). Stages: tests pool throughput sleepwake e2e (default: all).
+# goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile sleepwake e2e (default: all).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-stages=${*:-tests pool throughput sleepwake e2e}
+stages=${*:-tests pool throughput profile sleepwake e2e}
 failed=()
 
 run() {  # run NAME CMD...: log everything, print the tail, remember failures
@@ -42,6 +42,7 @@ for stage in $stages; do
     pool)       run pool $PY bench/pool_table.py --out "$RESULTS" ;;
     throughput) run throughput $PY bench/throughput.py --device cuda --model llama-1b --out "$RESULTS" ;;
     sleepwake)  run sleepwake $PY bench/sleep_wake.py --device cuda --out "$RESULTS" ;;
+    profile)    run profile $PY bench/step_profile.py --out "$RESULTS" ;;
     e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
     *) echo "unknown stage $stage"; failed+=("$stage") ;;
   esac
@@ -49,6 +50,6 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A14 -E "^(pool table|throughput|sleep/wake|end to end)" "$LOG" || true
+grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end)" "$LOG" || true
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi
 echo "gpu-check: all stages passed"
