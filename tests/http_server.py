@@ -112,10 +112,11 @@ class ServerProcess:
 _shared: dict[str, ServerProcess] = {}
 
 
-def shared_server(name: str, args: list[str], api_key: str | None = None) -> ServerProcess:
+def shared_server(name: str, args: list[str], api_key: str | None = None,
+                  env: dict[str, str] | None = None) -> ServerProcess:
     server = _shared.get(name)
     if server is None or not server.alive:
-        server = ServerProcess([*BASE_ARGS, *args], api_key=api_key).start()
+        server = ServerProcess([*BASE_ARGS, *args], env=env, api_key=api_key).start()
         _shared[name] = server
     return server
 
@@ -138,7 +139,8 @@ def wait_for(condition, timeout: float = 10.0, interval: float = 0.05, what: str
         time.sleep(interval)
 
 
-# The main server: an API key, no dev routes. The dev server: dev routes behind an admin key.
+# The main server: an API key, no dev routes. The dev server: dev routes behind an admin key, both
+# set through the environment (SLEEPSERVE_*), which test_http_cli checks reach the server.
 MAIN_KEY = "sk-test-main"
 DEV_KEY = "sk-test-dev"
 ADMIN_KEY = "sk-test-admin"
@@ -149,5 +151,5 @@ def main_server() -> ServerProcess:
 
 
 def dev_server() -> ServerProcess:
-    return shared_server("dev", ["--api-key", DEV_KEY, "--admin-api-key", ADMIN_KEY, "--dev-mode"],
-                         api_key=DEV_KEY)
+    return shared_server("dev", ["--api-key", DEV_KEY], api_key=DEV_KEY,
+                         env={"SLEEPSERVE_DEV_MODE": "1", "SLEEPSERVE_ADMIN_API_KEY": ADMIN_KEY})

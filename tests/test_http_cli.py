@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from http_server import REPO, ServerProcess, free_port, server_env
+import httpx
+from http_server import ADMIN_KEY, REPO, dev_server, free_port, server_env
 
 from server.cli import SERVE_OPTIONS, build_parser, resolve_options, split_options
 
@@ -109,17 +110,12 @@ def test_prepare_prints_the_model_folder():
 
 
 def test_environment_configures_a_real_server():
-    """SLEEPSERVE_DEV_MODE=1 and SLEEPSERVE_API_KEY reach the server (no flags for them)."""
-    server = ServerProcess(["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "64MiB"],
-                           env={"SLEEPSERVE_DEV_MODE": "1", "SLEEPSERVE_API_KEY": "env-key"}, api_key="env-key")
-    server.start()
-    try:
-        import httpx
-
-        assert httpx.get(server.url + "/v1/models").status_code == 401
-        assert httpx.get(server.url + "/v1/models", headers=server.headers()).status_code == 200
-        assert httpx.get(server.url + "/is_sleeping", headers=server.headers()).json()["is_sleeping"] is False
-    finally:
-        server.stop()
-    assert server.proc.returncode == 130, server.log_tail()  # SIGINT: a clean shutdown, the usual exit code
-    assert "Application shutdown complete" in server.log_text() and "Traceback" not in server.log_text()
+    """The dev server gets --dev-mode and --admin-api-key only as SLEEPSERVE_DEV_MODE=1 and
+    SLEEPSERVE_ADMIN_API_KEY (see http_server.dev_server); its clean shutdown is checked in test_http_sleep."""
+    server = dev_server()
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/v1/models", headers=server.headers()).status_code == 200
+    assert httpx.get(server.url + "/is_sleeping", headers=server.headers()).status_code == 401  # API key: no
+    admin = httpx.get(server.url + "/is_sleeping", headers=server.headers(ADMIN_KEY))
+    assert admin.status_code == 200 and admin.json()["is_sleeping"] is False
+    assert "sleep mode dev routes: on" in server.log_text()

@@ -42,6 +42,8 @@ def state(server) -> dict:
 def leave_serving(server):
     """Whatever a test did, the next one starts from an awake server with valid weights."""
     yield
+    if not server.alive:  # the shutdown test stopped it
+        return
     s = state(server)
     if s["draining"]:
         wait_for(lambda: not state(server)["draining"], timeout=60, what="the drain to end")
@@ -321,3 +323,11 @@ def test_mode_wait_drains_before_sleeping(server, client):
     assert out["second"].status_code == 409 and "already in progress" in out["second"].json()["error"]["message"]
     assert out["slept"].status_code == 200 and out["slept"].json()["aborted"] == 0
     assert state(server)["is_sleeping"]
+
+
+def test_zz_clean_shutdown_on_ctrl_c(server):
+    """Last in this module (the dev server is not used after it): SIGINT drains and exits cleanly."""
+    server.stop()
+    assert server.proc.returncode == 130, server.log_tail()  # the usual exit code after Ctrl-C
+    log = server.log_text()
+    assert "Application shutdown complete" in log and "Traceback" not in log, server.log_tail()
