@@ -304,20 +304,25 @@ def test_mode_keep_resumes_streams_after_wake(server, client):
 
 
 def test_mode_wait_drains_before_sleeping(server, client):
-    expected = greedy(client, max_tokens=16)
+    # Long enough (about 3 s on CPU) that the drain is still on while the requests below arrive.
+    expected = greedy(client, max_tokens=40)
 
     async def sleep_wait(progress: Progress) -> dict:
         task = asyncio.create_task(_admin(server, "POST", "/sleep?level=1&mode=wait"))
         await asyncio.to_thread(wait_for, lambda: state(server)["draining"], 10, 0.02, "the drain to start")
-        # While draining: new requests are refused, and a second sleep is a conflict.
+        # While draining: a second sleep is a conflict, and new requests are refused.
         async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=server.headers()) as c:
-            refused = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-        second = await _admin(server, "POST", "/sleep?level=1")
+            second, refused = await asyncio.gather(
+                _admin(server, "POST", "/sleep?level=1"),
+                c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}))
+        still_streaming = progress.finish is None
         slept = await task
-        return {"refused": refused, "second": second, "slept": slept, "finished_first": progress.finish}
+        return {"refused": refused, "second": second, "slept": slept, "still_streaming": still_streaming,
+                "finished_first": progress.finish}
 
-    progress, out = asyncio.run(_stream(server, 16, 2, sleep_wait))
+    progress, out = asyncio.run(_stream(server, 40, 2, sleep_wait))
     assert progress.text == expected and progress.finish == "length" and progress.done  # finished untouched
+    assert out["still_streaming"], "the stream ended before the checks: the drain window was too short"
     assert out["finished_first"] == "length"  # the sleep answered only after the request was done
     assert out["refused"].status_code == 503 and out["refused"].json()["error"]["code"] == "draining"
     assert out["second"].status_code == 409 and "already in progress" in out["second"].json()["error"]["message"]
