@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from .types import PoolError
 
 if TYPE_CHECKING:  # the CUDA side imports cuda-python, which CPU-only users need not load
-    from .driver import DeviceContext, Stream
+    from .driver import DeviceContext, Event, Stream
 
 # Big enough that per-call overhead vanishes (128 calls for 8 GiB), small enough that a 40 GiB
 # allocation is not one monolithic copy.
@@ -77,12 +77,14 @@ class PinnedBackup:
 
 
 class Copier:
-    """Chunked asynchronous copies between device allocations and pinned backups."""
+    """Chunked asynchronous copies between device allocations and pinned backups, on one stream
+    of our own."""
 
     def __init__(self, ctx: "DeviceContext", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self._ctx = ctx
-        self._chunk = chunk_bytes
+        self.chunk_bytes = chunk_bytes
         self._stream: "Stream | None" = None
+        self._events: list["Event"] = []  # reused by save_marked() across cycles
 
     def _get_stream(self) -> "Stream":
         if self._stream is None:
@@ -91,21 +93,52 @@ class Copier:
             self._stream = Stream(self._ctx)
         return self._stream
 
-    def _chunks(self, segments: Sequence[Segment]) -> Iterable[tuple[int, int, int]]:
-        for seg in segments:
-            for start in range(0, seg.size, self._chunk):
-                yield seg.ptr + start, seg.offset + start, min(self._chunk, seg.size - start)
+    def _event(self, i: int) -> "Event":
+        from .driver import Event
+
+        while len(self._events) <= i:
+            self._events.append(Event(self._ctx))
+        return self._events[i]
+
+    def _chunks(self, seg: Segment) -> Iterable[tuple[int, int, int]]:
+        for start in range(0, seg.size, self.chunk_bytes):
+            yield seg.ptr + start, seg.offset + start, min(self.chunk_bytes, seg.size - start)
 
     def save(self, backup: PinnedBackup) -> int:
         """Enqueue device-to-host copies of backup.layout; returns the bytes enqueued."""
+        return sum(seg.size for _, group in self.save_marked([backup], 0) for seg in group)
+
+    def save_marked(self, backups: Sequence[PinnedBackup],
+                    group_bytes: int) -> list[tuple["Event | None", list[Segment]]]:
+        """Enqueue device-to-host copies of every backup's layout, and after each group of
+        whole allocations of about group_bytes (0: a single group) record an event. Returns
+        [(event, segments whose copies are complete once it fires)] in stream order, so a caller
+        can release each group's device memory while later groups still copy."""
         from . import driver
 
-        stream, total = self._get_stream(), 0
+        stream = self._get_stream()
+        marks: list[tuple["Event | None", list[Segment]]] = []
+        group: list[Segment] = []
+        pending = 0
         with self._ctx.current():
-            for dev, off, n in self._chunks(backup.layout):
-                driver.copy_to_host_async(backup.ptr + off, dev, n, stream)
-                total += n
-        return total
+            for backup in backups:
+                for seg in backup.layout:
+                    for dev, off, n in self._chunks(seg):
+                        driver.copy_to_host_async(backup.ptr + off, dev, n, stream)
+                    group.append(seg)
+                    pending += seg.size
+                    if group_bytes and pending >= group_bytes:
+                        event = self._event(len(marks))
+                        event.record(stream)
+                        marks.append((event, group))
+                        group, pending = [], 0
+            if group:
+                event = None
+                if group_bytes:
+                    event = self._event(len(marks))
+                    event.record(stream)
+                marks.append((event, group))
+        return marks
 
     def restore(self, backup: PinnedBackup, segments: Sequence[Segment]) -> int:
         """Enqueue host-to-device copies of the given segments of backup.layout."""
@@ -113,9 +146,10 @@ class Copier:
 
         stream, total = self._get_stream(), 0
         with self._ctx.current():
-            for dev, off, n in self._chunks(segments):
-                driver.copy_to_device_async(dev, backup.ptr + off, n, stream)
-                total += n
+            for seg in segments:
+                for dev, off, n in self._chunks(seg):
+                    driver.copy_to_device_async(dev, backup.ptr + off, n, stream)
+                    total += n
         return total
 
     def wait(self) -> None:
@@ -123,6 +157,9 @@ class Copier:
             self._stream.synchronize()
 
     def close(self) -> None:
+        for event in self._events:
+            event.destroy()
+        self._events = []
         if self._stream is not None:
             self._stream.destroy()
             self._stream = None

@@ -5,10 +5,12 @@ two tags in one segment and a tag's sleep never unmaps another tag's memory. The
 records each segment under the tag the allocating thread set (pool.use) or, for allocations a
 CUDA graph capture routes to a pool, under the tag pool.graph_pool() named.
 
-Sleep: synchronize, copy offloaded tags to pinned backups on our own stream while discarded tags
-are unmapped, unmap the offloaded tags, then return torch's own caches (cuBLAS workspaces,
-cached blocks) to the driver so device memory really drops to a bare process's footprint.
-Wake: re-map offloaded tags and start their copies back, re-map discarded tags meanwhile, wait.
+Sleep: synchronize once, copy offloaded tags to pinned backups on our own stream, release the
+discarded tags while the copies run and each group of offloaded allocations as soon as its copies
+are done, then return torch's own caches (cuBLAS workspaces, cached blocks) and the driver's grown
+local memory, so device memory really drops to a bare process's footprint.
+Wake: map the discarded tags, then the offloaded ones group by group, each group's copies starting
+as soon as it is mapped; wait; restore the local memory.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from . import cumem
-from .backup import Copier, PinnedBackup
+from .backup import Copier, PinnedBackup, Segment
 from .driver import DeviceContext
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
@@ -68,8 +70,62 @@ class _ExpandableSegmentsOff:
 _expandable_off = _ExpandableSegmentsOff()
 
 
+def _groups(segments: Sequence[Segment], group_bytes: int) -> Iterator[list[Segment]]:
+    """Consecutive runs of whole segments of about group_bytes each (one run when 0)."""
+    group: list[Segment] = []
+    pending = 0
+    for seg in segments:
+        group.append(seg)
+        pending += seg.size
+        if group_bytes and pending >= group_bytes:
+            yield group
+            group, pending = [], 0
+    if group:
+        yield group
+
+
+class _Clock:
+    """Where a sleep or wake spends its time: wall-clock phases and the driver calls' totals
+    (bench/pool_diag.py reads backend.last_timings)."""
+
+    def __init__(self, lib: cumem.CuMemLibrary) -> None:
+        self._lib = lib
+        self._driver0 = lib.driver_stats(reset_max=True)
+        self._start = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def report(self) -> dict[str, Any]:
+        driver = {}
+        for op, (calls, ns, nbytes, longest) in self._lib.driver_stats().items():
+            calls0, ns0, bytes0, _ = self._driver0[op]
+            if calls != calls0:
+                driver[op] = {"calls": calls - calls0, "ms": (ns - ns0) / 1e6, "bytes": nbytes - bytes0,
+                              "longest_ms": longest / 1e6}
+        return {"total_ms": (self._last - self._start) * 1e3,
+                "phases_ms": {k: v * 1e3 for k, v in self.phases.items()}, "driver": driver}
+
+
 class CudaBackend:
     name = "cuda-vmm"
+
+    # How sleep and wake order their work; bench/pool_diag.py measures the alternatives.
+    # sleep "pipelined": the discarded tags are released while the backup copies run, and each
+    # group of group_bytes of an offloaded tag as soon as its copies are done. "legacy" (the
+    # first version): copies, then a device synchronization (which waits for every copy) before
+    # releasing the discarded tags, then the offloaded ones.
+    sleep_order = "pipelined"
+    group_bytes = 512 << 20
+    # wake "pipelined": the discarded tags are mapped first, then the offloaded ones group by
+    # group, each group's copies starting as soon as it is mapped. "map_first": every tag mapped
+    # before the first copy. "interleave" (the first version): each offloaded tag mapped whole
+    # and its copies started, then the discarded tags mapped while the copies run.
+    wake_order = "pipelined"
+    reset_stack: bool | str = True  # give back the driver's grown local memory while asleep
 
     def __init__(self, device: torch.device) -> None:
         if not torch.cuda.is_available():
@@ -88,6 +144,11 @@ class CudaBackend:
         self._backups: dict[str, PinnedBackup] = {}
         self._expandable = expandable_segments_requested()
         self._local = threading.local()
+        self.last_timings: dict[str, Any] = {}
+        # The per-thread stack size a fresh context has (1 KiB unless the process already asked
+        # for more): what sleep lowers it to; wake puts back what the kernels had grown it to.
+        self._stack_base = min(self._ctx.stack_size(), 1024)
+        self._stack_restore: int | None = None
         missing = [f for f in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool",
                                "_cuda_releasePool") if not hasattr(torch._C, f)]
         if missing:
@@ -233,43 +294,72 @@ class CudaBackend:
                 )
 
     def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost:
+        clock = _Clock(self._lib)
         if self._expandable:
             self.verify([*offload, *discard])
+        # The one device-wide synchronization: from here on, the only device work touching the
+        # slept tags is our own copies, whose completion events say when each allocation is
+        # free to release; the pool's lock keeps new work off these tags until we return.
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
+        clock.mark("synchronize")
         # Pinned buffers first (seconds on the first cycle, free afterwards): a failure here
         # leaves every byte where it was.
+        backups = []
         for tag in offload:
             backup = self._backups.setdefault(tag, PinnedBackup(self._ctx))
             backup.prepare((a.ptr, a.size) for a in self._allocations(tag) if a.mapped)
+            backups.append(backup)
+        clock.mark("prepare")
+        errors: list[str] = []
         copy_start = time.perf_counter()
-        offloaded = 0
+        group = self.group_bytes if self.sleep_order == "pipelined" else 0
         try:
-            for tag in offload:
-                offloaded += self._copier.save(self._backups[tag])
+            marks = self._copier.save_marked(backups, group)
         except PoolError:
             self._copier.wait()
             raise
-        # Discarded tags are released while the copies run; cuMemUnmap may wait for the device,
-        # in which case this is merely sequential.
-        errors: list[str] = []
-        discarded = self._unmap(discard, errors)
+        offloaded = sum(seg.size for _, segs in marks for seg in segs)
+        clock.mark("enqueue")
+        # Released while the copies run (they never touch these tags), without a device
+        # synchronization: that would wait for every copy and serialize the two ("legacy").
+        discarded = self._unmap(discard, errors, synchronize=self.sleep_order == "legacy")
+        clock.mark("discard")
+        if group:
+            # Each group's memory goes as soon as its copies are done, so what is left to
+            # release after the last copy is one group, not the whole tag.
+            for event, segs in marks:
+                if event is not None:
+                    event.synchronize()
+                try:
+                    self._lib.unmap_ptrs([seg.ptr for seg in segs], synchronize=False)
+                except PoolError as err:
+                    errors.append(str(err))
         self._copier.wait()
         copy_seconds = time.perf_counter() - copy_start
-        self._unmap(offload, errors)
+        clock.mark("copies")
+        self._unmap(offload, errors)  # whatever is still mapped ("legacy": everything)
+        clock.mark("unmap_offloaded")
         self._release_torch_caches()
+        clock.mark("torch_caches")
+        self._shrink_local_memory()
+        clock.mark("local_memory")
+        self.last_timings = clock.report()
         if errors:
             raise PoolError("; ".join(errors))
         return SleepCost(offloaded, discarded, copy_seconds)
 
-    def _unmap(self, tags: Sequence[str], errors: list[str]) -> int:
-        released = 0
-        for tag in tags:
-            try:
-                released += self._lib.unmap_tag(self._ns + tag)
-            except PoolError as err:
-                errors.append(str(err))
-        return released
+    def _unmap(self, tags: Sequence[str], errors: list[str], synchronize: bool = True) -> int:
+        if not tags:
+            return 0
+        try:
+            if synchronize:
+                return self._lib.unmap_tags([self._ns + t for t in tags])
+            ptrs = [a.ptr for t in tags for a in self._allocations(t) if a.mapped]
+            return self._lib.unmap_ptrs(ptrs, synchronize=False)
+        except PoolError as err:
+            errors.append(str(err))
+            return 0
 
     def _release_torch_caches(self) -> None:
         """Memory torch caches outside the pool: cuBLAS/cuBLASLt workspaces (tens of MiB per
@@ -280,33 +370,77 @@ class CudaBackend:
                 clear_workspaces()
             torch.cuda.empty_cache()
 
+    def _shrink_local_memory(self) -> None:
+        """Give back the local memory the driver grew for kernels that needed a larger stack:
+        it keeps stack_size bytes for every thread the device can hold (hundreds of MiB on an
+        H200) and never shrinks it by itself. Wake restores the size, so graphs and kernels
+        find what they had."""
+        if not self.reset_stack:
+            return
+        try:
+            current = self._ctx.stack_size()
+            if current > self._stack_base or self.reset_stack == "always":
+                self._ctx.set_stack_size(self._stack_base)
+                if current > self._stack_base:
+                    self._stack_restore = max(self._stack_restore or 0, current)
+        except PoolError:
+            pass  # an optimization of the footprint only; the pool's memory is already free
+
+    def _restore_local_memory(self) -> None:
+        if self._stack_restore is not None:
+            self._ctx.set_stack_size(self._stack_restore)
+            self._stack_restore = None
+
     def wake(self, restore: Sequence[str], remap: Sequence[str]) -> WakeCost:
-        woken: list[str] = []
+        clock = _Clock(self._lib)
+        tags = [*restore, *remap]
         restored = mapped = 0
         copy_start: float | None = None
+        missing = [t for t in restore if t not in self._backups]
+        if missing:
+            raise PoolError(f"tags {missing} are offloaded but have no host backup")
         try:
+            # Discarded tags first (nothing to copy into them): re-creating memory the sleep
+            # just released is what varies most (5 to 70 ms for 48 GiB on an H200), and an
+            # out-of-memory failure then costs no copy. "map_first" maps the restored tags too.
+            first = tags if self.wake_order == "map_first" else remap if self.wake_order == "pipelined" else []
+            mapped = self._lib.map_tags([self._ns + t for t in first])
+            clock.mark("map")
             for tag in restore:
-                mapped += self._lib.map_tag(self._ns + tag)
-                woken.append(tag)
-                backup = self._backups.get(tag)
-                if backup is None:
-                    raise PoolError(f"tag '{tag}' is offloaded but has no host backup")
-                live = {(a.ptr, a.size) for a in self._allocations(tag)}
-                copy_start = copy_start or time.perf_counter()
+                backup = self._backups[tag]
+                if self.wake_order == "interleave":
+                    mapped += self._lib.map_tag(self._ns + tag)
+                    clock.mark("map")
                 # Allocations freed while the tag slept are gone from the registry: skip them.
-                restored += self._copier.restore(backup, [s for s in backup.layout if (s.ptr, s.size) in live])
-            for tag in remap:
-                mapped += self._lib.map_tag(self._ns + tag)
-                woken.append(tag)
+                live = {(a.ptr, a.size) for a in self._allocations(tag)}
+                segments = [s for s in backup.layout if (s.ptr, s.size) in live]
+                copy_start = copy_start or time.perf_counter()
+                if self.wake_order == "pipelined":
+                    # Map a group, start its copies, map the next while they run: the copies
+                    # start after one group's mapping instead of the whole tag's.
+                    for group in _groups(segments, self.group_bytes):
+                        mapped += self._lib.map_ptrs([s.ptr for s in group])
+                        restored += self._copier.restore(backup, group)
+                else:
+                    restored += self._copier.restore(backup, segments)
+                clock.mark("enqueue")
+            # Whatever is still unmapped ("interleave": the discarded tags; otherwise anything of
+            # the restored tags that had no backup), while the copies run.
+            mapped += self._lib.map_tags([self._ns + t for t in tags])
+            clock.mark("map_rest")
             self._copier.wait()
+            clock.mark("copies")
+            self._restore_local_memory()
+            clock.mark("local_memory")
         except PoolError:
             try:
                 self._copier.wait()
             except PoolError:
                 pass  # the original error says more
-            self._unmap(woken, [])
+            self._unmap(tags, [])  # all of them slept when the call began: undo what it mapped
             raise
         copy_seconds = time.perf_counter() - copy_start if copy_start is not None else 0.0
+        self.last_timings = clock.report()
         return WakeCost(restored, mapped, copy_seconds)
 
     # ------------------------------------------------------------------ backups and lifetime

@@ -10,11 +10,14 @@ import ctypes
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from .types import PoolError
 
-ABI_VERSION = 1  # must match SA_ABI_VERSION in csrc/sleep_alloc.c
+ABI_VERSION = 2  # must match SA_ABI_VERSION in csrc/sleep_alloc.c
 TAG_MAX = 96  # must match SA_TAG_MAX
+# The timed driver calls, in the order sa_stats reports them.
+STAT_OPS = ("reserve", "create", "map", "access", "unmap", "release", "sync", "address_free")
 
 
 class _Info(ctypes.Structure):
@@ -34,6 +37,10 @@ class Allocation:
     device: int
     mapped: bool
     tag: str
+
+
+def _strings(items: Sequence[str]) -> "ctypes.Array[ctypes.c_char_p]":
+    return (ctypes.c_char_p * len(items))(*(t.encode() for t in items))
 
 
 def _shown(tag: str) -> str:
@@ -66,8 +73,15 @@ class CuMemLibrary:
             "sa_retag": ([ctypes.c_uint64, ctypes.c_char_p], ctypes.c_int),
             "sa_unmap_tag": ([ctypes.c_char_p], ctypes.c_int64),
             "sa_map_tag": ([ctypes.c_char_p], ctypes.c_int64),
+            "sa_unmap_tags": ([ctypes.POINTER(ctypes.c_char_p), ctypes.c_int], ctypes.c_int64),
+            "sa_map_tags": ([ctypes.POINTER(ctypes.c_char_p), ctypes.c_int], ctypes.c_int64),
+            "sa_unmap_ptrs": ([ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64, ctypes.c_int], ctypes.c_int64),
+            "sa_map_ptrs": ([ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64], ctypes.c_int64),
             "sa_unmap": ([ctypes.c_uint64], ctypes.c_int),
             "sa_map": ([ctypes.c_uint64], ctypes.c_int),
+            "sa_set_workers": ([ctypes.c_int], ctypes.c_int),
+            "sa_stats": ([ctypes.POINTER(ctypes.c_uint64), ctypes.c_int], ctypes.c_int),
+            "sa_stats_reset_max": ([], None),
         }
         for name, (args, res) in sig.items():
             fn = getattr(lib, name)
@@ -135,6 +149,60 @@ class CuMemLibrary:
         if n < 0:
             raise self._error(f"re-creating the memory of tag '{_shown(tag)}'")
         return int(n)
+
+    def unmap_tags(self, tags: Sequence[str]) -> int:
+        """Release the physical memory of every mapped allocation of the tags: one device
+        synchronization, then one C loop. Returns the bytes released."""
+        if not tags:
+            return 0
+        n = self._lib.sa_unmap_tags(_strings(tags), len(tags))
+        if n < 0:
+            raise self._error(f"releasing the memory of tags {[_shown(t) for t in tags]}")
+        return int(n)
+
+    def map_tags(self, tags: Sequence[str]) -> int:
+        """Re-create and map every unmapped allocation of the tags, all or nothing. Returns the
+        bytes mapped."""
+        if not tags:
+            return 0
+        n = self._lib.sa_map_tags(_strings(tags), len(tags))
+        if n < 0:
+            raise self._error(f"re-creating the memory of tags {[_shown(t) for t in tags]}")
+        return int(n)
+
+    def unmap_ptrs(self, ptrs: Sequence[int], synchronize: bool = True) -> int:
+        """Release the listed allocations. synchronize=False: the caller guarantees no device
+        work uses them any more (e.g. an event after their last copy completed)."""
+        if not ptrs:
+            return 0
+        arr = (ctypes.c_uint64 * len(ptrs))(*ptrs)
+        n = self._lib.sa_unmap_ptrs(arr, len(ptrs), 1 if synchronize else 0)
+        if n < 0:
+            raise self._error(f"releasing {len(ptrs)} allocation(s)")
+        return int(n)
+
+    def map_ptrs(self, ptrs: Sequence[int]) -> int:
+        """Re-create and map the listed allocations, all or nothing. Returns the bytes mapped."""
+        if not ptrs:
+            return 0
+        arr = (ctypes.c_uint64 * len(ptrs))(*ptrs)
+        n = self._lib.sa_map_ptrs(arr, len(ptrs))
+        if n < 0:
+            raise self._error(f"re-creating {len(ptrs)} allocation(s)")
+        return int(n)
+
+    def set_workers(self, n: int) -> int:
+        """Threads that map/unmap one batch (1: the calling thread). Returns the value taken."""
+        return int(self._lib.sa_set_workers(int(n)))
+
+    def driver_stats(self, reset_max: bool = False) -> dict[str, tuple[int, int, int, int]]:
+        """{call: (calls, nanoseconds, bytes, longest call's nanoseconds)} of the timed driver
+        calls: cumulative, except the longest call, which counts since the last reset_max."""
+        buf = (ctypes.c_uint64 * (4 * len(STAT_OPS)))()
+        self._lib.sa_stats(buf, len(buf))
+        if reset_max:
+            self._lib.sa_stats_reset_max()
+        return {op: tuple(int(buf[4 * i + k]) for k in range(4)) for i, op in enumerate(STAT_OPS)}  # type: ignore[misc]
 
     def unmap(self, ptr: int) -> None:
         if self._lib.sa_unmap(ptr) != 0:

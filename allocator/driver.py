@@ -61,6 +61,19 @@ class DeviceContext:
         with self.current():
             check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
+    def stack_size(self) -> int:
+        """The per-thread stack size (CU_LIMIT_STACK_SIZE). The driver raises it, and with it
+        the local memory it keeps for every resident thread of the device, whenever a kernel
+        needs more, and never lowers it by itself."""
+        with self.current():
+            return int(check(cu.cuCtxGetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE), "cuCtxGetLimit(STACK_SIZE)"))
+
+    def set_stack_size(self, nbytes: int) -> None:
+        """Setting it re-sizes that local memory at once (after the device finishes its work)."""
+        with self.current():
+            check(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, int(nbytes)),
+                  f"cuCtxSetLimit(STACK_SIZE, {int(nbytes)})")
+
     def release(self) -> None:
         if self._retained:
             self._retained = False
@@ -83,6 +96,27 @@ class Stream:
         if self.handle is not None:
             with self._ctx.current():
                 cu.cuStreamDestroy(self.handle)
+            self.handle = None
+
+
+class Event:
+    """A timing-free event: marks a point of a stream that the host can wait for."""
+
+    def __init__(self, ctx: DeviceContext) -> None:
+        self._ctx = ctx
+        with ctx.current():
+            self.handle = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate")
+
+    def record(self, stream: Stream) -> None:
+        check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            with self._ctx.current():
+                cu.cuEventDestroy(self.handle)
             self.handle = None
 
 

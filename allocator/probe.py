@@ -1,6 +1,12 @@
 """Device-memory probes for invariant 1: after a full sleep, this process should hold no more
 device memory than a bare CUDA process (one that only created a context).
 
+A process that has run kernels holds more than a bare one even with every tensor freed: the code
+of each kernel module it loaded (lazily, on first use; loaded code stays until the context dies),
+cuBLAS/cuBLASLt handles, CUDA graphs it keeps. None of that is pool memory, and none of it can be
+released while the context lives. reference_process_used() measures it: a fresh process runs the
+same kernels without a pool, frees its tensors and caches, and reports what it still holds.
+
 Device-wide "used" (total - free) also counts other processes and the driver's own share, which
 nobody here controls. Both cancel out of
 
@@ -28,6 +34,34 @@ print(json.dumps({"free": free, "total": total}))
 """
 
 
+_REFERENCE = """
+import importlib, json, sys, torch
+i, module, function = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+sys.path[:0] = sys.argv[4:]
+torch.cuda.init()
+torch.cuda.set_device(i)
+keep = getattr(importlib.import_module(module), function)(i)  # e.g. CUDA graphs, kept like a server keeps them
+torch.cuda.synchronize(i)
+getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+torch.cuda.empty_cache()
+free, total = torch.cuda.mem_get_info(i)
+print(json.dumps({"free": free, "total": total}))
+"""
+
+
+def reference_process_used(index: int, module: str, function: str, paths: list[str] | None = None,
+                           timeout: float = 300.0) -> int:
+    """Device bytes in use (total - free) while a fresh process that ran `module.function(index)`
+    (the kernels the measured process runs, without a pool) holds what it returned, every tensor
+    and cache freed. Run it before this process touches CUDA, like bare_process_used."""
+    out = subprocess.run([sys.executable, "-c", _REFERENCE, str(index), module, function, *(paths or [])],
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"reference CUDA probe failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    return int(info["total"]) - int(info["free"])
+
+
 def bare_process_used(index: int, timeout: float = 120.0) -> int:
     """Device bytes in use (total - free) as seen from a fresh process that only created a
     CUDA context on device `index`."""
@@ -51,14 +85,26 @@ class Footprint:
     asleep_used: int  # device used while this process's pool sleeps
     bare_context_bytes: int  # a bare context's own size, measured while the pool sleeps
     overhead: int  # asleep_used - bare_alone_used: what the sleeping process holds beyond bare
+    # device used while only the reference probe ran (same kernels, no pool), when measured
+    reference_alone_used: int | None = None
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+    @property
+    def kernels_overhead(self) -> int | None:
+        """What running the kernels costs by itself (reference - bare): code and handles."""
+        return None if self.reference_alone_used is None else self.reference_alone_used - self.bare_alone_used
+
+    @property
+    def pool_overhead(self) -> int | None:
+        """What the sleeping process holds beyond a process that ran the same kernels."""
+        return None if self.reference_alone_used is None else self.asleep_used - self.reference_alone_used
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {**asdict(self), "kernels_overhead": self.kernels_overhead, "pool_overhead": self.pool_overhead}
 
 
-def footprint(index: int, bare_alone_used: int) -> Footprint:
-    """Call while the pool sleeps, with bare_process_used(index) taken before this process
-    initialized CUDA."""
+def footprint(index: int, bare_alone_used: int, reference_alone_used: int | None = None) -> Footprint:
+    """Call while the pool sleeps, with bare_process_used(index) (and reference_process_used)
+    taken before this process initialized CUDA."""
     asleep = device_used(index)
     with_probe = bare_process_used(index)
-    return Footprint(bare_alone_used, asleep, with_probe - asleep, asleep - bare_alone_used)
+    return Footprint(bare_alone_used, asleep, with_probe - asleep, asleep - bare_alone_used, reference_alone_used)

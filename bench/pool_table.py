@@ -4,7 +4,8 @@
 
 Measures, in one run and against references taken in that same run:
   - device free memory before sleep, after sleep and after wake;
-  - device memory in use after a full sleep against a bare CUDA process (allocator/probe.py);
+  - device memory in use after a full sleep against a bare CUDA process, and against a process
+    that ran the same kernels without a pool (allocator/probe.py);
   - sleep and wake seconds for level 1 (offload weights + graph, discard KV) and level 2 (discard
     weights and KV, offload graph), cycle 1 and the median of cycles >= 2;
   - level-1 effective GB/s (offloaded bytes / whole call) beside the raw pinned copy GB/s;
@@ -93,6 +94,35 @@ class Model(torch.nn.Module):
         return self.down(torch.nn.functional.silu(self.up(x))) + x
 
 
+def reference_workload(index: int):
+    """The kernels this benchmark runs, without a pool, for probe.reference_process_used: what
+    running them costs a process by itself (module code, cuBLAS handles, the graph it keeps)."""
+    dev = f"cuda:{index}"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = torch.empty(32 * MiB, dtype=torch.uint8, device=dev)
+    w.fill_(1)
+    w.copy_(torch.randint(0, 256, (32 * MiB,), generator=gen, device=dev, dtype=torch.uint8))
+    torch.manual_seed(0)
+    model = Model().to(dev).to(torch.bfloat16).eval()
+    static_x = torch.empty((8, 4096), dtype=torch.bfloat16, device=dev)
+    static_x.copy_(torch.randn(8, 4096, device=dev).to(torch.bfloat16))
+    with torch.no_grad():
+        model(torch.randn(64, 4096, device=dev, dtype=torch.bfloat16))
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                model(static_x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = model(static_x)
+        graph.replay()
+        torch.equal(out, out.clone())
+    w.cpu()
+    return graph
+
+
 def capture(pool: MemoryPool, fn, static_input: torch.Tensor):
     """The recipe of MemoryPool.graph_pool."""
     stream = torch.cuda.Stream()
@@ -118,18 +148,24 @@ class Cycle:
     restored: int
     free_after_sleep: int
     free_after_wake: int
+    sleep_timings: dict
+    wake_timings: dict
 
 
 def run_cycles(pool: MemoryPool, index: int, n: int, offload: list[str], discard: list[str], touch) -> list[Cycle]:
     cycles = []
+    backend = pool._backend  # phases and driver-call totals of the last sleep/wake, for the record
     for _ in range(n):
         s = pool.sleep(offload_tags=offload, discard_tags=discard)
+        sleep_timings = dict(getattr(backend, "last_timings", {}))
         free_asleep = free_bytes(index)
         w = pool.wake_up()
+        wake_timings = dict(getattr(backend, "last_timings", {}))
         free_awake = free_bytes(index)
         touch()
         cycles.append(Cycle(s.seconds, w.seconds, s.copy_seconds, w.copy_seconds,
-                            s.bytes_offloaded, w.bytes_restored, free_asleep, free_awake))
+                            s.bytes_offloaded, w.bytes_restored, free_asleep, free_awake,
+                            sleep_timings, wake_timings))
     return cycles
 
 
@@ -148,18 +184,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=int, default=5, help="cycles per level (cycle 1 + median of the rest)")
     ap.add_argument("--leak-cycles", type=int, default=50)
     ap.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
+    ap.add_argument("--sleep-order", help="CudaBackend.sleep_order to measure instead of the default")
+    ap.add_argument("--wake-order", help="CudaBackend.wake_order to measure instead of the default")
     args = ap.parse_args(argv)
     index = args.device
     args.out.mkdir(parents=True, exist_ok=True)
 
-    # Reference 1: a bare CUDA process, measured before this process touches CUDA.
+    # Reference 1: a bare CUDA process, measured before this process touches CUDA; and one that
+    # ran this benchmark's kernels without a pool (what kernels cost a process by themselves).
     bare_alone = probe.bare_process_used(index)
+    reference_alone = probe.reference_process_used(index, "bench.pool_table", "reference_workload", [str(REPO)])
     torch.cuda.set_device(index)
     # Reference 2: raw pinned copy bandwidth, one 2 GiB copy each way.
     raw_d2h, raw_h2d = raw_pinned_bandwidth(index, 2 * GiB)
     print(f"raw pinned copy: D2H {raw_d2h:.1f} GB/s, H2D {raw_h2d:.1f} GB/s", flush=True)
 
     pool = create_pool(f"cuda:{index}")
+    if args.sleep_order:
+        pool._backend.sleep_order = args.sleep_order
+    if args.wake_order:
+        pool._backend.wake_order = args.wake_order
     weights, kv = [], []
     chunk = 32 * MiB  # 256 tensors for 8 GiB: the shape of a real checkpoint's layers
     gen = torch.Generator(device=f"cuda:{index}").manual_seed(0)
@@ -188,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = pool.stats().tags["weights"].bytes
 
     def touch_kv() -> None:
+        # Serving between cycles. Synchronized, so that this 40 GiB fill (~12 ms of kernels) is
+        # not billed to the next sleep, whose first step waits for the device.
         for t in kv:
             t.fill_(1)
+        torch.cuda.synchronize(index)
 
     def weights_exact() -> bool:
         return all(torch.equal(t.cpu(), r) for t, r in zip(weights, reference))
@@ -212,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     graph_ok = graph_identical()
     # Full sleep footprint against the bare process.
     pool.sleep(offload_tags=["weights", "cuda_graph"], discard_tags=["kv_cache"])
-    footprint = probe.footprint(index, bare_alone)
+    footprint = probe.footprint(index, bare_alone, reference_alone)
     stats_asleep = pool.stats().as_dict()
     pool.wake_up()
     touch_kv()
@@ -220,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     # Level 2: weights and KV discarded; the graph's own memory is still backed up.
     level2 = run_cycles(pool, index, args.cycles, ["cuda_graph"], ["weights", "kv_cache"], touch_kv)
     pool.sleep(offload_tags=["cuda_graph"], discard_tags=["weights", "kv_cache"])
-    footprint2 = probe.footprint(index, bare_alone)
+    footprint2 = probe.footprint(index, bare_alone, reference_alone)
     pool.wake_up(["weights"])
     with torch.no_grad():  # the RLHF weight update: new values in place, graph stays valid
         for t, r in zip(weights, reference):
@@ -248,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     l1_sleep_gbps = offloaded / l1_sleep["median_after_1"] / 1e9
     l1_wake_gbps = offloaded / l1_wake["median_after_1"] / 1e9
     overhead = max(footprint.overhead, footprint2.overhead)
+    pool_overhead = max(footprint.pool_overhead, footprint2.pool_overhead)
     checks = {
         "bit_exact_restore": exact and exact_after_leak_cycles,
         "weights_reload_after_level2": exact_after_reload,
@@ -256,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     targets = {
         "overhead_vs_bare_le_64MiB": overhead <= TARGET_OVERHEAD_BYTES,
+        "overhead_vs_same_kernels_le_64MiB": pool_overhead <= TARGET_OVERHEAD_BYTES,
         "level1_sleep_ge_85pct_raw": l1_sleep_gbps >= TARGET_BANDWIDTH_FRACTION * raw_d2h,
         "level1_wake_ge_85pct_raw": l1_wake_gbps >= TARGET_BANDWIDTH_FRACTION * raw_h2d,
         "level2_sleep_le_50ms": l2_sleep["median_after_1"] <= TARGET_LEVEL2_SECONDS,
@@ -266,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": torch.cuda.get_device_name(index),
         "torch": torch.__version__,
+        "orders": {"sleep": pool._backend.sleep_order, "wake": pool._backend.wake_order},
         "weights_bytes": weight_bytes,
         "kv_bytes": len(kv) * layer_kv,
         "raw_pinned_gbps": {"d2h": raw_d2h, "h2d": raw_h2d},
@@ -316,6 +366,11 @@ def render(r: dict) -> str:
          f"{fp['overhead'] / MiB:+.1f} MiB (L1), {fp2['overhead'] / MiB:+.1f} MiB (L2); bare {fp['bare_alone_used'] / MiB:.0f} MiB, "
          f"bare context {fp['bare_context_bytes'] / MiB:.0f} MiB",
          f"<= 64 MiB: {ok('overhead_vs_bare_le_64MiB')}"),
+        ("... of which a process that ran the same kernels without a pool holds (module code, cuBLAS, graph)",
+         f"{fp['kernels_overhead'] / MiB:+.1f} MiB", "cannot be released while the context lives"),
+        ("in use after full sleep vs that same-kernels process",
+         f"{fp['pool_overhead'] / MiB:+.1f} MiB (L1), {fp2['pool_overhead'] / MiB:+.1f} MiB (L2)",
+         f"<= 64 MiB: {ok('overhead_vs_same_kernels_le_64MiB')}"),
         ("raw pinned copy D2H / H2D", f"{raw['d2h']:.1f} / {raw['h2d']:.1f} GB/s", ""),
         ("level-1 sleep: cycle 1 / median of cycles >= 2",
          f"{ms(l1['sleep_s']['cycle1'])} / {ms(l1['sleep_s']['median_after_1'])} = {l1['sleep_gbps']:.1f} GB/s "
@@ -337,7 +392,8 @@ def render(r: dict) -> str:
          f"none: {ok('no_device_leak')} / {ok('no_host_leak')}"),
     ]
     head = (f"Sleepable pool on {r['device']} (torch {r['torch']}): {gib(r['weights_bytes'])} `weights` + "
-            f"{gib(r['kv_bytes'])} `kv_cache` + a CUDA graph\n\n| measure | value | target |\n| --- | --- | --- |")
+            f"{gib(r['kv_bytes'])} `kv_cache` + a CUDA graph; sleep order `{r['orders']['sleep']}`, wake order "
+            f"`{r['orders']['wake']}`\n\n| measure | value | target |\n| --- | --- | --- |")
     return head + "\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
 
 

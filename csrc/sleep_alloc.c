@@ -10,8 +10,13 @@
  *   - torch, through CUDAPluggableAllocator: sleep_malloc / sleep_free. They never call into
  *     Python (DESIGN invariant 6); each allocation is recorded in a C registry under the tag the
  *     calling thread set beforehand.
- *   - allocator/cumem.py, through ctypes: set the tag, list allocations, unmap/re-map one
- *     allocation or a whole tag.
+ *   - allocator/cumem.py, through ctypes: set the tag, list allocations, unmap/re-map listed
+ *     allocations or whole tags in batches (re-mapping all or nothing), and read how long each
+ *     kind of driver call took (sa_stats). A batch synchronizes the device once, not per
+ *     allocation; sa_unmap_ptrs can skip even that when the caller knows the memory is idle (a
+ *     sleep releases each allocation as soon as the event after its backup copy fired).
+ *     Batches may run on worker threads (sa_set_workers); on an H200 with driver 580 more threads
+ *     made every call slower (the driver serializes them), so the default is the calling thread.
  *
  * libcuda is opened with dlopen so this file builds where only the CUDA headers exist; the entry
  * points are resolved with cuGetProcAddress at pinned ABI versions, so the prototypes we call
@@ -32,9 +37,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <time.h>
 
 #define SA_EXPORT __attribute__((visibility("default")))
-#define SA_ABI_VERSION 1
+#define SA_ABI_VERSION 2
+#define SA_MAX_WORKERS 16
 #define SA_TAG_MAX 96
 #define SA_MAX_DEVICES 64
 
@@ -48,6 +55,32 @@ static void set_error(const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(tl_error, sizeof tl_error, fmt, ap);
   va_end(ap);
+}
+
+/* ------------------------------------------------------------------ timing */
+
+/* Cumulative calls, nanoseconds and bytes of every driver call that costs time, and the longest
+ * single call since sa_stats_reset_max, so Python can see where a sleep or a wake spends it
+ * (sa_stats); a clock read costs ~20 ns against calls of tens of microseconds. */
+enum { OP_RESERVE, OP_CREATE, OP_MAP, OP_ACCESS, OP_UNMAP, OP_RELEASE, OP_SYNC, OP_ADDRFREE, OP_COUNT };
+static uint64_t op_calls[OP_COUNT], op_ns[OP_COUNT], op_bytes[OP_COUNT], op_max_ns[OP_COUNT];
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static CUresult account(int op, size_t bytes, uint64_t start, CUresult r) {
+  uint64_t ns = now_ns() - start;
+  __atomic_fetch_add(&op_calls[op], 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&op_ns[op], ns, __ATOMIC_RELAXED);
+  uint64_t max = __atomic_load_n(&op_max_ns[op], __ATOMIC_RELAXED);
+  while (ns > max && !__atomic_compare_exchange_n(&op_max_ns[op], &max, ns, 1, __ATOMIC_RELAXED,
+                                                  __ATOMIC_RELAXED)) {
+  }
+  __atomic_fetch_add(&op_bytes[op], (uint64_t)bytes, __ATOMIC_RELAXED);
+  return r;
 }
 
 /* ------------------------------------------------------------------ driver */
@@ -153,6 +186,40 @@ static int cu_check(CUresult r, const char *what) {
   return -1;
 }
 
+/* Timed forms of the driver calls whose cost we report. */
+static CUresult t_reserve(CUdeviceptr *ptr, size_t size, size_t align) {
+  uint64_t t = now_ns();
+  return account(OP_RESERVE, size, t, drv.MemAddressReserve(ptr, size, align, 0, 0));
+}
+static CUresult t_addrfree(CUdeviceptr ptr, size_t size) {
+  uint64_t t = now_ns();
+  return account(OP_ADDRFREE, size, t, drv.MemAddressFree(ptr, size));
+}
+static CUresult t_create(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop) {
+  uint64_t t = now_ns();
+  return account(OP_CREATE, size, t, drv.MemCreate(h, size, prop, 0));
+}
+static CUresult t_map(CUdeviceptr ptr, size_t size, CUmemGenericAllocationHandle h) {
+  uint64_t t = now_ns();
+  return account(OP_MAP, size, t, drv.MemMap(ptr, size, 0, h, 0));
+}
+static CUresult t_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc) {
+  uint64_t t = now_ns();
+  return account(OP_ACCESS, size, t, drv.MemSetAccess(ptr, size, desc, 1));
+}
+static CUresult t_unmap(CUdeviceptr ptr, size_t size) {
+  uint64_t t = now_ns();
+  return account(OP_UNMAP, size, t, drv.MemUnmap(ptr, size));
+}
+static CUresult t_release(CUmemGenericAllocationHandle h, size_t size) {
+  uint64_t t = now_ns();
+  return account(OP_RELEASE, size, t, drv.MemRelease(h));
+}
+static CUresult t_sync(void) {
+  uint64_t t = now_ns();
+  return account(OP_SYNC, 0, t, drv.CtxSynchronize());
+}
+
 /* ------------------------------------------------------------------ contexts */
 
 /* Each call pushes the device's primary context (the one torch uses) for its own duration, so
@@ -251,10 +318,10 @@ static int map_physical(int device, CUdeviceptr ptr, size_t size,
   format_bytes(amount, sizeof amount, size);
   CUmemGenericAllocationHandle handle;
   snprintf(what, sizeof what, "cuMemCreate(%s on device %d)", amount, device);
-  if (cu_check(drv.MemCreate(&handle, size, &prop, 0), what) != 0) return -1;
+  if (cu_check(t_create(&handle, size, &prop), what) != 0) return -1;
   snprintf(what, sizeof what, "cuMemMap(%s at 0x%llx)", amount, (unsigned long long)ptr);
-  if (cu_check(drv.MemMap(ptr, size, 0, handle, 0), what) != 0) {
-    drv.MemRelease(handle);
+  if (cu_check(t_map(ptr, size, handle), what) != 0) {
+    t_release(handle, size);
     return -1;
   }
   CUmemAccessDesc access;
@@ -263,9 +330,9 @@ static int map_physical(int device, CUdeviceptr ptr, size_t size,
   access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   snprintf(what, sizeof what, "cuMemSetAccess(%s at 0x%llx)", amount, (unsigned long long)ptr);
-  if (cu_check(drv.MemSetAccess(ptr, size, &access, 1), what) != 0) {
-    drv.MemUnmap(ptr, size);
-    drv.MemRelease(handle);
+  if (cu_check(t_access(ptr, size, &access), what) != 0) {
+    t_unmap(ptr, size);
+    t_release(handle, size);
     return -1;
   }
   *handle_out = handle;
@@ -277,8 +344,8 @@ static int map_physical(int device, CUdeviceptr ptr, size_t size,
 static int unmap_physical(CUdeviceptr ptr, size_t size, CUmemGenericAllocationHandle handle) {
   char what[96];
   snprintf(what, sizeof what, "cuMemUnmap(0x%llx, %zu bytes)", (unsigned long long)ptr, size);
-  if (cu_check(drv.MemUnmap(ptr, size), what) != 0) return -1;
-  return cu_check(drv.MemRelease(handle), "cuMemRelease");
+  if (cu_check(t_unmap(ptr, size), what) != 0) return -1;
+  return cu_check(t_release(handle, size), "cuMemRelease");
 }
 
 /* ------------------------------------------------------------------ registry */
@@ -379,9 +446,9 @@ SA_EXPORT void *sleep_malloc(ssize_t size, int device, CUstream stream) {
   char what[96], amount[32];
   format_bytes(amount, sizeof amount, bytes);
   snprintf(what, sizeof what, "cuMemAddressReserve(%s)", amount);
-  if (cu_check(drv.MemAddressReserve(&e.ptr, bytes, gran, 0, 0), what) != 0) goto pop;
+  if (cu_check(t_reserve(&e.ptr, bytes, gran), what) != 0) goto pop;
   if (map_physical(device, e.ptr, bytes, &e.handle) != 0) {
-    drv.MemAddressFree(e.ptr, bytes);
+    t_addrfree(e.ptr, bytes);
     goto pop;
   }
   pthread_mutex_lock(&reg_lock);
@@ -389,7 +456,7 @@ SA_EXPORT void *sleep_malloc(ssize_t size, int device, CUstream stream) {
   pthread_mutex_unlock(&reg_lock);
   if (added != 0) {
     unmap_physical(e.ptr, bytes, e.handle);
-    drv.MemAddressFree(e.ptr, bytes);
+    t_addrfree(e.ptr, bytes);
     goto pop;
   }
   result = (void *)e.ptr;
@@ -423,9 +490,9 @@ SA_EXPORT void sleep_free(void *ptr, ssize_t size, int device, CUstream stream) 
   }
   /* torch returns a segment once no block in it is in use on the host side, but kernels that used
    * it may still be running: unmapping under them would fault. */
-  int ok = cu_check(drv.CtxSynchronize(), "cuCtxSynchronize before freeing") == 0;
+  int ok = cu_check(t_sync(), "cuCtxSynchronize before freeing") == 0;
   if (ok && e.mapped) ok = unmap_physical(e.ptr, e.size, e.handle) == 0;
-  if (ok) ok = cu_check(drv.MemAddressFree(e.ptr, e.size), "cuMemAddressFree") == 0;
+  if (ok) ok = cu_check(t_addrfree(e.ptr, e.size), "cuMemAddressFree") == 0;
   if (!ok) fprintf(stderr, "sleepserve allocator: freeing %p: %s\n", ptr, tl_error);
   ctx_pop();
 }
@@ -514,116 +581,326 @@ SA_EXPORT int sa_retag(uint64_t ptr, const char *tag) {
   return 0;
 }
 
-/* Synchronizes every device that holds a mapped allocation of tag. Caller holds reg_lock. */
-static int sync_devices_of(const char *tag) {
-  unsigned char seen[SA_MAX_DEVICES] = {0};
+/* ------------------------------------------------------------------ timing, for Python */
+
+/* Fills out[4*op + {0,1,2,3}] with the calls, nanoseconds, bytes and longest call of each timed
+ * driver call (order: reserve, create, map, access, unmap, release, sync, address free) and
+ * returns how many values exist, which may exceed cap. */
+SA_EXPORT int sa_stats(uint64_t *out, int cap) {
+  for (int op = 0; op < OP_COUNT; op++) {
+    uint64_t v[4] = {__atomic_load_n(&op_calls[op], __ATOMIC_RELAXED),
+                     __atomic_load_n(&op_ns[op], __ATOMIC_RELAXED),
+                     __atomic_load_n(&op_bytes[op], __ATOMIC_RELAXED),
+                     __atomic_load_n(&op_max_ns[op], __ATOMIC_RELAXED)};
+    for (int k = 0; k < 4; k++)
+      if (out && 4 * op + k < cap) out[4 * op + k] = v[k];
+  }
+  return 4 * OP_COUNT;
+}
+
+SA_EXPORT void sa_stats_reset_max(void) {
+  for (int op = 0; op < OP_COUNT; op++) __atomic_store_n(&op_max_ns[op], 0, __ATOMIC_RELAXED);
+}
+
+/* ------------------------------------------------------------------ batches */
+
+/* Threads that map or unmap the allocations of one batch. 1 (the default) runs the batch in the
+ * calling thread; more lets the driver overlap calls where its own locking allows (measured on an
+ * H200, driver 580: it does not; 4 threads made unmapping 48 GiB slower, not faster). */
+static int n_workers = 1;
+
+SA_EXPORT int sa_set_workers(int n) {
+  if (n < 1) n = 1;
+  if (n > SA_MAX_WORKERS) n = SA_MAX_WORKERS;
+  __atomic_store_n(&n_workers, n, __ATOMIC_RELAXED);
+  return n;
+}
+
+enum { JOB_UNMAP, JOB_MAP };
+
+typedef struct {
+  sa_entry **items;
+  size_t n;
+  int op;
+  size_t next;  /* the next item to take, shared by the workers */
+  int failed;   /* set once, with error, by the first failing item */
+  char error[sizeof tl_error];
+  pthread_mutex_t lock;
+} sa_job;
+
+static void job_fail(sa_job *j) {
+  pthread_mutex_lock(&j->lock);
+  if (!j->failed) {
+    memcpy(j->error, tl_error, sizeof j->error);
+    __atomic_store_n(&j->failed, 1, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&j->lock);
+}
+
+/* One worker: takes items until none is left. Unmapping keeps going past a failure so as much
+ * as possible is released; mapping stops at the first one (the caller rolls back). Each item is
+ * touched by one worker only; the caller holds reg_lock throughout. */
+static void *job_run(void *arg) {
+  sa_job *j = arg;
+  CUstreamCaptureMode mode = capture_mode_relax();
+  int device = -1;
+  for (;;) {
+    size_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+    if (i >= j->n) break;
+    if (j->op == JOB_MAP && __atomic_load_n(&j->failed, __ATOMIC_ACQUIRE)) break;
+    sa_entry *e = j->items[i];
+    if (e->device != device) {
+      if (device >= 0) ctx_pop();
+      device = -1;
+      if (ctx_push(e->device) != 0) {
+        job_fail(j);
+        continue;
+      }
+      device = e->device;
+    }
+    if (j->op == JOB_MAP) {
+      if (map_physical(e->device, e->ptr, e->size, &e->handle) == 0) {
+        e->mapped = 1;
+        e->mapped_by_this_call = 1;
+      } else {
+        job_fail(j);
+      }
+    } else if (unmap_physical(e->ptr, e->size, e->handle) == 0) {
+      e->mapped = 0;
+    } else {
+      job_fail(j);
+    }
+  }
+  if (device >= 0) ctx_pop();
+  capture_mode_restore(mode);
+  return NULL;
+}
+
+static int larger_first(const void *a, const void *b) {
+  size_t x = (*(sa_entry *const *)a)->size, y = (*(sa_entry *const *)b)->size;
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Maps or unmaps items on up to n_workers threads. Returns 0, or -1 with the first error. */
+static int run_job(int op, sa_entry **items, size_t n) {
+  if (n == 0) return 0;
+  sa_job j;
+  memset(&j, 0, sizeof j);
+  j.items = items;
+  j.n = n;
+  j.op = op;
+  pthread_mutex_init(&j.lock, NULL);
+  size_t workers = (size_t)__atomic_load_n(&n_workers, __ATOMIC_RELAXED);
+  if (workers > n) workers = n;
+  if (workers <= 1) {
+    job_run(&j);
+  } else {
+    qsort(items, n, sizeof *items, larger_first); /* big ones first: the workers finish together */
+    pthread_t threads[SA_MAX_WORKERS];
+    size_t started = 0;
+    for (size_t k = 1; k < workers; k++)
+      if (pthread_create(&threads[started], NULL, job_run, &j) == 0) started++;
+    job_run(&j);
+    for (size_t k = 0; k < started; k++) pthread_join(threads[k], NULL);
+  }
+  pthread_mutex_destroy(&j.lock);
+  if (j.failed) {
+    memcpy(tl_error, j.error, sizeof tl_error);
+    return -1;
+  }
+  return 0;
+}
+
+static int tag_listed(const char *tag, const char *const *tags, int ntags) {
+  for (int k = 0; k < ntags; k++)
+    if (tags[k] && strcmp(tag, tags[k]) == 0) return 1;
+  return 0;
+}
+
+/* The registry entries of the listed tags whose mapped state is `mapped`, and the devices they
+ * live on. Caller holds reg_lock and frees the array. NULL (with an error) when out of memory. */
+static sa_entry **collect_tags(const char *const *tags, int ntags, int mapped, size_t *n_out,
+                               unsigned char devices[SA_MAX_DEVICES]) {
+  sa_entry **items = malloc((reg_len ? reg_len : 1) * sizeof *items);
+  if (!items) {
+    set_error("out of host memory listing %zu allocations", reg_len);
+    return NULL;
+  }
+  size_t n = 0;
   for (size_t i = 0; i < reg_len; i++) {
     sa_entry *e = &reg[i];
-    if (!e->mapped || strcmp(e->tag, tag) != 0 || seen[e->device]) continue;
-    seen[e->device] = 1;
-    if (ctx_push(e->device) != 0) return -1;
+    if (e->mapped != mapped || !tag_listed(e->tag, tags, ntags)) continue;
+    items[n++] = e;
+    devices[e->device] = 1;
+  }
+  *n_out = n;
+  return items;
+}
+
+/* One cuCtxSynchronize per device that is marked. */
+static int sync_devices(const unsigned char devices[SA_MAX_DEVICES]) {
+  for (int d = 0; d < SA_MAX_DEVICES; d++) {
+    if (!devices[d]) continue;
+    if (ctx_push(d) != 0) return -1;
     char what[64];
-    snprintf(what, sizeof what, "cuCtxSynchronize(device %d) before unmapping", e->device);
-    int rc = cu_check(drv.CtxSynchronize(), what);
+    snprintf(what, sizeof what, "cuCtxSynchronize(device %d) before unmapping", d);
+    int rc = cu_check(t_sync(), what);
     ctx_pop();
     if (rc != 0) return -1;
   }
   return 0;
 }
 
-static int unmap_entry(sa_entry *e) { /* caller holds reg_lock and has synchronized */
-  if (!e->mapped) return 0;
-  if (ctx_push(e->device) != 0) return -1;
-  int rc = unmap_physical(e->ptr, e->size, e->handle);
-  ctx_pop();
-  if (rc == 0) e->mapped = 0;
-  return rc;
+static int64_t total_size(sa_entry **items, size_t n, int mapped) {
+  int64_t sum = 0;
+  for (size_t i = 0; i < n; i++)
+    if (items[i]->mapped == mapped) sum += (int64_t)items[i]->size;
+  return sum;
 }
 
-static int map_entry(sa_entry *e) { /* caller holds reg_lock */
-  if (e->mapped) return 0;
-  if (ctx_push(e->device) != 0) return -1;
-  int rc = map_physical(e->device, e->ptr, e->size, &e->handle);
-  ctx_pop();
-  if (rc == 0) e->mapped = 1;
-  return rc;
-}
-
-/* Unmaps and releases every mapped allocation of tag after synchronizing its devices. Keeps going
- * past a failure so as much as possible is released; returns the bytes released, or -1 (with the
- * first error) when any allocation could not be unmapped. */
-SA_EXPORT int64_t sa_unmap_tag(const char *tag) {
-  if (!tag || load_driver() != 0) return -1;
+/* Unmaps and releases every mapped allocation of the listed tags after one synchronization of
+ * their devices. Keeps going past a failure so as much as possible is released; returns the
+ * bytes released, or -1 (with the first error) when any allocation could not be unmapped. */
+SA_EXPORT int64_t sa_unmap_tags(const char *const *tags, int ntags) {
+  if (!tags || ntags < 0 || load_driver() != 0) return -1;
+  unsigned char devices[SA_MAX_DEVICES] = {0};
+  size_t n = 0;
+  int64_t released = -1;
   pthread_mutex_lock(&reg_lock);
-  int64_t released = 0;
-  int failed = sync_devices_of(tag);
-  if (failed == 0) {
-    char first_error[sizeof tl_error] = "";
-    for (size_t i = 0; i < reg_len; i++) {
-      sa_entry *e = &reg[i];
-      if (!e->mapped || strcmp(e->tag, tag) != 0) continue;
-      if (unmap_entry(e) == 0) {
-        released += (int64_t)e->size;
-      } else if (!failed) {
-        failed = -1;
-        memcpy(first_error, tl_error, sizeof first_error);
-      }
-    }
-    if (failed) memcpy(tl_error, first_error, sizeof tl_error);
+  sa_entry **items = collect_tags(tags, ntags, 1, &n, devices);
+  if (items && sync_devices(devices) == 0) {
+    int rc = run_job(JOB_UNMAP, items, n);
+    released = rc == 0 ? total_size(items, n, 0) : -1;
   }
   pthread_mutex_unlock(&reg_lock);
-  return failed ? -1 : released;
+  free(items);
+  return released;
 }
 
-/* Re-creates and maps every unmapped allocation of tag, all or nothing: on failure the ones
- * mapped by this call are released again and -1 is returned with the error of the failing one. */
-SA_EXPORT int64_t sa_map_tag(const char *tag) {
-  if (!tag || load_driver() != 0) return -1;
+/* Re-creates and maps every unmapped allocation of the listed tags, all or nothing: on failure
+ * the ones mapped by this call are released again and -1 is returned with the error of the
+ * failing one. */
+SA_EXPORT int64_t sa_map_tags(const char *const *tags, int ntags) {
+  if (!tags || ntags < 0 || load_driver() != 0) return -1;
+  unsigned char devices[SA_MAX_DEVICES] = {0};
+  size_t n = 0;
+  int64_t mapped = -1;
   pthread_mutex_lock(&reg_lock);
-  CUstreamCaptureMode mode = capture_mode_relax();
-  int64_t mapped = 0;
-  int failed = 0;
-  for (size_t i = 0; i < reg_len && !failed; i++) {
-    sa_entry *e = &reg[i];
-    e->mapped_by_this_call = 0;
-    if (e->mapped || strcmp(e->tag, tag) != 0) continue;
-    if (map_entry(e) != 0) {
-      failed = 1;
+  sa_entry **items = collect_tags(tags, ntags, 0, &n, devices);
+  if (items) {
+    for (size_t i = 0; i < n; i++) items[i]->mapped_by_this_call = 0;
+    if (run_job(JOB_MAP, items, n) == 0) {
+      mapped = total_size(items, n, 1);
     } else {
-      e->mapped_by_this_call = 1;
-      mapped += (int64_t)e->size;
+      char error[sizeof tl_error];
+      memcpy(error, tl_error, sizeof error);
+      size_t undo = 0;
+      for (size_t i = 0; i < n; i++)
+        if (items[i]->mapped_by_this_call) items[undo++] = items[i];
+      run_job(JOB_UNMAP, items, undo); /* nothing ran on them yet: no synchronization needed */
+      memcpy(tl_error, error, sizeof tl_error);
     }
+    for (size_t i = 0; i < n; i++) items[i]->mapped_by_this_call = 0;
   }
-  if (failed) {
-    char error[sizeof tl_error];
-    memcpy(error, tl_error, sizeof error);
-    for (size_t i = 0; i < reg_len; i++)
-      if (reg[i].mapped_by_this_call) unmap_entry(&reg[i]);
-    memcpy(tl_error, error, sizeof tl_error);
-    mapped = -1;
-  }
-  for (size_t i = 0; i < reg_len; i++) reg[i].mapped_by_this_call = 0;
-  capture_mode_restore(mode);
   pthread_mutex_unlock(&reg_lock);
+  free(items);
   return mapped;
 }
 
-/* Single-allocation versions of the two above. */
-SA_EXPORT int sa_unmap(uint64_t ptr) {
-  if (load_driver() != 0) return -1;
+SA_EXPORT int64_t sa_unmap_tag(const char *tag) {
+  if (!tag) return -1;
+  return sa_unmap_tags(&tag, 1);
+}
+
+SA_EXPORT int64_t sa_map_tag(const char *tag) {
+  if (!tag) return -1;
+  return sa_map_tags(&tag, 1);
+}
+
+/* Unmaps and releases the listed allocations (those still mapped). With synchronize == 0 the
+ * caller guarantees that no device work uses them any more (their backup copies completed):
+ * that is what lets a sleep release each allocation as soon as its own copy is done, while the
+ * copies of the others still run. Returns the bytes released or -1 with the first error; an
+ * address that is not an allocation of this pool fails the call before anything is unmapped. */
+SA_EXPORT int64_t sa_unmap_ptrs(const uint64_t *ptrs, int64_t count, int synchronize) {
+  if ((!ptrs && count > 0) || count < 0 || load_driver() != 0) return -1;
+  unsigned char devices[SA_MAX_DEVICES] = {0};
+  int64_t released = -1;
+  sa_entry **items = malloc((size_t)(count ? count : 1) * sizeof *items);
+  if (!items) {
+    set_error("out of host memory listing %lld allocations", (long long)count);
+    return -1;
+  }
+  size_t n = 0;
+  int missing = 0;
   pthread_mutex_lock(&reg_lock);
-  long i = reg_find((CUdeviceptr)ptr);
-  int rc = -1;
-  if (i < 0) {
-    set_error("unmap: 0x%llx is not an allocation of this pool", (unsigned long long)ptr);
-  } else if (ctx_push(reg[i].device) == 0) {
-    rc = cu_check(drv.CtxSynchronize(), "cuCtxSynchronize before unmapping");
-    ctx_pop();
-    if (rc == 0) rc = unmap_entry(&reg[i]);
+  for (int64_t k = 0; k < count; k++) {
+    long i = reg_find((CUdeviceptr)ptrs[k]);
+    if (i < 0) {
+      set_error("unmap: 0x%llx is not an allocation of this pool", (unsigned long long)ptrs[k]);
+      missing = 1;
+      break;
+    }
+    if (!reg[i].mapped) continue;
+    items[n++] = &reg[i];
+    devices[reg[i].device] = 1;
+  }
+  if (!missing && (!synchronize || sync_devices(devices) == 0)) {
+    int rc = run_job(JOB_UNMAP, items, n);
+    released = rc == 0 ? total_size(items, n, 0) : -1;
   }
   pthread_mutex_unlock(&reg_lock);
-  return rc;
+  free(items);
+  return released;
 }
+
+/* Re-creates and maps the listed allocations (those still unmapped), all or nothing like
+ * sa_map_tags. Lets a wake map one group and start its copies while it maps the next. Returns
+ * the bytes mapped or -1; an address that is not an allocation of this pool fails the call before
+ * anything is mapped. */
+SA_EXPORT int64_t sa_map_ptrs(const uint64_t *ptrs, int64_t count) {
+  if ((!ptrs && count > 0) || count < 0 || load_driver() != 0) return -1;
+  int64_t mapped = -1;
+  sa_entry **items = malloc((size_t)(count ? count : 1) * sizeof *items);
+  if (!items) {
+    set_error("out of host memory listing %lld allocations", (long long)count);
+    return -1;
+  }
+  size_t n = 0;
+  int missing = 0;
+  pthread_mutex_lock(&reg_lock);
+  for (int64_t k = 0; k < count; k++) {
+    long i = reg_find((CUdeviceptr)ptrs[k]);
+    if (i < 0) {
+      set_error("map: 0x%llx is not an allocation of this pool", (unsigned long long)ptrs[k]);
+      missing = 1;
+      break;
+    }
+    if (reg[i].mapped) continue;
+    reg[i].mapped_by_this_call = 0;
+    items[n++] = &reg[i];
+  }
+  if (!missing) {
+    if (run_job(JOB_MAP, items, n) == 0) {
+      mapped = total_size(items, n, 1);
+    } else {
+      char error[sizeof tl_error];
+      memcpy(error, tl_error, sizeof error);
+      size_t undo = 0;
+      for (size_t i = 0; i < n; i++)
+        if (items[i]->mapped_by_this_call) items[undo++] = items[i];
+      run_job(JOB_UNMAP, items, undo);
+      memcpy(tl_error, error, sizeof tl_error);
+    }
+    for (size_t i = 0; i < n; i++) items[i]->mapped_by_this_call = 0;
+  }
+  pthread_mutex_unlock(&reg_lock);
+  free(items);
+  return mapped;
+}
+
+/* Single-allocation versions. */
+SA_EXPORT int sa_unmap(uint64_t ptr) { return sa_unmap_ptrs(&ptr, 1, 1) < 0 ? -1 : 0; }
 
 SA_EXPORT int sa_map(uint64_t ptr) {
   if (load_driver() != 0) return -1;
@@ -633,9 +910,9 @@ SA_EXPORT int sa_map(uint64_t ptr) {
   if (i < 0) {
     set_error("map: 0x%llx is not an allocation of this pool", (unsigned long long)ptr);
   } else {
-    CUstreamCaptureMode mode = capture_mode_relax();
-    rc = map_entry(&reg[i]);
-    capture_mode_restore(mode);
+    sa_entry *item = &reg[i];
+    rc = item->mapped ? 0 : run_job(JOB_MAP, &item, 1);
+    item->mapped_by_this_call = 0;
   }
   pthread_mutex_unlock(&reg_lock);
   return rc;
