@@ -17,6 +17,7 @@ from server.engine.sequence import Sequence
 from server.model.attention import AttentionContext, PrefillSpan
 from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
+from server.model.ops import ops_for
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -62,13 +63,11 @@ class ModelRunner:
         self.graphs = None  # set by enable_cuda_graphs(): decode-only batches replay captured graphs
 
     def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
-        """Device-specific speedups, once the cache exists: on CUDA the fused decode kernel and
+        """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
         CUDA graphs for decode batches (captured once, their memory in the pool)."""
+        self.model.ops = ops_for(self.device)
         if self.device.type != "cuda":
             return
-        from server.model.decode_kernel import triton_decode_attention
-
-        self.model.decode_fn = triton_decode_attention
         if not enforce_eager:
             from server.model.graphs import DecodeGraphs
 

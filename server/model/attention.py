@@ -82,11 +82,10 @@ def prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     return out.transpose(0, 1)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, ctx: AttentionContext, scale: float,
-                    decode_fn: Callable[..., torch.Tensor] = decode_attention_torch) -> torch.Tensor:
-    """Write the new K/V, then attend. q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-    write_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           ctx: AttentionContext, scale: float,
+           decode_fn: Callable[..., torch.Tensor] = decode_attention_torch) -> torch.Tensor:
+    """Attention of the flat batch, once the new K/V are in the cache. q [T, H, D] -> [T, H, D]."""
     nd = ctx.num_decode_tokens
     if not ctx.prefills:
         return decode_fn(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_decode_context)

@@ -6,28 +6,26 @@ the memory pool (tag `weights`), so every byte of them is sleepable.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.model.attention import AttentionContext, decode_attention_torch, paged_attention
+from server.model.attention import AttentionContext, attend
 from server.model.config import ModelConfig
-from server.model.rope import apply_rotary, cos_sin_table
+from server.model.ops import TorchOps
+from server.model.rope import cos_sin_table
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the arithmetic is the ops set's add_rmsnorm (fused on CUDA)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -47,16 +45,17 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
-                decode_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, decode_fn)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+                ops) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(T, self.num_heads, D)
+        k = self.k_proj(x).view(T, self.num_kv_heads, D)
+        v = self.v_proj(x).view(T, self.num_kv_heads, D)
+        if self.q_norm is not None:  # Qwen3 normalizes each head before the rotation
+            q = self.q_norm(q.reshape(-1, D), None, ops)[0].view(T, self.num_heads, D)
+            k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
+        q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention)
+        return self.o_proj(out.reshape(T, self.num_heads * D))
 
 
 class MLP(nn.Module):
@@ -66,8 +65,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -78,11 +77,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
-                decode_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
-        # The same order of additions as Hugging Face, so fp32 results agree exactly.
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, decode_fn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream travels beside the hidden state, so each norm also does the add
+        # before it (one fused kernel on CUDA). Float addition commutes, so this is bit for bit
+        # Hugging Face's `residual + hidden`.
+        x, residual = self.input_layernorm(x, residual, ops)
+        x = self.self_attn(x, cos, sin, ctx, ops)
+        x, residual = self.post_attention_layernorm(x, residual, ops)
+        return self.mlp(x, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         # Derived from the config, not the checkpoint: init_buffers() refills them after a reload.
         self.register_buffer("rope_cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
-        self.decode_fn: Callable[..., torch.Tensor] = decode_attention_torch
+        self.ops = TorchOps
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -118,9 +121,10 @@ class LlamaForCausalLM(nn.Module):
         """[T] token ids and positions -> final hidden states [T, hidden] (normed)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx, self.decode_fn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx, self.ops)
+        return self.model.norm(x, residual, self.ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.output_weight()).float()

@@ -1,0 +1,117 @@
+"""Fused Triton kernels for CUDA: residual add + RMSNorm, rotary + KV-cache write, SiLU * up.
+
+Each replaces several PyTorch kernels (TorchOps in ops.py is the reference). Arithmetic is done in
+fp32 and rounded once; the residual sum is rounded to the model dtype before the norm reads it,
+as in Hugging Face's layers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from server.model.decode_kernel import triton_decode_attention
+
+
+@triton.jit
+def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n_cols, eps,
+                 HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(r_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        tl.store(rout_ptr + row * n_cols + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / n_cols
+    normed = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n_cols + cols, w * normed, mask=mask)
+
+
+@triton.jit
+def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+                    n_heads, n_kv_heads, stride_qt, stride_kt, stride_vt, stride_ct,
+                    HALF: tl.constexpr, HEADS_P2: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, HALF)
+    h = tl.arange(0, HEADS_P2)
+    c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)
+    # q: [heads, 2*HALF] for this token, rotated in place.
+    qm = (h < n_heads)[:, None]
+    qa_ptr = q_ptr + t * stride_qt + h[:, None] * (2 * HALF) + d[None, :]
+    qa = tl.load(qa_ptr, mask=qm, other=0.0).to(tl.float32)
+    qb = tl.load(qa_ptr + HALF, mask=qm, other=0.0).to(tl.float32)
+    tl.store(qa_ptr, (qa * c1[None, :] - qb * s1[None, :]).to(q_ptr.dtype.element_ty), mask=qm)
+    tl.store(qa_ptr + HALF, (qb * c2[None, :] + qa * s2[None, :]).to(q_ptr.dtype.element_ty), mask=qm)
+    # k: rotated in place and written to the cache with v.
+    km = (h < n_kv_heads)[:, None]
+    ka_ptr = k_ptr + t * stride_kt + h[:, None] * (2 * HALF) + d[None, :]
+    ka = tl.load(ka_ptr, mask=km, other=0.0).to(tl.float32)
+    kb = tl.load(ka_ptr + HALF, mask=km, other=0.0).to(tl.float32)
+    ra = (ka * c1[None, :] - kb * s1[None, :]).to(k_ptr.dtype.element_ty)
+    rb = (kb * c2[None, :] + ka * s2[None, :]).to(k_ptr.dtype.element_ty)
+    tl.store(ka_ptr, ra, mask=km)
+    tl.store(ka_ptr + HALF, rb, mask=km)
+    slot = tl.load(slot_ptr + t)
+    row = slot * n_kv_heads * (2 * HALF) + h[:, None] * (2 * HALF) + d[None, :]
+    tl.store(kc_ptr + row, ra, mask=km)
+    tl.store(kc_ptr + row + HALF, rb, mask=km)
+    va_ptr = v_ptr + t * stride_vt + h[:, None] * (2 * HALF) + d[None, :]
+    tl.store(vc_ptr + row, tl.load(va_ptr, mask=km, other=0.0), mask=km)
+    tl.store(vc_ptr + row + HALF, tl.load(va_ptr + HALF, mask=km, other=0.0), mask=km)
+
+
+@triton.jit
+def _silu_mul(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    g = tl.load(g_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + i, mask=mask, other=0.0)
+    silu = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+    tl.store(out_ptr + i, silu * u, mask=mask)
+
+
+class TritonOps:
+    name = "triton"
+
+    @staticmethod
+    def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        rows, cols = x.shape
+        out = torch.empty_like(x)
+        rout = torch.empty_like(x) if residual is not None else x
+        if rows:
+            _add_rmsnorm[(rows,)](x, residual if residual is not None else x, weight, out, rout, cols, eps,
+                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+                                  num_warps=4 if cols <= 4096 else 8)
+        return out, rout
+
+    @staticmethod
+    def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T, H, D = q.shape
+        KVH = k.shape[1]
+        if T:
+            _rope_and_cache[(T,)](q, k, v, cos, sin, k_cache, v_cache, slots, H, KVH,
+                                  q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
+                                  HALF=D // 2, HEADS_P2=triton.next_power_of_2(max(H, KVH)), num_warps=4)
+        return q, k
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(up)
+        n = up.numel()
+        BLOCK = 1024
+        if n:
+            _silu_mul[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK, num_warps=4)
+        return out
+
+    decode_attention = staticmethod(triton_decode_attention)

@@ -1,0 +1,41 @@
+"""The fused GPU ops against the PyTorch reference ops, on random inputs (CPU interpreter or GPU)."""
+from __future__ import annotations
+
+import torch
+
+from server.model.ops import TorchOps
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any()
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def check_all(fused, dtype: torch.dtype, device: str, tol: float, seed: int = 0) -> dict[str, float]:
+    g = torch.Generator().manual_seed(seed)
+    errs: dict[str, float] = {}
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    for rows, cols in ((1, 576), (7, 2048), (33, 4096)):
+        x, r, w = rnd(rows, cols), rnd(rows, cols), rnd(cols)
+        for res in (None, r):
+            out, rout = fused.add_rmsnorm(x, res, w, 1e-5)
+            ref, rref = TorchOps.add_rmsnorm(x, res, w, 1e-5)
+            errs["add_rmsnorm"] = max(errs.get("add_rmsnorm", 0.0), rel(out, ref), rel(rout, rref))
+
+    T, H, KVH, D, NB, BS = 9, 8, 2, 64, 12, 16
+    q, k, v = rnd(T, H, D), rnd(T, KVH, D), rnd(T, KVH, D)
+    cos, sin = rnd(T, D), rnd(T, D)
+    slots = torch.randperm(NB * BS, generator=g)[:T].to(device)
+    caches = [torch.zeros(NB, BS, KVH, D, dtype=dtype, device=device) for _ in range(4)]
+    q1, k1 = fused.rope_and_cache(q.clone(), k.clone(), v, cos, sin, caches[0], caches[1], slots)
+    q2, k2 = TorchOps.rope_and_cache(q.clone(), k.clone(), v, cos, sin, caches[2], caches[3], slots)
+    errs["rope_and_cache"] = max(rel(q1, q2), rel(k1, k2), rel(caches[0], caches[2]), rel(caches[1], caches[3]))
+
+    gate, up = rnd(5, 1536), rnd(5, 1536)
+    errs["silu_mul"] = rel(fused.silu_mul(gate, up), TorchOps.silu_mul(gate, up))
+    bad = {k: e for k, e in errs.items() if not e < tol}
+    assert not bad, f"{dtype}: relative errors over {tol:.0e}: {bad}"
+    return errs
