@@ -23,8 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0  # a first run converts the default model (about 40 s) before serving
 # Small limits keep CPU tests fast: a short context makes over-context prompts cheap to build.
 BASE_ARGS = ["--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--log-level", "info"]
-# Flags come from the environment too; the test's command line must be all the server sees.
-_KEEP_ENV = {"SLEEPSERVE_CACHE", "SLEEPSERVE_BACKUP_DIR"}
 
 
 def free_port() -> int:
@@ -34,8 +32,14 @@ def free_port() -> int:
 
 
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLEEPSERVE_") or k in _KEEP_ENV}
-    env["PYTHONPATH"] = str(REPO)  # this checkout, never a stray sitecustomize
+    """This environment minus the variables that set server flags (SLEEPSERVE_PORT, ...): a test's
+    command line must be all the server sees. Others (SLEEPSERVE_CACHE, PYTHONPATH's carried
+    packages on the GPU host) pass through."""
+    from server.cli import ENV_PREFIX, SERVE_OPTIONS
+
+    flags = {o.env for o in SERVE_OPTIONS} | {ENV_PREFIX + "MODEL"}
+    env = {k: v for k, v in os.environ.items() if k not in flags}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
