@@ -330,9 +330,55 @@ def test_mode_wait_drains_before_sleeping(server, client):
     assert state(server)["is_sleeping"]
 
 
+def test_rlhf_update_with_new_weights_serves_what_a_fresh_load_serves(server, client, reference, tmp_path,
+                                                                      default_model_folder):
+    """sleep level 2 -> wake weights -> update_weights(perturbed checkpoint) -> wake kv_cache: the server
+    answers with the new weights, exactly as an engine that loaded them fresh does."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from server import LLM, SamplingParams
+
+    new = tmp_path / "step-1"
+    new.mkdir()
+    for f in default_model_folder.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, new / f.name)
+    weights = load_file(str(default_model_folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for name, t in weights.items():  # a "training step": every matrix moves a little
+        if t.dim() == 2:
+            weights[name] = t + 0.02 * t.std() * torch.randn(t.shape, generator=g)
+    save_file(weights, str(new / "model.safetensors"), metadata={"format": "pt"})
+
+    assert admin(server, "POST", "/sleep?level=2").status_code == 200
+    assert admin(server, "POST", "/wake_up?tags=weights").status_code == 200
+    r = admin(server, "POST", "/update_weights", json={"path": str(new), "weight_version": "step-1"})
+    assert r.status_code == 200 and r.json()["weights_valid"], r.text
+    assert admin(server, "POST", "/wake_up?tags=kv_cache").status_code == 200
+    served = greedy(client, max_tokens=16)
+
+    fresh = LLM(model=str(new), device="cpu", kv_cache_memory="64MiB")
+    try:
+        expected = fresh.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    finally:
+        fresh.close()
+    assert served == expected.outputs[0].text
+    assert served != greedy_reference_16(client, server)
+
+
+def greedy_reference_16(client, server) -> str:
+    """The original weights' answer, restoring them on the server (the other tests expect them)."""
+    assert admin(server, "POST", "/update_weights", json={}).status_code == 200
+    return greedy(client, max_tokens=16)
+
+
 def test_zz_clean_shutdown_on_ctrl_c(server):
     """Last in this module (the dev server is not used after it): SIGINT drains and exits cleanly."""
     server.stop()
     assert server.proc.returncode == 130, server.log_tail()  # the usual exit code after Ctrl-C
     log = server.log_text()
     assert "Application shutdown complete" in log and "Traceback" not in log, server.log_tail()
+

@@ -275,7 +275,24 @@ class EngineCore:
             raise ConflictError("sleep mode is disabled for this engine (enable_sleep_mode=False)")
         if self.draining:
             raise ConflictError("a sleep is already in progress (draining requests); wait for it to finish")
-        return SleepPlan.make(level, tags, mode)
+        plan = SleepPlan.make(level, tags, mode)
+        if plan.level == 0:
+            if self.paused:
+                raise ConflictError("the server is already paused; POST /resume or /wake_up first")
+            return plan
+        # Only tags that hold memory can sleep (no CUDA graphs on CPU, say).
+        held = set(self.pool.stats().tags)
+        want = {t: "offloaded" for t in plan.offload if t in held}
+        want.update({t: "discarded" for t in plan.discard if t in held})
+        asleep = self.pool.sleeping_tags()
+        clashes = [f"{t} is {asleep[t]}, level {level} would have it {want[t]}"
+                   for t in want if t in asleep and asleep[t] != want[t]]
+        if clashes:
+            raise ConflictError(f"already asleep in another way ({'; '.join(clashes)}); "
+                                "wake those tags first with POST /wake_up")
+        if want and all(t in asleep for t in want):
+            raise ConflictError(f"{', '.join(sorted(want))} already asleep at level {self.sleep_level}; nothing to do")
+        return plan
 
     def begin_drain(self) -> None:
         """mode=wait: refuse new requests; the driver keeps stepping until none are left, then sleeps."""
@@ -293,7 +310,8 @@ class EngineCore:
             self.scheduler.preempt_all()
         if plan.level == 0:
             self.paused = True
-            self.sleep_level = 0
+            if self.sleep_level is None:  # a pause on top of a sleep keeps the sleep's level
+                self.sleep_level = 0
             return {"level": 0, "aborted": aborted, "seconds": time.perf_counter() - t0}
         if "kv_cache" in plan.discard:
             self.blocks.reset_prefix_cache()  # the KV those hashes point to is about to vanish
@@ -301,7 +319,7 @@ class EngineCore:
             self.weights_valid = False
             self._weights_reloaded = set()
         report = self.pool.sleep(offload_tags=plan.offload, discard_tags=plan.discard)
-        self.sleep_level = plan.level
+        self.sleep_level = max(self.sleep_level or 0, plan.level)
         return {"level": plan.level, "aborted": aborted, "offloaded": list(plan.offload),
                 "discarded": list(plan.discard), "bytes_offloaded": report.bytes_offloaded,
                 "bytes_discarded": report.bytes_discarded, "seconds": time.perf_counter() - t0}
@@ -321,11 +339,6 @@ class EngineCore:
                 "already_awake": sorted(t for t in (tags or []) if t not in asleep),
                 "bytes_restored": report.bytes_restored, "seconds": time.perf_counter() - t0,
                 "weights_valid": self.weights_valid}
-
-    def pause(self) -> None:
-        self.paused = True
-        if self.sleep_level is None:
-            self.sleep_level = 0
 
     def resume(self) -> None:
         if self.pool.sleeping_tags():

@@ -22,6 +22,8 @@ from server.engine.sleep_plan import SleepPlan
 
 log = logging.getLogger("sleepserve.engine")
 
+MAX_CONSECUTIVE_FAILURES = 3
+
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None):
@@ -57,18 +59,26 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
+        failures = 0
         while not self._stop:
             self._drain_commands()
             # Only mode=wait waits for the requests in flight; abort and keep sleep at once (between steps).
             pending = self._pending_sleep
             if pending is not None and (pending[0].mode != "wait" or not core.has_unfinished):
                 self._finish_sleep()
-            if core.can_step:
+            if core.can_step and self.dead is None:
                 try:
                     core.step()
-                except Exception as e:  # a failed step must not take the server down
+                    failures = 0
+                except Exception as e:  # a failed step must not take the server down...
                     log.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(e)
+                    failures += 1
+                    if failures >= MAX_CONSECUTIVE_FAILURES:
+                        # ...but a step that keeps failing (a lost device, a corrupted context)
+                        # means nothing can be served: say so instead of failing every request.
+                        log.critical("%d steps failed in a row; the engine is dead: %s", failures, e)
+                        self.dead = e
                 self.stats = core.stats()
             else:
                 self._wake.wait(0.5)

@@ -56,6 +56,6 @@ def plan_kv_cache(config: EngineConfig, model: LlamaForCausalLM, pool, dtype: to
                 "peak); raise --gpu-memory-utilization or lower --max-num-batched-tokens")
     num_blocks = max(2, budget // per_block + 1)
     plan = KVPlan(num_blocks, config.block_size, (num_blocks) * per_block, per_block, peak)
-    log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", num_blocks - 1, config.block_size,
+    log.debug("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", num_blocks - 1, config.block_size,
              plan.bytes / 2**30, plan.capacity_tokens)
     return plan

@@ -57,7 +57,7 @@ class SamplingParams:
             raise bad("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
+        if self.top_k < -1 or self.top_k > 2 ** 31 - 1:
             raise bad("top_k", f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
