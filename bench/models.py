@@ -36,7 +36,7 @@ def tokenizer_folder() -> Path:
     return resolve_model(None).folder
 
 
-def model_folder(name: str, root: Path, max_position_embeddings: int = 8192) -> Path:
+def model_folder(name: str, root: Path, max_position_embeddings: int = 131072) -> Path:
     """Write config.json (Llama architecture, bf16) plus the tokenizer files into root/name."""
     out = Path(root) / name
     out.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device.index or 0)
         while not self.stop_flag:
             self.points.append((time.perf_counter() - self.t0, used(self.device) / GB))
             time.sleep(self.period)

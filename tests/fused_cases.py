@@ -34,8 +34,8 @@ def check_all(fused, dtype: torch.dtype, device: str, tol: float, seed: int = 0)
     q2, k2 = TorchOps.rope_and_cache(q.clone(), k.clone(), v, cos, sin, caches[2], caches[3], slots)
     errs["rope_and_cache"] = max(rel(q1, q2), rel(k1, k2), rel(caches[0], caches[2]), rel(caches[1], caches[3]))
 
-    gate, up = rnd(5, 1536), rnd(5, 1536)
-    errs["silu_mul"] = rel(fused.silu_mul(gate, up), TorchOps.silu_mul(gate, up))
+    gate_up = rnd(5, 2 * 1536)
+    errs["silu_mul_packed"] = rel(fused.silu_mul_packed(gate_up), TorchOps.silu_mul_packed(gate_up))
     bad = {k: e for k, e in errs.items() if not e < tol}
     assert not bad, f"{dtype}: relative errors over {tol:.0e}: {bad}"
     return errs

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for CUDA: residual add + RMSNorm, rotary + KV-cache write, SiLU * up.
+"""Fused kernels for CUDA: residual add + RMSNorm, rotary + KV-cache write, SiLU * up, and one GEMM
+for q/k/v and one for gate/up (over weights the loader lays out side by side).
 
 Each replaces several PyTorch kernels (TorchOps in ops.py is the reference). Arithmetic is done in
 fp32 and rounded once; the residual sum is rounded to the model dtype before the norm reads it,
@@ -7,6 +8,7 @@ as in Hugging Face's layers.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -67,13 +69,14 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
 
 
 @triton.jit
-def _silu_mul(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    g = tl.load(g_ptr + i, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + i, mask=mask, other=0.0)
+def _silu_mul_packed(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < inter
+    g = tl.load(gu_ptr + row * 2 * inter + i, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + i, mask=mask, other=0.0)
     silu = (g / (1.0 + tl.exp(-g))).to(u.dtype)
-    tl.store(out_ptr + i, silu * u, mask=mask)
+    tl.store(out_ptr + row * inter + i, silu * u, mask=mask)
 
 
 class TritonOps:
@@ -105,13 +108,25 @@ class TritonOps:
         return q, k
 
     @staticmethod
-    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(up)
-        n = up.numel()
+    def qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One GEMM over the q|k|v weights (laid out contiguously by the loader), split by views."""
+        out = F.linear(x, attn.qkv_weight, attn.qkv_bias)
+        q = attn.num_heads * attn.head_dim
+        kv = attn.num_kv_heads * attn.head_dim
+        return out[:, :q], out[:, q:q + kv], out[:, q + kv:]
+
+    @staticmethod
+    def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
+        return TritonOps.silu_mul_packed(F.linear(x, mlp.gate_up_weight, mlp.gate_up_bias))
+
+    @staticmethod
+    def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
         BLOCK = 1024
-        if n:
-            _silu_mul[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK, num_warps=4)
+        if rows:
+            _silu_mul_packed[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, BLOCK=BLOCK, num_warps=4)
         return out
 
     decode_attention = staticmethod(triton_decode_attention)

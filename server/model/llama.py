@@ -43,13 +43,18 @@ class Attention(nn.Module):
         # Views of this layer's slice of the pooled KV cache, bound by the model runner.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # The q|k|v weights side by side (set by the loader; q_proj.weight etc. are views of it).
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fused_groups(self) -> dict[str, list[nn.Linear]]:
+        return {"qkv": [self.q_proj, self.k_proj, self.v_proj]}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
                 ops) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(T, self.num_heads, D)
-        k = self.k_proj(x).view(T, self.num_kv_heads, D)
-        v = self.v_proj(x).view(T, self.num_kv_heads, D)
+        q, k, v = ops.qkv(self, x)
+        q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
         if self.q_norm is not None:  # Qwen3 normalizes each head before the rotation
             q = self.q_norm(q.reshape(-1, D), None, ops)[0].view(T, self.num_heads, D)
             k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
@@ -64,9 +69,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_weight: torch.Tensor | None = None
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fused_groups(self) -> dict[str, list[nn.Linear]]:
+        return {"gate_up": [self.gate_proj, self.up_proj]}
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(ops.gate_up_act(self, x))
 
 
 class DecoderLayer(nn.Module):

@@ -45,10 +45,27 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def materialize(model: nn.Module, pool, dtype: torch.dtype) -> None:
-    """Give every meta parameter and buffer real storage in the pool under tag `weights`."""
+    """Give every meta parameter and buffer real storage in the pool under tag `weights`.
+
+    Projections that a module wants side by side (its fused_groups(): q|k|v, gate|up) get one
+    allocation, and each projection's parameter is a view of it. Names stay those of the
+    checkpoint, so loading and in-place updates are unchanged; on CUDA one GEMM serves the group.
+    """
+    for module in model.modules():
+        groups = module.fused_groups() if hasattr(module, "fused_groups") else {}
+        for name, linears in groups.items():
+            for kind in ("weight", "bias"):
+                parts = [getattr(lin, kind) for lin in linears]
+                if any(p is None for p in parts):
+                    continue
+                rows = [p.shape[0] for p in parts]
+                whole = pool.empty((sum(rows), *parts[0].shape[1:]), dtype, WEIGHTS_TAG)
+                for lin, view in zip(linears, whole.split(rows)):
+                    lin._parameters[kind] = nn.Parameter(view, requires_grad=False)
+                setattr(module, f"{name}_{kind}", whole)
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is not None:
+            if p is not None and p.is_meta:
                 module._parameters[name] = nn.Parameter(pool.empty(p.shape, dtype, WEIGHTS_TAG), requires_grad=False)
         for name, b in list(module._buffers.items()):
             if b is not None:

@@ -38,7 +38,19 @@ class TorchOps:
         return q, k
 
     @staticmethod
-    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three projections as Hugging Face computes them (three GEMMs)."""
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+    @staticmethod
+    def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate_proj(x)) * up_proj(x)."""
+        return F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+    @staticmethod
+    def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] holding gate | up -> silu(gate) * up, [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     decode_attention = staticmethod(decode_attention_torch)
