@@ -2,17 +2,14 @@
 (The interpreter mishandles bf16 matmuls, so bf16 is checked on the GPU: tests/gpu.)"""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
 CHECK = r"""
-import os, sys, torch
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
 from server.model.decode_kernel import triton_decode_attention
 from tests.kernel_cases import random_case, relative_error
 worst = {}
@@ -28,8 +25,4 @@ print(worst)
 
 
 def test_kernel_matches_reference_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", CHECK], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    run_interpreted(CHECK)
