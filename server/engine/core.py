@@ -23,7 +23,7 @@ from server.engine.params import SamplingParams
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Request, Sequence
-from server.engine.sleep_plan import TAGS, SleepPlan, check_tags
+from server.engine.sleep_plan import TAGS, SleepPlan, check_tags, refusal
 from server.model.config import ModelConfig
 from server.model.loader import (WeightLoadError, build_model, check_checkpoint, checkpoint_shapes, copy_weights,
                                  describe, init_dummy_weights, iter_checkpoint, load_checkpoint, parameter_names,
@@ -119,17 +119,9 @@ class EngineCore:
 
     def check_can_serve(self) -> None:
         """Raise EngineUnavailableError unless new generation can be accepted now."""
-        if self.draining:
-            raise EngineUnavailableError("the server is draining requests before it sleeps; retry after it wakes")
-        asleep = self.pool.sleeping_tags()
-        if asleep:
-            raise EngineUnavailableError(
-                f"the server is sleeping ({', '.join(sorted(asleep))} asleep); wake it with POST /wake_up")
-        if not self.weights_valid:
-            raise EngineUnavailableError(
-                "weights were discarded by sleep level 2; load weights with POST /update_weights")
-        if self.paused:
-            raise EngineUnavailableError("the server is paused; resume it with POST /resume or POST /wake_up")
+        refused = refusal(self.sleep_state())
+        if refused:
+            raise EngineUnavailableError(refused[1])
 
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                     params: SamplingParams | None = None,

@@ -18,11 +18,31 @@ from server.engine.core import EngineCore
 from server.engine.errors import ConflictError, EngineDeadError, EngineUnavailableError
 from server.engine.outputs import RequestOutput
 from server.engine.params import SamplingParams
-from server.engine.sleep_plan import SleepPlan
+from server.engine.sleep_plan import SleepPlan, refusal
 
 log = logging.getLogger("sleepserve.engine")
 
 MAX_CONSECUTIVE_FAILURES = 3
+
+Settle = Callable[[Any, "BaseException | None"], None]
+
+
+def _thread_future() -> tuple[asyncio.Future, Settle]:
+    """A future of the running loop, and a function any thread may call once to settle it."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        def apply() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+        loop.call_soon_threadsafe(apply)
+
+    return fut, settle
 
 
 class AsyncEngine:
@@ -33,7 +53,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._pending_sleep: tuple[SleepPlan, Callable[[Any, BaseException | None], None]] | None = None
+        self._pending_sleep: tuple[SleepPlan, Settle] | None = None
         self.dead: BaseException | None = None
         # A snapshot the event loop may read without a round trip: refreshed after every command and step.
         self.state: dict = self.core.sleep_state()
@@ -128,18 +148,7 @@ class AsyncEngine:
         """Run fn(core) on the engine thread, between steps, and await its result."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-
-        def settle(result: Any, error: BaseException | None) -> None:
-            def apply() -> None:
-                if fut.done():
-                    return
-                if error is not None:
-                    fut.set_exception(error)
-                else:
-                    fut.set_result(result)
-            loop.call_soon_threadsafe(apply)
+        fut, settle = _thread_future()
 
         def cmd() -> None:
             result: Any = None
@@ -160,16 +169,8 @@ class AsyncEngine:
 
     def unavailable_reason(self) -> str | None:
         """Why generation would be refused right now, from the snapshot (no round trip)."""
-        s = self.state
-        if s["draining"]:
-            return "the server is draining requests before it sleeps; retry after it wakes"
-        if s["sleeping_tags"]:
-            return f"the server is sleeping ({', '.join(s['sleeping_tags'])} asleep); wake it with POST /wake_up"
-        if not s["weights_valid"]:
-            return "weights were discarded by sleep level 2; load weights with POST /update_weights"
-        if s["paused"]:
-            return "the server is paused; resume it with POST /resume or POST /wake_up"
-        return None
+        refused = refusal(self.state)
+        return refused[1] if refused else None
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -210,12 +211,7 @@ class AsyncEngine:
     # -- sleep mode (the state machine lives in EngineCore; this only sequences it) ---------------
 
     async def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> dict:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-
-        def done(result: Any, error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(
-                lambda: fut.done() or (fut.set_exception(error) if error else fut.set_result(result)))
+        fut, done = _thread_future()
 
         def begin(core: EngineCore) -> None:
             if self._pending_sleep is not None:

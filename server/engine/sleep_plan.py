@@ -50,3 +50,19 @@ class SleepPlan:
         return cls(level=level, mode=mode,
                    offload=tuple(t for t in selected if actions.get(t) == "offload"),
                    discard=tuple(t for t in selected if actions.get(t) == "discard"))
+
+
+def refusal(state: dict) -> tuple[str, str] | None:
+    """Why new generation is refused in this sleep state (EngineCore.sleep_state()'s dict; missing
+    keys count as awake), as (code, message), or None when it can be served. The checks are in
+    order of precedence: the engine, the fast 503 path, /health and /metrics all read this one."""
+    if state.get("draining"):
+        return "draining", "the server is draining requests before it sleeps; retry after it wakes"
+    if state.get("sleeping_tags"):
+        return "sleeping", (f"the server is sleeping ({', '.join(state['sleeping_tags'])} asleep); "
+                            "wake it with POST /wake_up")
+    if not state.get("weights_valid", True):
+        return "weights_invalid", "weights were discarded by sleep level 2; load weights with POST /update_weights"
+    if state.get("paused"):
+        return "paused", "the server is paused; resume it with POST /resume or POST /wake_up"
+    return None
