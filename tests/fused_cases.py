@@ -39,3 +39,19 @@ def check_all(fused, dtype: torch.dtype, device: str, tol: float, seed: int = 0)
     bad = {k: e for k, e in errs.items() if not e < tol}
     assert not bad, f"{dtype}: relative errors over {tol:.0e}: {bad}"
     return errs
+
+
+def whole_model_error(llm) -> float:
+    """Relative error of one prefill's logits computed with the fused ops (TritonOps) against the
+    PyTorch ops, on an engine's own model and cache."""
+    from server import SamplingParams
+    from server.model.fused_ops import TritonOps
+
+    core = llm.engine
+    core.add_request("fused-check", prompt_token_ids=list(range(100, 150)), params=SamplingParams(max_tokens=1))
+    hb = core.runner.prepare(core.scheduler.schedule())
+    core.model.ops = TorchOps
+    reference = core.runner.logits(hb).double()
+    core.model.ops = TritonOps
+    fused = core.runner.logits(hb).double()
+    return float((fused - reference).norm() / reference.norm())

@@ -24,21 +24,15 @@ MODEL_CHECK = r"""
 import tempfile
 from pathlib import Path
 from bench.models import model_folder
-from server import LLM, SamplingParams
-from server.model.fused_ops import TritonOps
+from server import LLM
+from tests.fused_cases import whole_model_error
 llm = LLM(model=str(model_folder("llama-tiny", Path(tempfile.mkdtemp()))), device="cpu", load_format="dummy",
           kv_cache_memory="32MiB")
-core = llm.engine
-attn = core.model.model.layers[0].self_attn
+attn = llm.engine.model.model.layers[0].self_attn
 # The loader laid q|k|v out side by side: the checkpoint's parameters are views of one tensor.
 assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
 assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.weight.shape[0]:].data_ptr()
-core.add_request("r", prompt_token_ids=list(range(100, 150)), params=SamplingParams(max_tokens=1))
-hb = core.runner.prepare(core.scheduler.schedule())
-reference = core.runner.logits(hb).double()
-core.model.ops = TritonOps
-fused = core.runner.logits(hb).double()
-err = float((fused - reference).norm() / reference.norm())
+err = whole_model_error(llm)
 assert err < 1e-5, err
 """
 

@@ -11,9 +11,9 @@ from server.engine.outputs import Logprob, TokenLogprobs
 from server.engine.sequence import Sequence
 
 
-def _apply_history(logits: torch.Tensor, seq: Sequence, stop_ids: list[int]) -> None:
+def _apply_history(row: torch.Tensor, seq: Sequence, stop_ids: list[int]) -> None:
+    """Edit one row of logits in place with what depends on this sequence's history and params."""
     p = seq.params
-    row = logits
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias.keys()), device=row.device, dtype=torch.long)
         row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype))

@@ -71,17 +71,11 @@ def test_all_engine_memory_is_in_the_pool(tiny):
 
 def test_fused_model_matches_the_pytorch_ops(tiny):
     """The whole forward with the fused kernels and GEMMs against the plain-PyTorch reference ops."""
-    from server.model.ops import TorchOps
+    from tests.fused_cases import whole_model_error
 
     llm = LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="256MiB", enforce_eager=True)
     try:
-        core = llm.engine
-        core.add_request("r", prompt_token_ids=list(range(100, 150)), params=SamplingParams(max_tokens=1))
-        hb = core.runner.prepare(core.scheduler.schedule())
-        fused = core.runner.logits(hb).double()
-        core.model.ops = TorchOps
-        reference = core.runner.logits(hb).double()
-        err = float((fused - reference).norm() / reference.norm())
+        err = whole_model_error(llm)
         assert err < 2e-2, f"relative error {err:.2e}"
     finally:
         llm.close()
