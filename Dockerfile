@@ -9,10 +9,17 @@
 #
 # CUDA 13.0 is the line the torch==2.13.0 wheels on PyPI are built for (they carry their own CUDA
 # libraries); the host needs an NVIDIA driver that supports CUDA 13.0 (R580 or newer).
+#
+# The CPU variant differs only in its two bases (BUILD_BASE, RUNTIME_BASE: any Debian or Ubuntu
+# image with python3, cuda.h under /usr/local/cuda/include in the build base) and in the wheels
+# handed over in docker/wheels/ (torch's CPU build); every step below runs in both. `make
+# docker-smoke` builds it from Debian's packages and runs it (scripts/docker_smoke.py).
 ARG CUDA_VERSION=13.0.2
 ARG UBUNTU=ubuntu24.04
+ARG BUILD_BASE=nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU}
+ARG RUNTIME_BASE=nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}
 
-FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS build
+FROM ${BUILD_BASE} AS build
 
 # The distribution's Python (3.12 on Ubuntu 24.04): the runtime stage installs the same one, so
 # the copied virtual environment finds its interpreter. gcc builds csrc/; cuda.h comes with devel.
@@ -30,7 +37,10 @@ WORKDIR /src
 
 # torch alone and first, pinned (as in the Makefile), so no later requirement can resolve another
 # build of it. Its own layer: the multi-GB download is not repeated when the project changes.
-RUN pip install --no-cache-dir torch==2.13.0
+# docker/wheels/ holds no wheel in the repository; a wheel put there wins over the index (a local
+# version such as 2.13.0+cpu sorts above 2.13.0): that is how the CPU variant gets torch's CPU build.
+COPY docker/wheels/ /tmp/wheels/
+RUN pip install --no-cache-dir --find-links /tmp/wheels torch==2.13.0
 
 COPY requirements/base.txt requirements/base.txt
 RUN pip install --no-cache-dir -r requirements/base.txt \
@@ -47,7 +57,7 @@ RUN pip install --no-cache-dir --no-deps . \
  && install -D -m 0644 allocator/_lib/libsleep_alloc.so "$pkg/_lib/libsleep_alloc.so"
 
 
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} AS runtime
+FROM ${RUNTIME_BASE} AS runtime
 
 # python3: the interpreter the venv links to. gcc, libc6-dev, python3-dev: triton compiles a small
 # C launcher (against Python.h) the first time the decode kernel runs on a GPU.

@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install serve test bench gpu-check lint-docker clean
+.PHONY: install serve test bench gpu-check lint-docker docker-smoke clean
 
 $(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ gpu-check:
 # this Makefile); `make test` runs the same tests. Building the image needs a Docker engine.
 lint-docker: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_docker.py $(ARGS)
+
+# The CPU image built and run as a user would, on a private Docker engine this starts and stops
+# (root; apt-get installs docker.io and debootstrap where missing). Not part of `make test`: a cold
+# run takes many minutes. ARGS="--warm" also times a rebuild; ARGS="--break entrypoint" must fail.
+docker-smoke: $(STAMP)
+	$(BIN)/python scripts/docker_smoke.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info allocator/_lib

@@ -6,11 +6,13 @@
 - the Dockerfile's install steps are compared with the Makefile's recipe (the one CI runs), its
   entry point with pyproject's console script, its port with the CLI's default.
 
-Everything about the project is parsed from its files (ast, tomllib, text): no torch import.
+The CLI's option table and the default model's name are imported (neither module imports torch);
+the rest is parsed from the files (tomllib, ast, text).
 """
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import os
 import re
@@ -24,13 +26,15 @@ from pathlib import Path
 
 import pytest
 
+from server.cli import ENV_PREFIX, SERVE_OPTIONS
+from server.model.default_model import DEFAULT_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 MAKEFILE = ROOT / "Makefile"
 COMPOSE = ROOT / "docker" / "compose.yaml"
 ENV_EXAMPLE = ROOT / "docker" / "env.example"
 DOCKERIGNORE = ROOT / ".dockerignore"
-CLI = ROOT / "server" / "cli.py"
 
 # The CI recipe installs these for the tests only; the image must not carry them.
 TEST_ONLY_REQUIREMENTS = {"requirements/dev.txt"}
@@ -221,62 +225,30 @@ def env_values(instructions: list[Instruction], stage: int) -> dict[str, str]:
     return values
 
 
+def global_args(instructions: list[Instruction]) -> dict[str, str]:
+    """The ARG defaults declared before the first FROM, ${VAR} references expanded."""
+    values: dict[str, str] = {}
+    for ins in instructions:
+        if ins.keyword == "ARG" and ins.stage == -1:
+            name, _, default = ins.args.partition("=")
+            values[name.strip()] = re.sub(r"\$\{(\w+)\}", lambda m: values.get(m.group(1), m.group(0)), default.strip())
+    return values
+
+
+def stage_bases(instructions: list[Instruction]) -> list[str]:
+    """Each stage's base image, as the default build arguments resolve it."""
+    args = global_args(instructions)
+    return [re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), ins.args.split()[0])
+            for ins in instructions if ins.keyword == "FROM"]
+
+
 # ---------------------------------------------------------------------------------------------
-# Reading the project (no imports of the server: they would pull in torch)
-
-
-def cli_module() -> ast.Module:
-    if not CLI.is_file():
-        pytest.skip("server/cli.py does not exist yet")
-    return ast.parse(CLI.read_text())
+# The CLI (server.cli imports nothing heavy: its option table is the one `sleepserve serve` parses)
 
 
 def default_port() -> int:
-    """`sleepserve serve`'s default --port: an add_argument/Option call for --port in server/cli.py
-    (keyword default= or the first int after the flag), else a module-level *PORT* constant."""
-    if not CLI.is_file():
-        pytest.skip("server/cli.py does not exist yet")
-    sources = [p for p in (CLI, ROOT / "server" / "config.py") if p.is_file()]
-    for path in sources:
-        tree = ast.parse(path.read_text())
-        constants = {t.id: n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
-                     and isinstance(n.value, ast.Constant) for t in n.targets if isinstance(t, ast.Name)}
-
-        def value(node: ast.AST) -> object:
-            if isinstance(node, ast.Constant):
-                return node.value
-            if isinstance(node, ast.Name):
-                return constants.get(node.id)
-            return None
-
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and node.args and value(node.args[0]) == "--port":
-                for kw in node.keywords:
-                    if kw.arg == "default" and isinstance(value(kw.value), int):
-                        return int(value(kw.value))  # type: ignore[arg-type]
-                ints = [value(a) for a in node.args[1:] if isinstance(value(a), int) and not isinstance(value(a), bool)]
-                if ints:
-                    return int(ints[0])  # type: ignore[arg-type]
-        for name, v in constants.items():
-            if "PORT" in name.upper() and isinstance(v, int) and not isinstance(v, bool):
-                return v
-    raise AssertionError(f"no default port found in {', '.join(str(p.relative_to(ROOT)) for p in sources)}; "
-                         "teach default_port() where it lives now")
-
-
-def cli_flags() -> set[str]:
-    """Every --flag that server/cli.py declares (the first string argument of a call)."""
-    return {n.args[0].value for n in ast.walk(cli_module()) if isinstance(n, ast.Call) and n.args
-            and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)
-            and n.args[0].value.startswith("--")}
-
-
-def default_model_name() -> str:
-    tree = ast.parse((ROOT / "server" / "model" / "default_model.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULT_NAME" for t in node.targets):
-            return node.value.value  # type: ignore[attr-defined]
-    raise AssertionError("server/model/default_model.py has no DEFAULT_NAME")
+    """`sleepserve serve`'s default --port."""
+    return int(next(opt.default for opt in SERVE_OPTIONS if opt.flag == "--port"))
 
 
 def tool(name: str) -> str:
@@ -364,11 +336,11 @@ def test_requirement_files_are_copied_before_use(dockerfile):
 def test_allocator_library_is_built_in_the_devel_stage(dockerfile):
     make_builds = [c for c in makefile_install_recipe() if c[1:3] == ["-m", "allocator.build"]]
     assert make_builds, "the Makefile no longer builds the allocator; update the Dockerfile and this test"
-    froms = [ins for ins in dockerfile if ins.keyword == "FROM"]
+    bases = stage_bases(dockerfile)
     builds = [(ins, c) for ins, c in runs(dockerfile) if c[1:3] == ["-m", "allocator.build"]]
     assert builds, "the Dockerfile never runs `python -m allocator.build`"
     for ins, cmd in builds:
-        assert "-devel-" in froms[ins.stage].args, f"Dockerfile:{ins.line}: build in the devel stage (cc, cuda.h)"
+        assert "-devel-" in bases[ins.stage], f"Dockerfile:{ins.line}: build in the devel stage (cc, cuda.h)"
         assert "--if-possible" not in cmd, f"Dockerfile:{ins.line}: in the image a failed build must fail the build"
     project = [s for s in docker_pip_steps(dockerfile) if s.kind == "project"]
     assert project and int(project[0].where.split(":")[1]) <= builds[0][0].line, \
@@ -388,33 +360,53 @@ def test_runtime_stage_checks_the_library_is_where_the_backend_loads_it(dockerfi
 
 
 def test_stages_share_one_cuda_and_ubuntu_release(dockerfile):
+    """Both bases are build arguments (the CPU variant replaces them and nothing else); their
+    defaults are the CUDA devel and runtime images of one release."""
     froms = [ins.args.split()[0] for ins in dockerfile if ins.keyword == "FROM"]
-    assert len(froms) == 2, f"expected a devel build stage and a runtime stage, got {froms}"
-    assert "-devel-" in froms[0] and "-runtime-" in froms[1], froms
+    assert froms == ["${BUILD_BASE}", "${RUNTIME_BASE}"], f"expected a build stage and a runtime stage, got {froms}"
+    build, runtime = stage_bases(dockerfile)
+    assert "-devel-" in build and "-runtime-" in runtime, (build, runtime)
     # The venv links to the system python3: both stages must be the same Ubuntu (and CUDA) release.
-    assert froms[0].replace("-devel-", "-runtime-") == froms[1], froms
+    assert build.replace("-devel-", "-runtime-") == runtime, (build, runtime)
+
+
+def test_cpu_smoke_build_changes_only_declared_bases(dockerfile):
+    """scripts/docker_smoke.py builds the CPU variant with --build-arg NAME=...: each NAME must be a
+    base declared before the first FROM (a typo would silently build the CUDA image)."""
+    names = re.findall(r'"--build-arg",\s*f?"(\w+)=', (ROOT / "scripts" / "docker_smoke.py").read_text())
+    assert sorted(names) == ["BUILD_BASE", "RUNTIME_BASE"], names
+    assert set(names) <= set(global_args(dockerfile))
+
+
+def test_copy_sources_exist_and_reach_the_build_context(dockerfile):
+    for ins in dockerfile:
+        if ins.keyword != "COPY" or "--from=" in ins.args:
+            continue
+        for source in [s for s in shlex.split(ins.args)[:-1] if not s.startswith("--")]:
+            path = source.rstrip("/") or "."
+            assert (ROOT / path).exists(), f"Dockerfile:{ins.line}: COPY {source}: no such file in the repository"
+            if path != ".":
+                assert not is_ignored(path), f"Dockerfile:{ins.line}: .dockerignore drops {source}"
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry point, port, health check, user
 
 
-def test_entrypoint_is_the_sleepserve_serve_console_script(dockerfile):
+def test_entrypoint_is_the_sleepserve_serve_console_script(dockerfile, capsys):
     entry = [ins for ins in dockerfile if ins.keyword == "ENTRYPOINT"]
     assert entry and entry[-1].json_args() == ["sleepserve", "serve"], \
         "ENTRYPOINT must be exec form [\"sleepserve\", \"serve\"] so `docker run IMAGE --flags MODEL` works"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert "sleepserve" in scripts, "pyproject.toml has no `sleepserve` console script"
     module, _, func = scripts["sleepserve"].partition(":")
-    path = ROOT / (module.replace(".", "/") + ".py")
-    if not path.is_file():
-        pytest.skip(f"{path.relative_to(ROOT)} (the console script's module) does not exist yet")
-    tree = ast.parse(path.read_text())
-    assert any(isinstance(n, ast.FunctionDef) and n.name == func for n in tree.body), \
-        f"{path.relative_to(ROOT)} has no {func}()"
-    assert any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add_parser"
-               and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value == "serve"
-               for n in ast.walk(tree)), f"{path.relative_to(ROOT)} has no `serve` subcommand"
+    main = getattr(importlib.import_module(module), func)  # a missing module or function fails here
+    # What `docker run IMAGE --help` runs: the console script with `serve --help`.
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    usage = capsys.readouterr().out
+    assert exited.value.code == 0 and usage.startswith("usage: sleepserve serve"), usage[:300]
+    assert all(opt.flag in usage for opt in SERVE_OPTIONS), "every serve option is on the command line"
     assert not [ins for ins in dockerfile if ins.keyword == "CMD"], \
         "no CMD: docker run's arguments are the model and flags, appended to the ENTRYPOINT"
 
@@ -580,7 +572,7 @@ def check_common(service: dict, dockerfile: list[Instruction]) -> None:
     assert service.get("restart") in ("unless-stopped", "always", "on-failure")
     models = [v for v in service["volumes"] if v["target"] == "/models"]
     assert models and models[0].get("read_only"), "the model folder is mounted read-only at /models"
-    assert service["command"] == [default_model_name()], \
+    assert service["command"] == [DEFAULT_NAME], \
         "by default compose serves the embedded model (its name is what the loader maps to it)"
     assert Path(service["build"]["context"]) == ROOT and (ROOT / service["build"]["dockerfile"]).is_file()
 
@@ -618,9 +610,9 @@ def test_env_example_as_docker_env(tmp_path, dockerfile):
 def test_sleepserve_variables_exist():
     """Each SLEEPSERVE_* name the deployment files set is a `serve` flag (or MODEL), or a variable
     the code reads: a typo would be ignored silently at run time."""
-    flags = {f[2:].replace("-", "_").upper() for f in cli_flags()} | {"MODEL"}
+    flags = {opt.env for opt in SERVE_OPTIONS} | {ENV_PREFIX + "MODEL"}
     source = "\n".join(p.read_text() for d in ("server", "allocator") for p in (ROOT / d).rglob("*.py"))
     for path in (DOCKERFILE, COMPOSE, ENV_EXAMPLE):
         for name in sorted(set(re.findall(r"\bSLEEPSERVE_([A-Z0-9_]+)", path.read_text()))):
-            assert name in flags or f'"SLEEPSERVE_{name}"' in source, \
+            assert f"SLEEPSERVE_{name}" in flags or f'"SLEEPSERVE_{name}"' in source, \
                 f"{path.relative_to(ROOT)}: SLEEPSERVE_{name} is neither a flag nor read by the code"
