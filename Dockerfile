@@ -25,12 +25,12 @@ FROM ${BUILD_BASE} AS build
 # the copied virtual environment finds its interpreter. gcc builds csrc/; cuda.h comes with devel.
 # DL3008 (apt versions not pinned): the base image's tag fixes the Ubuntu release; pinning each
 # .deb would break the build every time Ubuntu ships a security update.
+# Few layers: a storage driver without copy-on-write (vfs) copies the whole tree for each one.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
- && rm -rf /var/lib/apt/lists/*
-
-RUN python3 -m venv /opt/venv
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -61,15 +61,18 @@ FROM ${RUNTIME_BASE} AS runtime
 
 # python3: the interpreter the venv links to. gcc, libc6-dev, python3-dev: triton compiles a small
 # C launcher (against Python.h) the first time the decode kernel runs on a GPU.
+# /var/lib/sleepserve/offload: owned by the server's user, so a named volume mounted there (the CPU
+# backend's --offload-dir) starts writable.
 # DL3008: apt versions not pinned, for the same reason as in the build stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin sleepserve
+ && useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin sleepserve \
+ && install -d -o sleepserve -g sleepserve /opt/sleepserve/cache /var/lib/sleepserve/offload
 
-COPY --from=build /opt/venv /opt/venv
-
+# The image's settings come before the large copy: they change nothing on disk, but each
+# instruction still snapshots the tree, which a storage driver without copy-on-write (vfs) copies.
 # SLEEPSERVE_HOST: the server defaults to 127.0.0.1, unreachable through a published port.
 # SLEEPSERVE_CACHE: the converted default model lives in the image, not in a home folder.
 # HF_HUB_OFFLINE: sleepserve never downloads; this makes sure no library tries at start-up.
@@ -80,20 +83,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     SLEEPSERVE_CACHE=/opt/sleepserve/cache \
     HF_HUB_OFFLINE=1
 
-# The CUDA backend loads the library from the installed package; fail here, not at the first GPU start.
-# /var/lib/sleepserve/offload: owned by the server's user, so a named volume mounted there (the CPU
-# backend's --offload-dir) starts writable.
-RUN python -c "from allocator.build import LIBRARY, is_stale; assert LIBRARY.is_file() and not is_stale(), LIBRARY" \
- && install -d -o sleepserve -g sleepserve /opt/sleepserve/cache /var/lib/sleepserve/offload
-
 # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
 WORKDIR /home/sleepserve
-
-# Convert the embedded default model now (about 40 s, CPU only), so the container starts without
-# network and without converting. The cache stays writable by this user: a mounted .gguf file is
-# converted into it at start-up.
-RUN sleepserve prepare
 
 EXPOSE 8000
 # /health is open even when --api-key is set. python, not curl: the image has no curl.
@@ -107,3 +99,12 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
 
 # `docker run IMAGE --dev-mode /models/x` appends the flags and model to `sleepserve serve`.
 ENTRYPOINT ["sleepserve", "serve"]
+
+COPY --from=build /opt/venv /opt/venv
+
+# The CUDA backend loads the library from the installed package: fail here, not at the first GPU
+# start. Then convert the embedded default model (about 40 s, CPU only), so the container starts
+# without network and without converting. The cache stays writable by this user: a mounted .gguf
+# file is converted into it at start-up.
+RUN python -c "from allocator.build import LIBRARY, is_stale; assert LIBRARY.is_file() and not is_stale(), LIBRARY" \
+ && sleepserve prepare

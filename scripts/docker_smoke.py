@@ -23,6 +23,7 @@ last run stay in ~/.cache/sleepserve-docker/last-run/.
 
     python scripts/docker_smoke.py                    # what `make docker-smoke` runs
     python scripts/docker_smoke.py --warm             # also time a rebuild after a source change
+    python scripts/docker_smoke.py --data-root DIR    # keep images and build cache in DIR (warm re-runs)
     python scripts/docker_smoke.py --break entrypoint # break the image on purpose: must fail
 """
 from __future__ import annotations
@@ -173,8 +174,8 @@ def makefile_torch_pin() -> str:
 class Engine:
     """dockerd on its own socket and folders; `docker(...)` talks to it and nothing else."""
 
-    def __init__(self, work: Path, tools: dict[str, str]):
-        self.work, self.tools = work, tools
+    def __init__(self, work: Path, tools: dict[str, str], data_root: Path):
+        self.work, self.tools, self.data_root = work, tools, data_root
         self.sock = work / "docker.sock"
         self.log = LOGS / "dockerd.log"
         self.proc: subprocess.Popen | None = None
@@ -191,7 +192,7 @@ class Engine:
 
     def start(self) -> None:
         (self.work / "daemon.json").write_text("{}")  # not the machine's /etc/docker/daemon.json
-        cmd = [self.tools["dockerd"], "--data-root", str(self.work / "data"), "--exec-root", str(self.work / "exec"),
+        cmd = [self.tools["dockerd"], "--data-root", str(self.data_root), "--exec-root", str(self.work / "exec"),
                "--pidfile", str(self.work / "dockerd.pid"), "--config-file", str(self.work / "daemon.json"),
                "--storage-driver", "vfs", "--iptables=false", "--bridge=none", "-H", f"unix://{self.sock}"]
         say(f"starting dockerd on {self.sock}")
@@ -223,6 +224,7 @@ class Engine:
             ids = self.docker("ps", "-aq", check=False, timeout=60).stdout.decode().split()
             if ids:
                 self.docker("rm", "-f", *ids, check=False, timeout=120)
+            self.docker("volume", "rm", "-f", OFFLOAD_VOLUME, check=False, timeout=60)
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=60)
@@ -301,10 +303,14 @@ def cuda_headers() -> Path:
 
 def make_bases(engine: Engine, work: Path) -> None:
     tarball = base_tarball(work)
-    with tarball.open("rb") as f:
-        # pip (certifi) and Python's ssl read the system bundle, which is the host's here.
-        engine.docker("import", "-c", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                      "-c", f"ENV PIP_CERT={HOST_CA} SSL_CERT_FILE={HOST_CA}", "-", BASE, stdin=f)
+    label = "{{index .Config.Labels \"sleepserve.smoke.base\"}}"
+    present = engine.docker("image", "inspect", "-f", label, BASE, check=False).stdout.decode().strip()
+    if present != tarball.name:  # a kept data root has it already: importing again would void the build cache
+        with tarball.open("rb") as f:
+            # pip (certifi) and Python's ssl read the system bundle, which is the host's here.
+            engine.docker("import", "-c", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                          "-c", f"ENV PIP_CERT={HOST_CA} SSL_CERT_FILE={HOST_CA}",
+                          "-c", f"LABEL sleepserve.smoke.base={tarball.name}", "-", BASE, stdin=f)
     ctx = work / "cuda-headers"
     shutil.copytree(cuda_headers(), ctx / "include")
     (ctx / "Dockerfile").write_text(f"FROM {BASE}\nCOPY include/ /usr/local/cuda/include/\n")
@@ -626,7 +632,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="break the image on purpose (the run must then fail)")
     parser.add_argument("--warm", action="store_true",
                         help="also time a rebuild after a source change (the warm build)")
-    parser.add_argument("--keep", action="store_true", help="leave the daemon's folder behind (debugging)")
+    parser.add_argument("--data-root", type=Path,
+                        help="keep the engine's images and build cache in this folder between runs (warm "
+                             "builds; it holds tens of GB); default: a temporary folder, removed at the end")
+    parser.add_argument("--keep", action="store_true", help="leave the temporary folder behind (debugging)")
     args = parser.parse_args(argv)
 
     report = Report()
@@ -640,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         tools = require_tools()
-        engine = Engine(work, tools)
+        engine = Engine(work, tools, args.data_root or work / "data")
         engine.start()
         t0 = time.monotonic()
         make_bases(engine, work)
@@ -673,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # cleaning up must go on
                 say(f"stopping dockerd: {e}")
         unmount_below(work)
+        if args.data_root:
+            unmount_below(args.data_root.resolve())
         if args.keep:
             say(f"left {work} behind (--keep)")
         else:
