@@ -2,8 +2,9 @@
 
 Everything runs on a private Docker engine that this script starts and stops:
 
-1. dockerd with its own data root, exec root and socket (vfs storage, no iptables, no default
-   bridge), so nothing of the machine's own Docker (if any) is touched or needed;
+1. dockerd with its own data root, exec root and socket (overlay2 storage where the kernel has
+   overlayfs, else vfs, which copies the whole tree for every layer and container; no iptables, no
+   default bridge), so nothing of the machine's own Docker (if any) is touched or needed;
 2. the local base: Debian bookworm from Debian's packages (debootstrap, about a minute), made once
    and cached as a tarball under ~/.cache/sleepserve-docker/, plus a build base that adds the CUDA
    headers (cuda.h from the nvidia-cuda-runtime wheel) in place of the CUDA devel image;
@@ -179,6 +180,7 @@ class Engine:
         self.sock = work / "docker.sock"
         self.log = LOGS / "dockerd.log"
         self.proc: subprocess.Popen | None = None
+        self.driver = ""
         config = work / "config"
         (config / "cli-plugins").mkdir(parents=True)
         # `docker compose` as a user types it: the Compose binary as this CLI's plugin.
@@ -190,13 +192,25 @@ class Engine:
         for key in [k for k in self.env if k.startswith(("COMPOSE_", "SERVE_"))]:
             del self.env[key]  # the caller's compose knobs must not change what is checked
 
-    def start(self) -> None:
+    def start(self, driver: str) -> None:
+        """Start dockerd; `auto` tries overlay2 where the kernel has overlayfs and falls back to vfs."""
+        if driver == "auto":
+            if "overlay" in Path("/proc/filesystems").read_text():
+                try:
+                    return self._start("overlay2")
+                except SmokeError as e:
+                    say(f"overlay2 failed, falling back to vfs: {str(e).splitlines()[0]}")
+            return self._start("vfs")
+        return self._start(driver)
+
+    def _start(self, driver: str) -> None:
         (self.work / "daemon.json").write_text("{}")  # not the machine's /etc/docker/daemon.json
         cmd = [self.tools["dockerd"], "--data-root", str(self.data_root), "--exec-root", str(self.work / "exec"),
                "--pidfile", str(self.work / "dockerd.pid"), "--config-file", str(self.work / "daemon.json"),
-               "--storage-driver", "vfs", "--iptables=false", "--bridge=none", "-H", f"unix://{self.sock}"]
-        say(f"starting dockerd on {self.sock}")
-        with self.log.open("wb") as out:
+               "--storage-driver", driver, "--iptables=false", "--bridge=none", "-H", f"unix://{self.sock}"]
+        say(f"starting dockerd ({driver}) on {self.sock}")
+        self.driver = driver
+        with self.log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -205,6 +219,8 @@ class Engine:
             if self.sock.exists() and self.docker("version", check=False).returncode == 0:
                 return
             time.sleep(0.5)
+        self.proc.kill()
+        self.proc.wait()
         raise SmokeError(f"dockerd did not answer within 60 s:\n{tail(self.log)}")
 
     def docker(self, *args: str, check: bool = True, log: Path | None = None, timeout: float | None = 600,
@@ -486,7 +502,7 @@ class Stream:
     started: threading.Event = field(default_factory=threading.Event)
 
     def read(self, base: str, model: str) -> None:
-        body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 4000,
+        body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 2000,
                 "temperature": 0, "stream": True, "ignore_eos": True}
         request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
@@ -635,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-root", type=Path,
                         help="keep the engine's images and build cache in this folder between runs (warm "
                              "builds; it holds tens of GB); default: a temporary folder, removed at the end")
+    parser.add_argument("--storage-driver", choices=("auto", "overlay2", "vfs"), default="auto",
+                        help="the engine's storage driver (auto: overlay2 where the kernel has overlayfs, else vfs)")
     parser.add_argument("--keep", action="store_true", help="leave the temporary folder behind (debugging)")
     args = parser.parse_args(argv)
 
@@ -650,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tools = require_tools()
         engine = Engine(work, tools, args.data_root or work / "data")
-        engine.start()
+        engine.start(args.storage_driver)
+        report.figures["storage_driver"] = engine.driver
         t0 = time.monotonic()
         make_bases(engine, work)
         report.figures["bases_seconds"] = round(time.monotonic() - t0, 1)
@@ -687,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             say(f"left {work} behind (--keep)")
         else:
-            shutil.rmtree(work, ignore_errors=True)
+            # rm, not shutil.rmtree: the engine's vfs folders hold millions of files.
+            subprocess.run(["rm", "-rf", "--one-file-system", str(work)], check=False)
             say(f"removed {work}")
     report.figures["total_seconds"] = round(time.monotonic() - t_start, 1)
     (LOGS / "report.json").write_text(json.dumps({"checks": report.checks, "figures": report.figures,
