@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from server import __version__
-from server.api import admin, health, openai
+from server.api import admin, health, openai, weight_transfer
 from server.api.errors import install_error_handlers
 from server.api.settings import ServerSettings
 from server.config import EngineConfig
@@ -33,6 +33,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             # Joining the engine thread can take a step's time; keep the loop free meanwhile.
+            if app.state.weight_transfer is not None:
+                await asyncio.to_thread(app.state.weight_transfer.shutdown)
             await asyncio.to_thread(engine.shutdown)
             app.state.shut_down = True
 
@@ -47,8 +49,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.state.weight_transfer = None
     if settings.dev_mode:
         app.include_router(admin.router)
+        app.include_router(weight_transfer.router)
+        if settings.weight_transfer_config is not None:
+            app.state.weight_transfer = weight_transfer.WeightTransferService(engine, settings.weight_transfer_config)
     app.add_middleware(AccessLogMiddleware)
     return app
 
@@ -66,6 +72,9 @@ def startup_lines(engine: AsyncEngine, settings: ServerSettings) -> list[str]:
         f"({plan.capacity_tokens} tokens); max model len {core.max_model_len}, "
         f"max num seqs {core.config.max_num_seqs}, prefix caching "
         f"{'on' if core.config.enable_prefix_caching else 'off'}",
+        "weight transfer: " + (f"{settings.weight_transfer_config.backend} (POST /init_weight_transfer_engine, "
+                               "/start_weight_update, /update_weights, /finish_weight_update)"
+                               if settings.weight_transfer_config and settings.dev_mode else "off"),
         "sleep mode dev routes: " + (f"on (POST /sleep, /wake_up, /update_weights, ...; {admin_key})"
                                      if settings.dev_mode else "off (start with --dev-mode to enable)"),
         "API key: " + ("required on /v1/*" if settings.api_key else "none (anyone who can connect may generate)"),
@@ -95,7 +104,12 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
         log.warning("dev routes are on, without a key, on %s: anyone who can connect can put the server to "
                     "sleep; set --admin-api-key", settings.host)
 
-    app = create_app(engine, settings)
+    try:
+        app = create_app(engine, settings)
+    except ValueError as e:  # a weight-transfer backend this device cannot run
+        log.error("could not start: %s", e)
+        engine.shutdown()
+        return 1
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="on",
         timeout_graceful_shutdown=10, server_header=False))

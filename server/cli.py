@@ -90,6 +90,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--admin-api-key", "key for the dev-mode routes (default: --api-key)", None, metavar="KEY"),
     Option("--dev-mode", "mount the sleep-mode routes (/sleep, /wake_up, /update_weights, ...)", False, boolean,
            negation="--no-dev-mode"),
+    Option("--weight-transfer-config", 'weight transfer without disk, as vLLM\'s flag: JSON such as '
+           '\'{"backend": "nccl"}\' (nccl, ipc; gloo, shm on CPU); needs --dev-mode', None, metavar="JSON"),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),
@@ -173,13 +175,22 @@ def resolve_options(args: argparse.Namespace, env: dict[str, str],
     return values
 
 
+def _weight_transfer(text: str | None) -> Any:
+    from server.weight_transfer.config import WeightTransferConfig  # torch-free
+    try:
+        return WeightTransferConfig.parse(text)
+    except ValueError as e:
+        raise SystemExit(f"sleepserve serve: error: {e}") from None
+
+
 def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """(ServerSettings, EngineConfig keyword arguments)."""
     from server.api.settings import ServerSettings
 
     settings = ServerSettings(host=values["host"], port=values["port"], api_key=values["api_key"] or None,
                               admin_api_key=values["admin_api_key"] or None, dev_mode=values["dev_mode"],
-                              log_level=values["log_level"])
+                              log_level=values["log_level"],
+                              weight_transfer_config=_weight_transfer(values["weight_transfer_config"]))
     engine = {
         "model": values["model"] or None, "device": values["device"], "dtype": values["dtype"],
         "max_model_len": values["max_model_len"], "max_num_seqs": values["max_num_seqs"],

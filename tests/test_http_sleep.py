@@ -143,8 +143,7 @@ def test_level2_needs_update_weights_then_serves_the_same_output(server, client,
     s = state(server)
     assert not s["is_sleeping"] and s["weights_valid"] is False
     assert httpx.get(server.url + "/health").json()["status"] == "weights_invalid"
-    assert_refused(client, "weights_invalid",
-                   "weights were discarded by sleep level 2; load weights with POST /update_weights")
+    assert_refused(client, "weights_invalid", "discarded by sleep level 2")
 
     r = admin(server, "POST", "/update_weights", json={"weight_version": "reloaded"})
     assert r.status_code == 200, r.text

@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from server.api.auth import require_admin_key
-from server.api.body import parse_body
+from server.api import weight_transfer
+from server.api.body import parse_body, read_json
 from server.api.schemas import UpdateWeightsRequest
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], tags=["dev mode"])
@@ -71,6 +72,10 @@ async def memory(request: Request) -> dict[str, Any]:
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> dict[str, Any]:
+    """{"path"}: load from disk; vLLM's {"update_info"}: receive from a trainer (weight_transfer.py)."""
+    data = await read_json(request, allow_empty=True)
+    if "update_info" in data:
+        return await weight_transfer.update_weights_from_body(request, data)
     body = await parse_body(request, UpdateWeightsRequest, allow_empty=True)
     engine = request.app.state.engine
     report = await engine.call(lambda core: core.update_weights(path=body.path, weight_version=body.weight_version))

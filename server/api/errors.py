@@ -115,4 +115,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 # Paths that exist only in dev mode: a 404 on them says how to turn them on.
 DEV_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/pause", "/resume",
-                       "/memory", "/update_weights"})
+                       "/memory", "/update_weights", "/init_weight_transfer_engine", "/start_weight_update",
+                       "/finish_weight_update", "/init_weights_update_group", "/update_weights_from_distributed",
+                       "/update_weights_from_tensor", "/update_weights_from_disk", "/release_memory_occupation",
+                       "/resume_memory_occupation", "/get_weight_version"})

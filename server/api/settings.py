@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -12,6 +13,7 @@ class ServerSettings:
     admin_api_key: str | None = None    # guards the dev-mode routes; falls back to api_key
     dev_mode: bool = False              # mount /sleep, /wake_up, ... (404 otherwise)
     log_level: str = "info"
+    weight_transfer_config: Any = None  # a WeightTransferConfig: the backend that trainers push weights over
 
     @property
     def effective_admin_key(self) -> str | None:

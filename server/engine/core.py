@@ -24,6 +24,7 @@ from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Request, Sequence
 from server.engine.sleep_plan import TAGS, SleepPlan, check_tags, refusal
+from server.engine.weight_session import WeightSession
 from server.model.config import ModelConfig
 from server.model.loader import (WeightLoadError, build_model, check_checkpoint, checkpoint_shapes, copy_weights,
                                  describe, init_dummy_weights, iter_checkpoint, load_checkpoint, parameter_names,
@@ -96,6 +97,11 @@ class EngineCore:
         self.draining = False
         self.weights_valid = True
         self._weights_reloaded: set[str] = set()
+        # Weights arriving in pieces (server/engine/weight_session.py): the open session, whether a
+        # transfer thread is writing into the weights right now (no step may run), completed updates.
+        self.weight_session: WeightSession | None = None
+        self.transfer_active = False
+        self.weight_updates = 0
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -202,7 +208,7 @@ class EngineCore:
     @property
     def can_step(self) -> bool:
         return (self.scheduler.has_work and not self.paused and self.weights_valid
-                and not self.pool.sleeping_tags())
+                and not self.transfer_active and not self.pool.sleeping_tags())
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return an output for each request it advanced."""
@@ -267,6 +273,8 @@ class EngineCore:
             raise ConflictError("sleep mode is disabled for this engine (enable_sleep_mode=False)")
         if self.draining:
             raise ConflictError("a sleep is already in progress (draining requests); wait for it to finish")
+        if self.transfer_active:
+            raise ConflictError("a weight transfer is writing the weights; sleep after it returns")
         plan = SleepPlan.make(level, tags, mode)
         if plan.level == 0:
             if self.paused:
@@ -310,6 +318,7 @@ class EngineCore:
         if "weights" in plan.discard and self.pool.tag_state("weights") == "awake":
             self.weights_valid = False
             self._weights_reloaded = set()
+            self.weight_session = None  # what a session wrote is gone with the memory
         report = self.pool.sleep(offload_tags=plan.offload, discard_tags=plan.discard)
         self.sleep_level = max(self.sleep_level or 0, plan.level)
         return {"level": plan.level, "aborted": aborted, "offloaded": list(plan.offload),
@@ -349,6 +358,8 @@ class EngineCore:
             raise ConflictError("the weights are asleep; wake them first with POST /wake_up?tags=weights")
         if self.scheduler.running and self.weights_valid:
             raise ConflictError("requests are running; pause or sleep the server before updating weights")
+        if self.transfer_active:
+            raise ConflictError("a weight transfer is writing the weights; update after it returns")
         t0 = time.perf_counter()
         if named_tensors is not None:
             named = dict(named_tensors)

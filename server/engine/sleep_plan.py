@@ -62,7 +62,8 @@ def refusal(state: dict) -> tuple[str, str] | None:
         return "sleeping", (f"the server is sleeping ({', '.join(state['sleeping_tags'])} asleep); "
                             "wake it with POST /wake_up")
     if not state.get("weights_valid", True):
-        return "weights_invalid", "weights were discarded by sleep level 2; load weights with POST /update_weights"
+        return "weights_invalid", ("the weights are not whole (discarded by sleep level 2, or a weight update is "
+                                   "in progress or broke off); load weights with POST /update_weights")
     if state.get("paused"):
         return "paused", "the server is paused; resume it with POST /resume or POST /wake_up"
     return None

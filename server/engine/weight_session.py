@@ -1,0 +1,105 @@
+"""Weight updates that arrive in pieces (vLLM's start / update... / finish), as engine policy.
+
+The bytes move on the transfer thread; these functions run on the engine thread around them and
+decide what the weights are worth:
+- start opens a session; update calls outside a session are sessions of their own.
+- begin_write stops stepping (transfer_active) and marks the weights invalid: from the first
+  byte until finish they may be a mix of two versions, and nothing is served from a mix.
+- end_write records what landed. A write that failed after bytes landed breaks the session:
+  the weights stay invalid (503 weights_invalid) until a complete update (every parameter).
+- finish makes the weights valid again if the session was whole and the weights were valid
+  before it (a partial update of valid weights is what the trainer asked for); if they were
+  invalid before (sleep level 2, a broken transfer), only once every parameter was reloaded.
+  It also sets weight_version.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from server.engine.errors import ConflictError
+from server.model.loader import parameter_names
+
+if TYPE_CHECKING:
+    from server.engine.core import EngineCore
+
+
+@dataclass
+class WeightSession:
+    valid_before: bool
+    explicit: bool
+    loaded: set[str] = field(default_factory=set)
+    broken: bool = False
+    writes: int = 0
+
+
+def check_writable(core: "EngineCore") -> None:
+    if core.transfer_active:
+        raise ConflictError("a weight transfer is already in progress; wait for it to finish")
+    if core.pool.tag_state("weights") != "awake":
+        raise ConflictError("the weights are asleep; wake them first with POST /wake_up?tags=weights")
+    if core.draining:
+        raise ConflictError("the server is draining requests before a sleep; update the weights after it")
+    if core.scheduler.running and core.weights_valid:
+        raise ConflictError("requests are running; pause or sleep the server before updating weights "
+                            "(or wait for them to finish)")
+
+
+def start(core: "EngineCore") -> dict:
+    check_writable(core)
+    previous = core.weight_session
+    core.weight_session = WeightSession(valid_before=core.weights_valid, explicit=True)
+    return {"restarted": previous is not None, "weights_valid": core.weights_valid}
+
+
+def begin_write(core: "EngineCore") -> None:
+    check_writable(core)
+    if core.weight_session is None:
+        core.weight_session = WeightSession(valid_before=core.weights_valid, explicit=False)
+    core.transfer_active = True
+    core.weights_valid = False
+
+
+def end_write(core: "EngineCore", loaded: set[str], failed: bool) -> dict | None:
+    """Returns finish()'s report for a one-call session, else None."""
+    core.transfer_active = False
+    session = core.weight_session
+    assert session is not None, "end_write without begin_write"
+    session.writes += 1
+    if failed and loaded:
+        session.broken = True
+        session.loaded = set()
+        core._weights_reloaded = set()  # a complete update is needed now
+    else:
+        session.loaded |= loaded
+    if failed and not session.loaded and not session.broken and session.writes == 1:
+        core.weights_valid = session.valid_before  # nothing landed: nothing changed
+        if not session.explicit:
+            core.weight_session = None
+        return None
+    if not session.explicit and not failed:
+        return finish(core, None)
+    return None
+
+
+def finish(core: "EngineCore", weight_version: str | None) -> dict:
+    session = core.weight_session
+    if core.transfer_active:
+        raise ConflictError("a weight transfer is still in progress; finish after it returns")
+    core.weight_session = None
+    if session is None:
+        return {"tensors": 0, "weights_valid": core.weights_valid, "weight_version": core.weight_version}
+    if session.valid_before and not session.broken:
+        valid = True
+    else:
+        core._weights_reloaded |= session.loaded
+        valid = parameter_names(core.model) <= core._weights_reloaded
+    core.weights_valid = valid
+    if session.loaded:
+        core.blocks.reset_prefix_cache()  # KV computed with the old weights must never be reused
+        core.weight_updates += 1
+        core.weight_version = weight_version if weight_version is not None else str(core.weight_updates)
+    elif weight_version is not None:
+        core.weight_version = weight_version
+    return {"tensors": len(session.loaded), "weights_valid": valid, "weight_version": core.weight_version,
+            "broken": session.broken}

@@ -1,0 +1,254 @@
+"""The server's end of a weight transfer: check what is announced, receive, copy in place.
+
+Everything here blocks (rendezvous, broadcasts, copies) and runs on the transfer thread, never on
+the event loop or the engine thread; the route brackets it with the engine's begin/end calls so
+no step runs on half-written weights. Names, dtypes and shapes are checked against the model
+before the first byte moves. Tensors are copied into the existing parameters (the pool's
+memory): addresses, and so CUDA graphs, stay valid; fused q|k|v and gate|up blocks are filled
+through their per-projection views, which keep the checkpoint's names.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from server.weight_transfer import handles, rendezvous
+from server.weight_transfer.config import WeightTransferConfig
+from server.weight_transfer.group import Group, open_group
+from server.weight_transfer.protocol import DTYPES, TensorMeta, plan_buckets, unpack
+
+log = logging.getLogger("sleepserve.weights")
+
+
+class TransferRequestError(ValueError):
+    """The announced update does not fit (HTTP 400); nothing was received or written."""
+
+    def __init__(self, message: str, param: str = "update_info"):
+        super().__init__(message)
+        self.param = param
+
+
+class TransferFailedError(RuntimeError):
+    """The transfer broke after it started (a trainer that died, a timeout). `loaded` says which
+    tensors were already overwritten; the engine marks the weights invalid if any were."""
+
+    def __init__(self, message: str, loaded: set[str]):
+        super().__init__(message)
+        self.loaded = loaded
+
+
+@dataclass
+class Update:
+    metas: list[TensorMeta]
+    packed: bool
+    bucket_bytes: int
+    handles: Any = None               # ipc/shm: one handle (packed) or a list (one per tensor)
+    tensor_sizes: list[int] | None = None
+    ready_key: str | None = None      # our sender's handshake key in the rendezvous store
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+
+class WeightReceiver:
+    def __init__(self, config: WeightTransferConfig, model: nn.Module, device: torch.device):
+        config.check_device(device.type)
+        self.config = config
+        self.device = device
+        self.targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+        # A tied model has no lm_head of its own; trainers still send lm_head.weight: skip it.
+        self.skipped = {"lm_head.weight"} if getattr(model, "lm_head", 0) is None else set()
+        self.group: Group | None = None
+        self.store: Any = None
+        self.importer = handles.CudaImporter(device) if config.backend == "ipc" else None
+
+    # -- checks (before any byte) ----------------------------------------------------------------
+
+    def check(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> list[TensorMeta]:
+        if not (len(names) == len(dtype_names) == len(shapes)):
+            raise TransferRequestError(f"names, dtype_names and shapes must be as long as each other; got "
+                                       f"{len(names)}, {len(dtype_names)} and {len(shapes)}")
+        problems: list[str] = []
+        metas: list[TensorMeta] = []
+        seen: set[str] = set()
+        for name, dt, shape in zip(names, dtype_names, shapes):
+            if name in seen:
+                problems.append(f"{name!r} is sent twice")
+            seen.add(name)
+            dtype = DTYPES.get(str(dt).removeprefix("torch."))
+            if dtype is None:
+                problems.append(f"{name}: dtype {dt!r} is not a floating-point dtype name "
+                                f"({', '.join(sorted(set(DTYPES) - {'half', 'float', 'double'}))})")
+                continue
+            shape_t = tuple(int(s) for s in shape)
+            if any(s < 0 for s in shape_t):
+                problems.append(f"{name}: shape {list(shape_t)} has a negative size")
+                continue
+            metas.append(TensorMeta(name, dtype, shape_t))
+            target = self.targets.get(name)
+            if target is None:
+                if name not in self.skipped:
+                    problems.append(f"unexpected tensor {name!r} (not a parameter of the served model)")
+            elif tuple(target.shape) != shape_t:
+                problems.append(f"{name}: shape {list(shape_t)} but the model has {list(target.shape)}")
+        if problems:
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise TransferRequestError("the weights do not fit the served model: " + "; ".join(problems[:8]) + more)
+        return metas
+
+    def check_handles(self, update: Update) -> None:
+        if self.config.distributed:
+            if self.group is None:
+                raise TransferRequestError("no weight-transfer group: POST /init_weight_transfer_engine first",
+                                           param="init_info")
+            return
+        if update.handles is None:
+            raise TransferRequestError(f"the {self.config.backend} backend needs ipc_handles (or ipc_handles_pickled)",
+                                       param="update_info.ipc_handles")
+        if update.packed:
+            if update.tensor_sizes is None:
+                raise TransferRequestError("a packed IPC update needs tensor_sizes", "update_info.tensor_sizes")
+            want = [m.nbytes for m in update.metas]
+            if list(update.tensor_sizes) != want:
+                raise TransferRequestError(f"tensor_sizes {list(update.tensor_sizes)[:8]} do not match the dtypes and "
+                                           f"shapes announced ({want[:8]} bytes)", "update_info.tensor_sizes")
+        elif not isinstance(update.handles, list) or len(update.handles) != len(update.metas):
+            raise TransferRequestError("an unpacked IPC update needs one handle per tensor", "update_info.ipc_handles")
+        try:
+            if self.importer is None:
+                handles.shm_path(update.handles, update.nbytes)
+            else:
+                for h in update.handles if isinstance(update.handles, list) else [update.handles]:
+                    self.importer.check(h)
+        except handles.HandleError as e:
+            raise TransferRequestError(str(e), "update_info.ipc_handles") from None
+
+    # -- the group (nccl / gloo) ------------------------------------------------------------------
+
+    def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> dict:
+        """Join the trainer's group. Blocks until the trainer is there (up to timeout_s)."""
+        self.close()
+        if not self.config.distributed:
+            return {"backend": self.config.backend}
+        t0 = time.perf_counter()
+        try:
+            store = rendezvous.join_store(master_address, master_port, world_size, self.config.timeout_s)
+            self.group = open_group(self.config.backend, store, rank_offset, world_size, self.device,
+                                    self.config.timeout_s)
+        except Exception as e:
+            raise TransferFailedError(f"could not join the weight-transfer group at {master_address}:{master_port} "
+                                      f"as rank {rank_offset} of {world_size}: {e}", set()) from None
+        self.store = store
+        log.info("joined the %s weight-transfer group at %s:%d as rank %d of %d in %.2f s", self.config.backend,
+                 master_address, master_port, rank_offset, world_size, time.perf_counter() - t0)
+        return {"backend": self.config.backend, "rank": rank_offset, "world_size": world_size}
+
+    def signal(self, key: str | None, message: str) -> None:
+        """Tell our sender whether to start broadcasting (see rendezvous.py)."""
+        if key and self.store is not None:
+            try:
+                self.store.set(rendezvous.READY_PREFIX + key, message)
+            except Exception as e:  # the trainer is gone; the receive will say so
+                log.warning("could not signal the trainer: %s", e)
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    def receive(self, update: Update) -> set[str]:
+        """Move the bytes and copy them into the parameters. Returns the names written."""
+        loaded: set[str] = set()
+        try:
+            if self.config.distributed:
+                self._receive_broadcast(update, loaded)
+            else:
+                self._receive_handles(update, loaded)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:
+            if self.config.distributed:
+                self.close(abort=True)  # a broken group cannot be reused: the trainer must init again
+            raise TransferFailedError(f"the weight transfer failed after {len(loaded)} of {len(update.metas)} "
+                                      f"tensors: {type(e).__name__}: {e}", loaded) from e
+        return loaded
+
+    def _copy(self, pairs: list[tuple[str, torch.Tensor]], loaded: set[str]) -> None:
+        with torch.no_grad():
+            for name, tensor in pairs:
+                if name in self.targets:
+                    self.targets[name].copy_(tensor, non_blocking=True)
+                    loaded.add(name)
+
+    def _receive_broadcast(self, update: Update, loaded: set[str]) -> None:
+        group = self.group
+        assert group is not None
+        if not update.packed:
+            for m in update.metas:
+                buf = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+                group.wait_for(group.broadcast(buf))
+                self._copy([(m.name, buf)], loaded)
+            return
+        # Two buckets in flight: bucket i+1 arrives (on NCCL's stream) while bucket i is copied.
+        prev: tuple[list[TensorMeta], torch.Tensor, Any] | None = None
+        for r in plan_buckets([m.nbytes for m in update.metas], update.bucket_bytes):
+            metas = [update.metas[i] for i in r]
+            buf = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=self.device)
+            token = group.broadcast(buf)
+            if token is None:  # a synchronous group (gloo): the bytes are here, copy them now
+                self._copy(unpack(buf, metas), loaded)
+                continue
+            if prev is not None:
+                group.wait_for(prev[2])
+                self._copy(unpack(prev[1], prev[0]), loaded)
+            prev = (metas, buf, token)
+        if prev is not None:
+            group.wait_for(prev[2])
+            self._copy(unpack(prev[1], prev[0]), loaded)
+
+    def _receive_handles(self, update: Update, loaded: set[str]) -> None:
+        if update.packed:
+            nbytes = update.nbytes
+            if self.importer is not None:
+                bucket = self.importer.open(update.handles)
+                if bucket.numel() * bucket.element_size() < nbytes:
+                    raise handles.HandleError(f"the IPC buffer holds {bucket.numel()} bytes, fewer than {nbytes}")
+                bucket = bucket.view(-1).view(torch.uint8)[:nbytes]
+            else:
+                bucket = handles.open_shm(update.handles, nbytes)
+            self._copy(unpack(bucket, update.metas), loaded)
+            del bucket  # a shm mapping goes now; a CUDA one when the update finishes
+            return
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        assert self.importer is not None
+        for m, handle in zip(update.metas, update.handles):
+            args = self.importer.check(handle)
+            args[6] = self.device.index or 0
+            tensor = rebuild_cuda_tensor(*args)
+            if tensor.dtype != m.dtype or tuple(tensor.shape) != m.shape:
+                raise handles.HandleError(f"{m.name}: the handle holds {tensor.dtype} {list(tensor.shape)}, "
+                                          f"not the announced {m.dtype} {list(m.shape)}")
+            self._copy([(m.name, tensor)], loaded)
+            torch.cuda.synchronize(self.device)
+            del tensor
+
+    def finish(self) -> None:
+        """The update is over: drop the last IPC mapping and the bucket memory torch cached."""
+        if self.importer is not None:
+            self.importer.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def close(self, abort: bool = False) -> None:
+        if self.group is not None:
+            try:
+                self.group.close(abort=abort)
+            except Exception as e:
+                log.warning("closing the weight-transfer group: %s", e)
+        self.group, self.store = None, None
+        if self.importer is not None:
+            self.importer.close()

@@ -1,0 +1,259 @@
+"""Weight transfer without disk, end to end on CPU: a trainer process pushes perturbed weights
+through vLLM's routes over gloo (the NCCL protocol) and shared memory (the IPC protocol).
+
+The reference for "the same weights" is the disk path: the same server loads the perturbed
+checkpoint with /update_weights {path} and its greedy outputs are recorded; after a push they
+must be equal. Between tests the original weights are loaded back from disk.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from http_server import REPO, ServerProcess, BASE_ARGS, wait_for
+
+from server.weight_transfer import safe_pickle
+from server.weight_transfer.config import WeightTransferConfig
+from server.weight_transfer.protocol import TensorMeta, pack_into, plan_buckets, unpack
+
+pytestmark = pytest.mark.timeout(300)
+
+ADMIN = "sk-weights-admin"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+TRAINER = [sys.executable, str(REPO / "tests" / "weight_trainer.py")]
+BUCKET = str(16 << 20)  # ~34 buckets for the 0.5 GB model: a kill lands mid-send
+
+
+# -- units: the protocol's pieces -----------------------------------------------------------------
+
+def test_buckets_follow_vllms_rule_and_round_trip():
+    # A bucket ends once it exceeds the size: the crossing tensor stays in it.
+    assert plan_buckets([4, 4, 4, 4, 4], 7) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert plan_buckets([10, 1], 4) == [range(0, 1), range(1, 2)]
+    assert plan_buckets([], 4) == []
+    tensors = [torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.randn(2, 2, 2).double()]
+    metas = [TensorMeta(f"t{i}", t.dtype, tuple(t.shape)) for i, t in enumerate(tensors)]
+    buf = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8)
+    assert pack_into(buf, tensors) == buf.numel()
+    for (name, got), want in zip(unpack(buf, metas), tensors):
+        assert torch.equal(got, want), name
+
+
+def test_config_is_checked_at_startup():
+    assert WeightTransferConfig.parse('{"backend": "gloo"}').backend == "gloo"
+    assert WeightTransferConfig.parse(None) is None
+    for bad, words in [("{", "not JSON"), ('["nccl"]', "JSON object"), ('{"backend": "rdma"}', "one of"),
+                       ('{"backend": "nccl", "buckets": 3}', "unknown field")]:
+        with pytest.raises(ValueError, match=words):
+            WeightTransferConfig.parse(bad)
+    with pytest.raises(ValueError, match="use 'gloo'"):
+        WeightTransferConfig(backend="nccl").check_device("cpu")
+
+
+def test_pickles_may_name_only_handle_types():
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+    with pytest.raises(safe_pickle.UnsafePickleError, match="builtins.print"):
+        safe_pickle.loads(pickle.dumps(Evil()))
+    with pytest.raises(safe_pickle.UnsafePickleError):
+        safe_pickle.loads_b64("not base64!")
+    args = (torch.Tensor, torch.Size([2, 3]), (3, 1), 0, torch.storage.TypedStorage, torch.bfloat16, 0,
+            b"\x01" * 64, 12, 0, False, b"r", 0, b"e", True)  # the shape of rebuild_cuda_tensor's args
+    assert safe_pickle.loads_b64(safe_pickle.dumps_b64({"GPU-x": args})) == {"GPU-x": args}
+    # Older vLLM pickles its own ctypes struct for the NCCL unique id: read back as ours.
+    uid = safe_pickle.NcclUniqueId()
+    uid.internal[3] = 9
+    data = pickle.dumps(uid, protocol=3).replace(  # protocol 3 names classes as text: rename ours to vLLM's
+        b"server.weight_transfer.safe_pickle\nNcclUniqueId", b"vllm.distributed.device_communicators.pynccl_wrapper\nncclUniqueId")
+    assert b"pynccl_wrapper" in data and bytes(safe_pickle.loads(data)) == bytes(uid)
+
+
+# -- end to end through the server ----------------------------------------------------------------
+
+def start(backend: str) -> ServerProcess:
+    return ServerProcess([*BASE_ARGS, "--max-model-len", "256", "--weight-transfer-config",
+                          json.dumps({"backend": backend})],
+                         env={"SLEEPSERVE_DEV_MODE": "1", "SLEEPSERVE_ADMIN_API_KEY": ADMIN}).start()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = {b: start(b) for b in ("gloo", "shm")}
+    yield started
+    for s in started.values():
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def perturbed(tmp_path_factory, default_model_folder) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("perturbed")
+    gen = torch.Generator().manual_seed(7)
+    for f in sorted(default_model_folder.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        save_file({n: (t * (1 + 0.2 * torch.randn(t.shape, generator=gen, dtype=t.dtype))).contiguous()
+                   for n, t in tensors.items()}, str(out / f.name))
+    return out
+
+
+def admin(server, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, server.url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120, **kw)
+
+
+def greedy(server) -> list[str]:
+    out = []
+    for p in PROMPTS:
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+def state(server) -> dict:
+    return admin(server, "GET", "/is_sleeping").json()
+
+
+def load_from_disk(server, path: Path | None = None) -> list[str]:
+    r = admin(server, "POST", "/update_weights", json={"path": str(path)} if path else {})
+    assert r.status_code == 200, r.text
+    assert state(server)["weights_valid"] is True
+    return greedy(server)
+
+
+@pytest.fixture(scope="module")
+def references(servers, perturbed):
+    """(original outputs, outputs after a disk load of the perturbed checkpoint), per server."""
+    refs = {}
+    for name, server in servers.items():
+        original = greedy(server)
+        refs[name] = (original, load_from_disk(server, perturbed))
+        assert load_from_disk(server) == original
+        assert refs[name][1] != original, "the perturbation must change greedy outputs"
+    return refs
+
+
+def trainer(server, backend: str, checkpoint: Path, *extra: str, wait: bool = True):
+    cmd = [*TRAINER, server.url, backend, str(checkpoint), ADMIN, "--bucket-bytes", BUCKET, *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=240)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, f"the trainer printed nothing (exit {proc.returncode}):\n{err[-3000:]}"
+    return proc.returncode, json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_pushed_weights_serve_like_a_disk_load(servers, references, perturbed, backend):
+    server = servers[backend]
+    original, expected = references[backend]
+    rc, report = trainer(server, backend, perturbed, "--weight-version", f"step-{backend}")
+    assert rc == 0, report
+    assert report["server"]["weights_valid"] is True and report["server"]["tensors"] > 100
+    assert admin(server, "GET", "/get_weight_version").json() == {"weight_version": f"step-{backend}"}
+    assert greedy(server) == expected
+    assert load_from_disk(server) == original
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_a_mismatch_is_refused_before_any_byte_moves(servers, references, perturbed, backend):
+    server = servers[backend]
+    original, _ = references[backend]
+    version = state(server)["weight_version"]
+    rc, report = trainer(server, backend, perturbed, "--rename", "model.layers.99.mlp.up_proj.weight")
+    assert rc == 3 and report["status"] == 400, report
+    assert "unexpected tensor 'model.layers.99.mlp.up_proj.weight'" in report["error"]
+    s = state(server)
+    assert s["weights_valid"] is True and s["weight_version"] == version
+    assert greedy(server) == original  # not one tensor of the perturbed set landed
+
+
+def test_bad_update_info_answers_400(servers):
+    server = servers["shm"]
+    name = "model.norm.weight"
+    cases = [
+        ({"names": [name], "dtype_names": ["float32"], "shapes": [[3]], "ipc_handles": {"shm": "x"},
+          "tensor_sizes": [12]}, "shape [3] but the model has"),
+        ({"names": [name], "dtype_names": ["int64"], "shapes": [[576]], "ipc_handles": {"shm": "x"}},
+         "not a floating-point dtype"),
+        ({"names": [name, name], "dtype_names": ["float32"], "shapes": [[576]]}, "as long as each other"),
+        ({"names": [name], "dtype_names": ["float32"], "shapes": [[576]], "ipc_handles": {"shm": "../etc/passwd"},
+          "tensor_sizes": [2304]}, "shared-memory handle"),
+        ({"names": [name], "dtype_names": ["float32"], "shapes": [[576]], "tensor_sizes": [2304],
+          "ipc_handles_pickled": safe_pickle.dumps_b64(print)}, "builtins.print"),
+        ({"names": [name], "dtype_names": ["float32"], "shapes": [[576]], "tensor_sizes": [4],
+          "ipc_handles": {"shm": "x"}}, "tensor_sizes"),
+    ]
+    for info, words in cases:
+        r = admin(server, "POST", "/update_weights", json={"update_info": info})
+        assert r.status_code == 400, (info, r.text)
+        assert words in r.json()["error"]["message"], (words, r.json())
+    assert state(server)["weights_valid"] is True
+    # The disk body still works on the same route, and its bad input still answers 400.
+    assert admin(server, "POST", "/update_weights", json={"path": "/nonexistent"}).status_code == 400
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_a_trainer_killed_mid_send_leaves_no_silent_mix(servers, references, perturbed, backend):
+    server = servers[backend]
+    original, expected = references[backend]
+    proc = trainer(server, backend, perturbed, "--pause-after", "2", wait=False)
+    try:
+        assert proc.stdout.readline().strip() == "PAUSED", proc.stderr.read()[-3000:]
+        # Mid-transfer the server keeps answering, and serves nothing from the half-written weights.
+        assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "weights_invalid"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    wait_for(lambda: not state(server).get("draining") and "weights_valid" in state(server), what="state")
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "weights_invalid", r.text
+    # The next complete update brings the server back.
+    rc, report = trainer(server, backend, perturbed)
+    assert rc == 0, report
+    assert state(server)["weights_valid"] is True
+    assert greedy(server) == expected
+    assert load_from_disk(server) == original
+
+
+def test_sglang_style_routes(servers, references):
+    server = servers["shm"]
+    original, _ = references["shm"]
+    r = admin(server, "POST", "/release_memory_occupation", json={})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert admin(server, "POST", "/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    assert admin(server, "POST", "/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert state(server)["weights_valid"] is False  # released without a copy, as SGLang does
+    folder = str(REPO)  # not a checkpoint: 400, state unchanged
+    assert admin(server, "POST", "/update_weights_from_disk", json={"model_path": folder}).status_code == 400
+    from server.model.loader import resolve_model
+    r = admin(server, "POST", "/update_weights_from_disk",
+              json={"model_path": str(resolve_model(None).folder), "weight_version": "disk-1"})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert admin(server, "GET", "/get_weight_version").json()["weight_version"] == "disk-1"
+    assert greedy(server) == original
+    r = admin(server, "POST", "/update_weights_from_tensor", json={"serialized_named_tensors": ["eA=="]})
+    assert r.status_code == 400 and "CUDA IPC" in r.json()["error"]["message"]
+    r = admin(server, "POST", "/init_weights_update_group",
+              json={"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2})
+    assert r.status_code == 400 and "backend is 'shm'" in r.json()["error"]["message"]
+
+
+def test_routes_need_a_configured_backend_and_the_admin_key(servers):
+    server = servers["gloo"]
+    r = httpx.post(server.url + "/start_weight_update", json={})
+    assert r.status_code == 401
+    r = admin(server, "POST", "/init_weight_transfer_engine",
+              json={"init_info": {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 2,
+                                  "world_size": 2}})
+    assert r.status_code == 400 and "rank_offset" in r.json()["error"]["message"]

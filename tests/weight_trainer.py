@@ -1,0 +1,63 @@
+"""A trainer process for the weight-transfer tests and the CPU example: reads a checkpoint folder
+and pushes its tensors into a running server with WeightSender.
+
+    python tests/weight_trainer.py URL BACKEND CHECKPOINT_DIR ADMIN_KEY [--bucket-bytes N] [--pause-after K]
+
+Prints one JSON line with the send report. --pause-after K: after bucket K has gone, print
+PAUSED and wait forever (the test kills it there, mid-send).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safetensors.torch import load_file  # noqa: E402
+
+from server.weight_transfer.sender import WeightSender, WeightSendError  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("url")
+    ap.add_argument("backend")
+    ap.add_argument("checkpoint")
+    ap.add_argument("key")
+    ap.add_argument("--bucket-bytes", type=int, default=8 << 20)
+    ap.add_argument("--pause-after", type=int, default=None)
+    ap.add_argument("--weight-version", default=None)
+    ap.add_argument("--rename", default=None, help="send the first tensor under this name instead")
+    args = ap.parse_args()
+    tensors = {}
+    for f in sorted(Path(args.checkpoint).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    named = sorted(tensors.items())
+    if args.rename:
+        named[0] = (args.rename, named[0][1])
+
+    def after(i: int) -> None:
+        if args.pause_after is not None and i >= args.pause_after:
+            print("PAUSED", flush=True)
+            while True:
+                time.sleep(1)
+
+    sender = WeightSender(args.url, backend=args.backend, api_key=args.key, bucket_bytes=args.bucket_bytes,
+                          after_bucket=after, timeout_s=60)
+    try:
+        sender.init()
+        report = sender.send(named, weight_version=args.weight_version)
+    except WeightSendError as e:
+        print(json.dumps({"error": str(e), "status": e.status}), flush=True)
+        return 3
+    finally:
+        sender.close()
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
