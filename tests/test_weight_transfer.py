@@ -26,7 +26,7 @@ from server.weight_transfer.protocol import TensorMeta, pack_into, plan_buckets,
 pytestmark = pytest.mark.timeout(300)
 
 ADMIN = "sk-weights-admin"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TRAINER = [sys.executable, str(REPO / "tests" / "weight_trainer.py")]
 BUCKET = str(16 << 20)  # ~34 buckets for the 0.5 GB model: a kill lands mid-send
 
@@ -86,7 +86,9 @@ def start(backend: str) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def servers():
-    started = {b: start(b) for b in ("gloo", "shm")}
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:  # both start at once: a start is mostly waiting on the model load
+        started = dict(zip(("gloo", "shm"), pool.map(start, ("gloo", "shm"))))
     yield started
     for s in started.values():
         s.stop()
@@ -157,16 +159,22 @@ def trainer(server, backend: str, checkpoint: Path, *extra: str, wait: bool = Tr
 def test_pushed_weights_serve_like_a_disk_load(servers, references, perturbed, backend):
     server = servers[backend]
     original, expected = references[backend]
+    # The RL order: the weights (and the rotary tables that share their tag) were discarded.
+    assert admin(server, "POST", "/sleep", params={"level": 2}).status_code == 200
+    assert admin(server, "POST", "/wake_up", params={"tags": "weights"}).status_code == 200
     rc, report = trainer(server, backend, perturbed, "--weight-version", f"step-{backend}")
     assert rc == 0, report
     assert report["server"]["weights_valid"] is True and report["server"]["tensors"] > 100
     assert admin(server, "GET", "/get_weight_version").json() == {"weight_version": f"step-{backend}"}
+    assert admin(server, "POST", "/wake_up", params={"tags": "kv_cache"}).status_code == 200
     assert greedy(server) == expected
     assert load_from_disk(server) == original
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
-def test_a_mismatch_is_refused_before_any_byte_moves(servers, references, perturbed, backend):
+def test_a_mismatch_is_refused_before_any_byte_moves(servers, references, perturbed):
+    """Over gloo the trainer would otherwise be blocked in a broadcast the server never joins: the
+    server's refusal reaches it through the rendezvous store, and it stops with the 400."""
+    backend = "gloo"
     server = servers[backend]
     original, _ = references[backend]
     version = state(server)["weight_version"]

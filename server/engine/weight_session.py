@@ -96,6 +96,9 @@ def finish(core: "EngineCore", weight_version: str | None) -> dict:
         valid = parameter_names(core.model) <= core._weights_reloaded
     core.weights_valid = valid
     if session.loaded:
+        # Buffers derived from the config (rotary tables) live under the weights tag too: a level-2
+        # sleep discarded them with the weights, so write them again (as a disk load does).
+        core.model.init_buffers()
         core.blocks.reset_prefix_cache()  # KV computed with the old weights must never be reused
         core.weight_updates += 1
         core.weight_version = weight_version if weight_version is not None else str(core.weight_updates)

@@ -1,0 +1,265 @@
+"""A colocated RL loop: one trainer process and one sleepserve share a device.
+
+Each iteration: rollouts through HTTP (prompts sent concurrently, n samples each), POST
+/sleep?level=2 (the server gives its memory back), a REINFORCE step with a real optimizer on the
+served model's architecture (Hugging Face transformers), /wake_up?tags=weights, the new weights
+pushed over CUDA IPC (shared memory on CPU) with WeightSender, /wake_up?tags=kv_cache, and a check
+that the server's greedy outputs equal the trainer's own model on the same prompts. Prints
+per-phase times and both processes' memory, and draws a timeline PNG.
+
+    python examples/rl_colocated.py                       # CPU: the embedded 135M model, shm
+    python examples/rl_colocated.py --device cuda --model llama-1b --out gpu-results/rlloop
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from server.weight_transfer.rendezvous import free_port  # noqa: E402
+from server.weight_transfer.sender import WeightSender  # noqa: E402
+
+PROMPTS = ["Write a short poem about the sea.", "List three fruits.", "What is the capital of Italy?",
+           "Describe a cat in one sentence.", "Give me a number between 1 and 10.", "Name a color.",
+           "Say hello in French.", "What do bees make?"]
+CHECK_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+ADMIN = "rl-example-admin"
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def gpu_mib_by_pid() -> dict[int, float]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    used = {}
+    for line in out.strip().splitlines():
+        pid, mib = (x.strip() for x in line.split(","))
+        used[int(pid)] = float(mib)
+    return used
+
+
+class Server:
+    def __init__(self, args, folder: str, dummy: bool):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        backend = "ipc" if args.device == "cuda" else "shm"
+        cmd = [sys.executable, "-m", "server", "serve", folder, "--device", args.device, "--port", str(self.port),
+               "--max-model-len", "1024", "--kv-cache-memory", args.kv_cache, "--log-level", "warning",
+               "--dev-mode", "--admin-api-key", ADMIN, "--weight-transfer-config", json.dumps({"backend": backend})]
+        if dummy:
+            cmd += ["--load-format", "dummy"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        self.log = open(Path(args.out) / "server.log", "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        import httpx
+        self.http = httpx.Client(base_url=self.url, timeout=600)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited while starting; see {self.log.name}")
+            try:
+                if self.http.get("/health").status_code == 200:
+                    break
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not start in 600 s")
+            time.sleep(0.5)
+
+    def admin(self, path: str, **params) -> dict:
+        r = self.http.post(path, params=params, json={}, headers={"Authorization": f"Bearer {ADMIN}"})
+        r.raise_for_status()
+        return r.json()
+
+    def complete(self, prompt: str, **kw) -> dict:
+        r = self.http.post("/v1/completions", json={"prompt": prompt, **kw})
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", default=None, help="a model folder, or llama-1b / llama-8b (random weights)")
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--n", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--kv-cache", default="256MiB")
+    ap.add_argument("--out", default="rl-results")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dummy = args.model in ("llama-1b", "llama-8b", "llama-tiny")
+    if dummy:
+        from bench.models import model_folder
+        folder = str(model_folder(args.model, Path(args.out) / "models", max_position_embeddings=4096))
+    elif args.model:
+        folder = args.model
+    else:
+        from server.model.loader import resolve_model
+        folder = str(resolve_model(None).folder)
+    serve_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+
+    events: list[dict] = []
+    t_start = time.perf_counter()
+
+    def phase(name: str, it: int, fn):
+        t0 = time.perf_counter()
+        result = fn()
+        t1 = time.perf_counter()
+        events.append({"iteration": it, "phase": name, "start": t0 - t_start, "seconds": t1 - t0, **memory()})
+        print(f"  iter {it} {name:<16} {t1 - t0:7.2f} s   trainer {events[-1]['trainer_mib']:8.0f} MiB   "
+              f"server {events[-1]['server_mib']:8.0f} MiB", flush=True)
+        return result
+
+    server = Server(args, folder, dummy)
+
+    def memory() -> dict:
+        if device.type == "cuda":
+            used = gpu_mib_by_pid()
+            return {"trainer_mib": used.get(os.getpid(), torch.cuda.memory_reserved() / 2**20),
+                    "server_mib": used.get(server.proc.pid, float("nan")), "unit": "device"}
+        return {"trainer_mib": rss_mib(os.getpid()), "server_mib": rss_mib(server.proc.pid), "unit": "rss"}
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    if dummy:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    sender = WeightSender(server.url, backend="ipc" if device.type == "cuda" else "shm", api_key=ADMIN,
+                          device=device, bucket_bytes=512 << 20)
+    sender.init()
+
+    def push(version: str) -> dict:
+        named = [(n, p.detach().to(serve_dtype)) for n, p in model.named_parameters()]
+        return sender.send(named, weight_version=version)
+
+    def greedy_check() -> bool:
+        """The server's greedy continuation equals the trainer's own model's, token for token."""
+        same = True
+        model.eval()
+        for p in CHECK_PROMPTS:
+            ids = tok(p, return_tensors="pt").input_ids.to(device)
+            with torch.no_grad(), torch.autocast(device.type, dtype=serve_dtype, enabled=device.type == "cuda"):
+                out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+            mine = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            theirs = server.complete(p, max_tokens=8, temperature=0, ignore_eos=True)["choices"][0]["text"]
+            same &= mine == theirs
+            if mine != theirs:
+                print(f"    greedy differs on {p!r}: trainer {mine!r} server {theirs!r}")
+        model.train()
+        return same
+
+    results = {"device": args.device, "model": args.model or "embedded", "iterations": [], "checks": []}
+    if dummy:  # the server's random weights are not the trainer's: start from the trainer's
+        server.admin("/sleep", level=2)
+        phase("wake_weights", 0, lambda: server.admin("/wake_up", tags="weights"))
+        phase("push", 0, lambda: push("init"))
+        phase("wake_kv_cache", 0, lambda: server.admin("/wake_up", tags="kv_cache"))
+
+    prompts = PROMPTS[:args.prompts]
+    for it in range(1, args.iterations + 1):
+        def rollouts():
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                return list(pool.map(lambda p: server.complete(p, n=args.n, max_tokens=args.max_tokens,
+                                                               temperature=1.0, seed=it), prompts))
+        outs = phase("rollouts", it, rollouts)
+        phase("sleep_level2", it, lambda: server.admin("/sleep", level=2))
+
+        def train_step() -> float:
+            # REINFORCE with a group baseline; the reward prefers short, vowel-rich answers (any reward would do).
+            loss_total = 0.0
+            opt.zero_grad()
+            for prompt, out in zip(prompts, outs):
+                texts = [c["text"] for c in out["choices"]]
+                rewards = torch.tensor([sum(ch in "aeiou" for ch in t) / (1 + len(t)) - len(t) / 400 for t in texts])
+                adv = rewards - rewards.mean()
+                p_ids = tok(prompt).input_ids
+                for text, a in zip(texts, adv):
+                    ids = torch.tensor([p_ids + tok(text, add_special_tokens=False).input_ids], device=device)
+                    if ids.shape[1] <= len(p_ids):
+                        continue
+                    logits = model(ids).logits[0, len(p_ids) - 1:-1].float()
+                    logp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p_ids):, None]).mean()
+                    loss = -a.to(device) * logp / (len(prompts) * args.n)
+                    loss.backward()
+                    loss_total += loss.item()
+            opt.step()
+            return loss_total
+        loss = phase("train_step", it, train_step)
+        phase("wake_weights", it, lambda: server.admin("/wake_up", tags="weights"))
+        report = phase("push", it, lambda: push(f"step-{it}"))
+        phase("wake_kv_cache", it, lambda: server.admin("/wake_up", tags="kv_cache"))
+        same = phase("greedy_check", it, greedy_check)
+        results["iterations"].append({"iteration": it, "loss": loss, "push_gb_per_s": report["gb_per_s"],
+                                      "push_bytes": report["bytes"], "greedy_equal": same})
+        results["checks"].append(same)
+        print(f"iter {it}: loss {loss:+.4f}, pushed {report['bytes'] / 2**30:.2f} GiB at {report['gb_per_s']:.2f} GB/s, "
+              f"greedy equal to the trainer: {same}", flush=True)
+
+    sender.close()
+    server.stop()
+    results["events"] = events
+    (Path(args.out) / "rl_colocated.json").write_text(json.dumps(results, indent=2))
+    draw(events, Path(args.out) / "rl_colocated_timeline.png", results)
+    print(f"wrote {args.out}/rl_colocated.json and rl_colocated_timeline.png")
+    return 0 if all(results["checks"]) else 1
+
+
+def draw(events: list[dict], path: Path, results: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"rollouts": "tab:blue", "sleep_level2": "tab:gray", "train_step": "tab:red", "wake_weights": "tab:olive",
+              "push": "tab:green", "wake_kv_cache": "tab:cyan", "greedy_check": "tab:purple"}
+    fig, (ax, mem) = plt.subplots(2, 1, figsize=(12, 6), sharex=True, gridspec_kw={"height_ratios": [1, 2]})
+    for e in events:
+        ax.barh(0, e["seconds"], left=e["start"], color=colors.get(e["phase"], "black"), edgecolor="white")
+    ax.set_yticks([])
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
+              ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 1.6))
+    ends = [e["start"] + e["seconds"] for e in events]
+    unit = events[0]["unit"] if events else "rss"
+    mem.step(ends, [e["trainer_mib"] / 1024 for e in events], where="pre", label="trainer")
+    mem.step(ends, [e["server_mib"] / 1024 for e in events], where="pre", label="server")
+    mem.set_ylabel(f"GiB ({'device memory' if unit == 'device' else 'resident memory'})")
+    mem.set_xlabel("seconds")
+    mem.legend()
+    fig.suptitle(f"colocated RL loop on {results['device']} ({results['model']})", y=0.99)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
