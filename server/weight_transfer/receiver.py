@@ -139,8 +139,9 @@ class WeightReceiver:
         t0 = time.perf_counter()
         try:
             store = rendezvous.join_store(master_address, master_port, world_size, self.config.timeout_s)
-            self.group = open_group(self.config.backend, store, rank_offset, world_size, self.device,
-                                    self.config.timeout_s)
+            with self._on_device():
+                self.group = open_group(self.config.backend, store, rank_offset, world_size, self.device,
+                                        self.config.timeout_s)
         except Exception as e:
             raise TransferFailedError(f"could not join the weight-transfer group at {master_address}:{master_port} "
                                       f"as rank {rank_offset} of {world_size}: {e}", set()) from None
@@ -163,18 +164,27 @@ class WeightReceiver:
         """Move the bytes and copy them into the parameters. Returns the names written."""
         loaded: set[str] = set()
         try:
-            if self.config.distributed:
-                self._receive_broadcast(update, loaded)
-            else:
-                self._receive_handles(update, loaded)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            with self._on_device():
+                self._receive(update, loaded)
         except Exception as e:
             if self.config.distributed:
                 self.close(abort=True)  # a broken group cannot be reused: the trainer must init again
             raise TransferFailedError(f"the weight transfer failed after {len(loaded)} of {len(update.metas)} "
                                       f"tensors: {type(e).__name__}: {e}", loaded) from e
         return loaded
+
+    def _on_device(self) -> Any:
+        """This thread's current CUDA device must be the model's (IPC rebuilds and streams use it)."""
+        import contextlib
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _receive(self, update: Update, loaded: set[str]) -> None:
+        if self.config.distributed:
+            self._receive_broadcast(update, loaded)
+        else:
+            self._receive_handles(update, loaded)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _copy(self, pairs: list[tuple[str, torch.Tensor]], loaded: set[str]) -> None:
         with torch.no_grad():
