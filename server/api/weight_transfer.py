@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, Request
@@ -61,8 +63,7 @@ class UpdateInfo(RequestBody):
 
 
 class UpdateRequest(RequestBody):
-    update_info: UpdateInfo
-    weight_version: str | None = None
+    update_info: UpdateInfo  # weight_version is set by /finish_weight_update
 
 
 class FinishRequest(RequestBody):
@@ -106,6 +107,31 @@ class SglMemory(RequestBody):
 
 # -- the service ---------------------------------------------------------------------------------
 
+class _Worker:
+    """One daemon thread that runs submitted calls in order (transfers are one at a time)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="sleepserve-weights", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._calls.put((fut, fn, args))
+        return fut
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fut, fn, args = call
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+
+
 class WeightTransferService:
     """Owns the receiver and the one thread that blocks on transfers."""
 
@@ -113,15 +139,17 @@ class WeightTransferService:
         self.engine = engine
         self.config = config
         self.receiver = WeightReceiver(config, engine.core.model, engine.core.device)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="sleepserve-weights")
+        self._thread = _Worker()
         self.init_info: InitInfo | None = None
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self._thread.submit(fn, *args))
 
     def shutdown(self) -> None:
+        # Not joined: a receive may be blocked on a trainer for up to timeout_s, and shutting down
+        # must not wait for it (the thread is a daemon).
         self._thread.submit(self.receiver.close)
-        self._thread.shutdown(wait=True, cancel_futures=False)
+        self._thread.stop()
 
     async def init(self, info: InitInfo) -> dict:
         if info.rank_offset >= info.world_size:
@@ -220,10 +248,7 @@ async def update_weights_from_body(request: Request, data: dict) -> dict:
     except ValidationError as e:
         message, param = describe_validation_error(e.errors(include_url=False))
         raise APIError(400, message, param) from None
-    report = await svc.update(body.update_info)
-    if body.weight_version is not None:
-        report = {**report, **await svc.finish(body.weight_version)}
-    return report
+    return await svc.update(body.update_info)
 
 
 # -- vLLM's routes -------------------------------------------------------------------------------

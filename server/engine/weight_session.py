@@ -6,7 +6,8 @@ decide what the weights are worth:
 - begin_write stops stepping (transfer_active) and marks the weights invalid: from the first
   byte until finish they may be a mix of two versions, and nothing is served from a mix.
 - end_write records what landed. A write that failed after bytes landed breaks the session:
-  the weights stay invalid (503 weights_invalid) until a complete update (every parameter).
+  the weights stay invalid (503 weights_invalid) until a complete update (every parameter); so
+  does a failed write after earlier writes of the same session landed.
 - finish makes the weights valid again if the session was whole and the weights were valid
   before it (a partial update of valid weights is what the trainer asked for); if they were
   invalid before (sleep level 2, a broken transfer), only once every parameter was reloaded.
@@ -66,7 +67,9 @@ def end_write(core: "EngineCore", loaded: set[str], failed: bool) -> dict | None
     session = core.weight_session
     assert session is not None, "end_write without begin_write"
     session.writes += 1
-    if failed and loaded:
+    if failed and (loaded or session.loaded):
+        # Bytes of this update landed (in this write or an earlier one of the session) and the rest
+        # never will: whatever the trainer does next, these weights are not a version it sent.
         session.broken = True
         session.loaded = set()
         core._weights_reloaded = set()  # a complete update is needed now
