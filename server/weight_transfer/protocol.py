@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from server.weight_transfer.config import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS  # noqa: F401 (re-exported)
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
