@@ -451,10 +451,12 @@ def wait_healthy(engine: Engine, container: str, base: str, report: Report, pref
             return report.check(f"{prefix}: HEALTHCHECK turns healthy", False, f"container {state}:\n{logs}")
         if health == "unhealthy" or elapsed > HEALTH_TIMEOUT_S or (
                 answered_at is not None and elapsed - answered_at > PROBE_GRACE_S):
-            probes = engine.docker("inspect", "-f", "{{json .State.Health}}", container, check=False).stdout.decode()
+            raw = engine.docker("inspect", "-f", "{{json .State.Health}}", container, check=False).stdout.decode()
+            log = (json.loads(raw or "null") or {}).get("Log") or [{}]
+            last = (log[-1].get("Output") or "").strip().splitlines()[-1:] or [""]
             return report.check(f"{prefix}: HEALTHCHECK turns healthy", False,
                                 f"health {health!r} after {elapsed:.0f} s (server answering: {answered_at is not None})"
-                                f"; probes: {probes[-1500:]}")
+                                f"; last probe: exit {log[-1].get('ExitCode')}, {last[0][:300]}")
         time.sleep(1)
 
 
