@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from server.api import generation
 from server.api.body import parse_body
-from server.api.formatting import chat_choice, chat_logprobs, envelope, usage
+from server.api.formatting import TokenNames, chat_choice, chat_logprobs, envelope, prompt_logprobs_json, usage
 from server.api.schemas import ChatCompletionRequest
 from server.api.streaming import events, sse_response
 from server.engine.outputs import RequestOutput
@@ -23,27 +23,38 @@ KIND = "chat.completion"
 CHUNK_KIND = "chat.completion.chunk"
 # Arguments the server passes to the template itself; a client may not override them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
-                                      "return_dict", "return_tensors", "chat_template"})
+                                      "continue_final_message", "documents", "return_dict", "return_tensors",
+                                      "chat_template"})
 
 
 class ChatChunks:
     def __init__(self, request_id: str, created: int, model: str, body: ChatCompletionRequest):
         self.head = (CHUNK_KIND, request_id, created, model)
+        self.body = body
         self.n = body.n
         self.include_usage = body.include_usage
         self.top_k = (body.top_logprobs or 0) if body.logprobs else None
+        self.names = TokenNames(body.return_tokens_as_token_ids)
         self.started = False
         self.finished: set[int] = set()
+        self.last: RequestOutput | None = None
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return envelope(*self.head, [choice], **({"usage": None} if self.include_usage else {}))
+    def _chunk(self, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return envelope(*self.head, [choice], **extra, **({"usage": None} if self.include_usage else {}))
 
-    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+    def chunks(self, item: tuple[int, RequestOutput]) -> list[dict[str, Any]]:
+        _, out = item
+        self.last = out
         result = []
         if not self.started:  # OpenAI opens every choice with the role, before any content
             self.started = True
+            extra: dict[str, Any] = {}
+            if self.body.return_token_ids:  # vLLM sends the prompt's ids once, on the first chunk
+                extra["prompt_token_ids"] = out.prompt_token_ids
+            if self.body.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.names)
             result += [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}) for i in range(self.n)]
+                                    "finish_reason": None}, **(extra if i == 0 else {})) for i in range(self.n)]
         for o in out.outputs:
             if o.index in self.finished:
                 continue
@@ -51,16 +62,21 @@ class ChatChunks:
                 continue
             lp = None
             if self.top_k is not None:
-                lp = chat_logprobs(o.delta_token_ids, o.delta_logprobs or [], self.top_k)
+                lp = chat_logprobs(o.delta_token_ids, o.delta_logprobs or [], self.top_k, self.names)
             if o.finish_reason is not None:
                 self.finished.add(o.index)
             delta = {"content": o.delta_text} if o.delta_text else {}
-            result.append(self._chunk({"index": o.index, "delta": delta, "logprobs": lp,
-                                       "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}))
+            choice = {"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": o.finish_reason,
+                      "stop_reason": o.stop_reason}
+            if self.body.return_token_ids:
+                choice["token_ids"] = o.delta_token_ids
+            result.append(self._chunk(choice))
         return result
 
-    def tail(self, last: RequestOutput) -> list[dict[str, Any]]:
-        return [envelope(*self.head, [], usage=usage(last))] if self.include_usage else []
+    def tail(self) -> list[dict[str, Any]]:
+        if not self.include_usage or self.last is None:
+            return []
+        return [envelope(*self.head, [], usage=usage([self.last]))]
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -68,6 +84,13 @@ def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
     clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if clash:
         raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+    kwargs["add_generation_prompt"] = body.add_generation_prompt
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True
+    if body.documents is not None:
+        kwargs["documents"] = body.documents
+    if body.chat_template is not None:
+        kwargs["chat_template"] = body.chat_template
     return kwargs
 
 
@@ -79,20 +102,26 @@ async def create_chat_completion(request: Request) -> Response:
     messages = body.template_messages()
     kwargs = _template_kwargs(body)
     generation.check_available(request)
+    params = await generation.compile_grammar(request, params, body.structured()[1])
     engine = request.app.state.engine
-    ids = await engine.call(lambda core: core.encode_chat(
-        messages, add_generation_prompt=body.add_generation_prompt, **kwargs))
+    ids = await engine.call(lambda core: core.encode_chat(messages, **kwargs))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    first, gen = await generation.start(request, request_id, None, ids, params)
+    started = [await generation.start(request, request_id, None, ids, params)]
 
     if body.stream:
         fmt = ChatChunks(request_id, created, model, body)
-        return sse_response(events(first, gen, fmt.chunks, fmt.tail, lambda: engine.state))
+        return sse_response(events(generation.merged(started), fmt.chunks, fmt.tail, lambda: engine.state))
 
-    final = await generation.run_to_end(request, first, gen)
+    (final,) = await generation.run_to_end(request, started)
+    names = TokenNames(body.return_tokens_as_token_ids)
     choices = []
     for o in final.outputs:
-        lp = chat_logprobs(o.token_ids, o.logprobs or [], body.top_logprobs or 0) if body.logprobs else None
-        choices.append(chat_choice(o, lp))
-    return JSONResponse(envelope(KIND, request_id, created, model, choices, usage=usage(final)))
+        lp = chat_logprobs(o.token_ids, o.logprobs or [], body.top_logprobs or 0, names) if body.logprobs else None
+        choices.append(chat_choice(o, lp, **({"token_ids": o.token_ids} if body.return_token_ids else {})))
+    extra: dict[str, Any] = {}
+    if body.return_token_ids:
+        extra["prompt_token_ids"] = final.prompt_token_ids
+    if body.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, names)
+    return JSONResponse(envelope(KIND, request_id, created, model, choices, usage=usage([final]), **extra))

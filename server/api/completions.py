@@ -1,8 +1,9 @@
-"""POST /v1/completions."""
+"""POST /v1/completions: one or several prompts; choices are prompt-major (index = prompt × n + i)."""
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -10,57 +11,118 @@ from fastapi.responses import JSONResponse, Response
 
 from server.api import generation
 from server.api.body import parse_body
-from server.api.formatting import CompletionLogprobs, completion_choice, envelope, usage
-from server.api.schemas import CompletionRequest
+from server.api.formatting import (CompletionLogprobs, TokenNames, completion_choice, envelope,
+                                   prompt_logprobs_json, usage)
+from server.api.schemas import CompletionRequest, Prompt
 from server.api.streaming import events, sse_response
-from server.engine.outputs import RequestOutput
+from server.engine.outputs import CompletionOutput, RequestOutput
+from server.engine.params import InvalidRequestError, SamplingParams
 
 router = APIRouter()
 
 KIND = "text_completion"
 
 
-class CompletionChunks:
-    """Turns each engine output into stream chunks: one per choice that has news."""
+@dataclass
+class CheckedPrompt:
+    text: str | None
+    token_ids: list[int]
+    echo: str           # what `echo` puts before the output ("" without echo)
+    first_piece: str    # the first prompt token's text (echo + logprobs lists it without a log-prob)
 
-    def __init__(self, request_id: str, created: int, model: str, body: CompletionRequest, echo: str):
+
+def _check_prompts(core, prompts: list[Prompt], params: SamplingParams, echo: bool) -> list[CheckedPrompt]:
+    """On the engine thread: every prompt checked (tokenized, ids in range, fits the context) before any
+    runs, so one bad prompt rejects the whole request, naming it."""
+    out = []
+    for i, (text, ids) in enumerate(prompts):
+        try:
+            tokens, _ = core.check_prompt(text, ids, params)
+        except InvalidRequestError as e:
+            if len(prompts) > 1:
+                raise InvalidRequestError(f"prompt[{i}]: {e}", e.param, e.code) from None
+            raise
+        shown = ""
+        if echo:
+            shown = text if text is not None else core.tokenizer.decode(tokens, skip_special_tokens=False)
+        first = core.tokenizer.decode(tokens[:1], skip_special_tokens=False) if echo else ""
+        out.append(CheckedPrompt(text, tokens, shown, first))
+    return out
+
+
+class CompletionFormat:
+    """Engine outputs → choices, for whole responses and stream chunks alike."""
+
+    def __init__(self, body: CompletionRequest, prompts: list[CheckedPrompt]):
+        self.body = body
+        self.prompts = prompts
+        self.names = TokenNames(body.return_tokens_as_token_ids)
+        self.echo_logprobs = body.echo and body.logprobs is not None
+        self.builders: dict[int, CompletionLogprobs] = {}
+
+    def index(self, prompt: int, o: CompletionOutput) -> int:
+        return prompt * self.body.n + o.index
+
+    def choice(self, prompt: int, out: RequestOutput, o: CompletionOutput, text: str, token_ids: list[int],
+               entries: list | None, first: bool) -> dict[str, Any]:
+        """One choice: `first` (its first chunk, or a whole response) adds the echo and prompt parts."""
+        body, p, key = self.body, self.prompts[prompt], self.index(prompt, o)
+        extra: dict[str, Any] = {}
+        lp = None
+        if body.logprobs is not None:
+            builder = self.builders.get(key)
+            if builder is None:
+                start = 0 if self.echo_logprobs else len(p.echo)
+                builder = self.builders[key] = CompletionLogprobs(body.logprobs, start, self.names, p.first_piece)
+            ids, lps = token_ids, list(entries or [])
+            if first and self.echo_logprobs and out.prompt_logprobs is not None:
+                ids, lps = out.prompt_token_ids + ids, list(out.prompt_logprobs) + lps
+            lp = builder.build(ids, lps)
+        if first:
+            text = p.echo + text
+            if body.return_token_ids:
+                extra["prompt_token_ids"] = out.prompt_token_ids
+            if body.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.names)
+        if body.return_token_ids:
+            extra["token_ids"] = token_ids
+        return completion_choice(key, o, text, lp, **extra)
+
+
+class CompletionChunks(CompletionFormat):
+    """Each (prompt index, engine output) → one stream chunk per choice that has news."""
+
+    def __init__(self, request_id: str, created: int, model: str, body: CompletionRequest,
+                 prompts: list[CheckedPrompt]):
+        super().__init__(body, prompts)
         self.head = (KIND, request_id, created, model)
-        self.echo = echo
-        self.include_usage = body.include_usage
-        k = body.logprobs
-        self.logprobs = {i: CompletionLogprobs(k, len(echo)) for i in range(body.n)} if k is not None else None
         self.started: set[int] = set()
         self.finished: set[int] = set()
+        self.last: dict[int, RequestOutput] = {}
 
-    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+    def chunks(self, item: tuple[int, RequestOutput]) -> list[dict[str, Any]]:
+        prompt, out = item
+        self.last[prompt] = out
         result = []
         for o in out.outputs:
-            if o.index in self.finished:
+            key = self.index(prompt, o)
+            if key in self.finished:
                 continue
-            text = o.delta_text
-            if o.index not in self.started:
-                self.started.add(o.index)
-                text = self.echo + text
-            if not text and not o.delta_token_ids and o.finish_reason is None:
+            first = key not in self.started
+            if not first and not o.delta_text and not o.delta_token_ids and o.finish_reason is None:
                 continue
-            lp = None
-            if self.logprobs is not None:
-                lp = self.logprobs[o.index].build(o.delta_token_ids, o.delta_logprobs or [])
+            self.started.add(key)
             if o.finish_reason is not None:
-                self.finished.add(o.index)
-            extra = {"usage": None} if self.include_usage else {}
-            result.append(envelope(*self.head, [completion_choice(o, text, lp)], **extra))
+                self.finished.add(key)
+            choice = self.choice(prompt, out, o, o.delta_text, o.delta_token_ids, o.delta_logprobs, first)
+            extra = {"usage": None} if self.body.include_usage else {}
+            result.append(envelope(*self.head, [choice], **extra))
         return result
 
-    def tail(self, last: RequestOutput) -> list[dict[str, Any]]:
-        return [envelope(*self.head, [], usage=usage(last))] if self.include_usage else []
-
-
-async def _echo_text(request: Request, prompt: str | None, ids: list[int] | None) -> str:
-    if prompt is not None:
-        return prompt
-    engine = request.app.state.engine
-    return await engine.call(lambda core: core.tokenizer.decode(ids, skip_special_tokens=False))
+    def tail(self) -> list[dict[str, Any]]:
+        if not self.body.include_usage:
+            return []
+        return [envelope(*self.head, [], usage=usage([self.last[i] for i in sorted(self.last)]))]
 
 
 @router.post("/v1/completions")
@@ -68,27 +130,21 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     model = generation.check_model(request, body.model)
     params = body.to_params()
-    prompt, ids = body.prompt_input()
+    prompts = body.prompts()
     generation.check_available(request)
+    params = await generation.compile_grammar(request, params, body.structured()[1])
+    engine = request.app.state.engine
+    checked = await engine.call(lambda core: _check_prompts(core, prompts, params, body.echo))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    first, gen = await generation.start(request, request_id, prompt, ids, params)
-    try:  # after admission, so the engine has already checked the token ids
-        echo = await _echo_text(request, prompt, ids) if body.echo else ""
-    except BaseException:
-        await gen.aclose()  # type: ignore[attr-defined]
-        raise
-    engine = request.app.state.engine
+    started = await generation.start_many(request, request_id, [(p.text, p.token_ids) for p in checked], params)
 
     if body.stream:
-        fmt = CompletionChunks(request_id, created, model, body, echo)
-        return sse_response(events(first, gen, fmt.chunks, fmt.tail, lambda: engine.state))
+        fmt = CompletionChunks(request_id, created, model, body, checked)
+        return sse_response(events(generation.merged(started), fmt.chunks, fmt.tail, lambda: engine.state))
 
-    final = await generation.run_to_end(request, first, gen)
-    choices = []
-    for o in final.outputs:
-        lp = None
-        if body.logprobs is not None:
-            lp = CompletionLogprobs(body.logprobs, len(echo)).build(o.token_ids, o.logprobs or [])
-        choices.append(completion_choice(o, echo + o.text, lp))
-    return JSONResponse(envelope(KIND, request_id, created, model, choices, usage=usage(final)))
+    finals = await generation.run_to_end(request, started)
+    whole = CompletionFormat(body, checked)
+    choices = [whole.choice(i, out, o, o.text, o.token_ids, o.logprobs, True)
+               for i, out in enumerate(finals) for o in out.outputs]
+    return JSONResponse(envelope(KIND, request_id, created, model, choices, usage=usage(finals)))

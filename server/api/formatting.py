@@ -10,11 +10,12 @@ from typing import Any
 from server.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(o.token_ids) for o in out.outputs)
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """Usage over every prompt of a request (a completions request may carry several)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
 def _top(entry: TokenLogprobs, k: int) -> list[tuple[int, Any]]:
@@ -27,47 +28,85 @@ def _piece(lp: Any) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
-class CompletionLogprobs:
-    """Builds the completions `logprobs` object; `offset` carries text_offset across stream chunks."""
+def _finite(x: float) -> float:
+    # JSON has no -Infinity: a token the grammar or a bias ruled out reports vLLM's floor instead.
+    return max(x, -9999.0)
 
-    def __init__(self, k: int, start_offset: int = 0):
+
+class TokenNames:
+    """How a token is shown in log-probs: its text, or `token_id:N` (return_tokens_as_token_ids)."""
+
+    def __init__(self, as_ids: bool):
+        self.as_ids = as_ids
+
+    def __call__(self, token: int, lp: Any) -> str:
+        return f"token_id:{token}" if self.as_ids else _piece(lp)
+
+
+class CompletionLogprobs:
+    """Builds the completions `logprobs` object; `offset` carries text_offset across stream chunks.
+    k = 0 still reports the sampled token in top_logprobs, as vLLM does."""
+
+    def __init__(self, k: int, start_offset: int = 0, names: TokenNames | None = None, first_piece: str = ""):
         self.k = k
         self.offset = start_offset
+        self.names = names or TokenNames(False)
+        self.first_piece = first_piece  # the text of the prompt's first token (echo), which has no entry
 
-    def build(self, token_ids: list[int], entries: list[TokenLogprobs]) -> dict[str, Any]:
+    def build(self, token_ids: list[int], entries: list[TokenLogprobs | None]) -> dict[str, Any]:
         tokens, token_lps, tops, offsets = [], [], [], []
         for tok, entry in zip(token_ids, entries):
-            lp = entry[tok]
-            piece = _piece(lp)
-            tokens.append(piece)
-            token_lps.append(lp.logprob)
-            tops.append({_piece(alt): alt.logprob for _, alt in _top(entry, self.k)} if self.k else None)
             offsets.append(self.offset)
-            self.offset += len(piece)
+            if entry is None:  # the first prompt token (echo): nothing predicts it
+                piece = self.first_piece
+                tokens.append(f"token_id:{tok}" if self.names.as_ids else piece)
+                token_lps.append(None)
+                tops.append(None)
+                self.offset += len(piece)
+                continue
+            lp = entry[tok]
+            tokens.append(self.names(tok, lp))
+            token_lps.append(_finite(lp.logprob))
+            alts = _top(entry, self.k) if self.k else [(tok, lp)]
+            tops.append({self.names(t, alt): _finite(alt.logprob) for t, alt in alts})
+            self.offset += len(_piece(lp))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs], k: int) -> dict[str, Any]:
-    def item(lp: Any) -> dict[str, Any]:
-        piece = _piece(lp)
-        return {"token": piece, "logprob": lp.logprob, "bytes": list(piece.encode("utf-8"))}
+def prompt_logprobs_json(entries: list[TokenLogprobs | None] | None, names: TokenNames) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": names(t, lp)} for t, lp in e.items()}
+            for e in entries]
+
+
+def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs], k: int,
+                  names: TokenNames | None = None) -> dict[str, Any]:
+    names = names or TokenNames(False)
+
+    def item(tok: int, lp: Any) -> dict[str, Any]:
+        name = names(tok, lp)
+        return {"token": name, "logprob": _finite(lp.logprob), "bytes": list(_piece(lp).encode("utf-8"))}
 
     content = []
     for tok, entry in zip(token_ids, entries):
-        row = item(entry[tok])
-        row["top_logprobs"] = [item(alt) for _, alt in _top(entry, k)]
+        row = item(tok, entry[tok])
+        row["top_logprobs"] = [item(t, alt) for t, alt in _top(entry, k)]
         content.append(row)
     return {"content": content}
 
 
-def completion_choice(o: CompletionOutput, text: str, logprobs: dict | None) -> dict[str, Any]:
-    return {"index": o.index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason,
-            "stop_reason": o.stop_reason}
+def completion_choice(index: int, o: CompletionOutput, text: str, logprobs: dict | None,
+                      **extra: Any) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason, **extra}
 
 
-def chat_choice(o: CompletionOutput, logprobs: dict | None) -> dict[str, Any]:
+def chat_choice(o: CompletionOutput, logprobs: dict | None, **extra: Any) -> dict[str, Any]:
     return {"index": o.index, "message": {"role": "assistant", "content": o.text}, "logprobs": logprobs,
-            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, **extra}
 
 
 def envelope(kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],

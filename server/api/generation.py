@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
@@ -86,27 +87,100 @@ async def generate(request: Request, request_id: str, prompt: str | None, prompt
             tracker.finish(last)
 
 
-async def start(request: Request, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                params: SamplingParams) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
-    """Submit and wait for the first output, so that errors the engine finds on admission (prompt
-    over the context, the engine falling asleep meanwhile) still answer with their own status
-    instead of a 200 stream that carries an error."""
+async def compile_grammar(request: Request, params: SamplingParams, param: str) -> SamplingParams:
+    """Compile the request's grammar in a worker thread (cached by spec), so a slow compile never
+    holds up the engine or the event loop; 400 naming `param` if it cannot be compiled."""
+    if params.structured_outputs is None:
+        return params
+    grammars = request.app.state.engine.core.grammars
+    grammar = await asyncio.to_thread(grammars.compile, params.structured_outputs, param)
+    return replace(params, grammar=grammar)
+
+
+Started = tuple[RequestOutput, AsyncIterator[RequestOutput]]
+
+
+async def _first(request: Request, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                 params: SamplingParams) -> Started:
     gen = generate(request, request_id, prompt, prompt_token_ids, params)
     try:
-        first = await unless_disconnected(request, gen.__anext__())
+        first = await gen.__anext__()
     except BaseException:
         await gen.aclose()
         raise
     return first, gen
 
 
-async def run_to_end(request: Request, first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-    async def drain() -> RequestOutput:
-        last = first
-        async with contextlib.aclosing(gen):  # type: ignore[type-var]
+async def start(request: Request, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                params: SamplingParams) -> Started:
+    """Submit and wait for the first output, so that errors the engine finds on admission (prompt
+    over the context, the engine falling asleep meanwhile) still answer with their own status
+    instead of a 200 stream that carries an error."""
+    return (await start_many(request, request_id, [(prompt, prompt_token_ids)], params))[0]
+
+
+async def start_many(request: Request, request_id: str, prompts: list[tuple[str | None, list[int] | None]],
+                     params: SamplingParams) -> list[Started]:
+    """start() for every prompt at once (engine request ids `<id>-<i>` when there are several). If any
+    fails, the others are aborted and the error is raised."""
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    tasks = [asyncio.ensure_future(_first(request, rid, text, tokens, params))
+             for rid, (text, tokens) in zip(ids, prompts)]
+
+    async def all_started() -> list[Started]:
+        return list(await asyncio.gather(*tasks))
+
+    try:
+        return await unless_disconnected(request, all_started())
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        for r in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(r, tuple):
+                await r[1].aclose()  # type: ignore[attr-defined]
+        raise
+
+
+async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every prompt's outputs as they come, tagged with the prompt's index. Closing it aborts them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            queue.put_nowait((i, first, None))
             if not first.finished:
                 async for out in gen:
-                    last = out
-        return last
+                    queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, first, gen)) for i, (first, gen) in enumerate(started)]
+    try:
+        left = len(tasks)
+        while left:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                left -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, gen in started:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+
+async def run_to_end(request: Request, started: list[Started]) -> list[RequestOutput]:
+    """The final output of every prompt (aborting them all if the client leaves)."""
+    async def drain() -> list[RequestOutput]:
+        last: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(merged(started)) as outs:
+            async for i, out in outs:
+                last[i] = out
+        return [last[i] for i in range(len(started))]
 
     return await unless_disconnected(request, drain())

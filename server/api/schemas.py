@@ -1,20 +1,20 @@
 """Request bodies of the OpenAI routes, and their translation into the engine's SamplingParams.
 
-Unknown fields are accepted and ignored (OpenAI's clients add new optional fields often, and a
-server that rejected them would break clients on every SDK release); fields that would change the
-answer in ways this server cannot honour (tools, a JSON response_format, suffix, several prompts)
-answer 400 instead of being silently dropped.
+Types are checked here; every range is checked once, in SamplingParams.validate, so the HTTP API
+and the in-process LLM can never disagree. Unknown fields are accepted and logged at debug level
+(OpenAI's clients add optional fields often, and a server that rejected them would break clients
+on every SDK release), except the fields in UNSUPPORTED: each of those would change the generated
+tokens in a way this server does not implement, so it answers 400 naming the field rather than
+silently generating something else.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from server.engine.params import InvalidRequestError, SamplingParams
-
-MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
-INT32_MAX = 2 ** 31 - 1
+from server.engine.params import InvalidRequestError, SamplingParams, StructuredOutputs
 
 
 class RequestBody(BaseModel):
@@ -26,31 +26,72 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
+def _set(value: Any) -> bool:
+    return value not in (None, False, [], {}, "")
+
+
+# Fields (OpenAI's or vLLM's) that change what is generated and that this server does not implement:
+# field -> (is it asking for something, what to do instead).
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "suffix": (_set, "leave it out"),
+    "best_of": (lambda v: v not in (None, 1), "leave it out or set it equal to n"),
+    "use_beam_search": (_set, "beam search is not implemented; sample n choices instead"),
+    "length_penalty": (lambda v: v not in (None, 1, 1.0), "it only applies to beam search"),
+    "early_stopping": (_set, "it only applies to beam search"),
+    "bad_words": (_set, "use logit_bias with -100 on those tokens"),
+    "allowed_token_ids": (_set, "use structured_outputs (choice or regex) or logit_bias"),
+    "logits_processors": (_set, "custom logits processors are not supported"),
+    "truncate_prompt_tokens": (_set, "truncate the prompt yourself (see POST /tokenize)"),
+    "prompt_embeds": (_set, "send text or token ids"),
+    "tools": (_set, "describe the tools in a message instead"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool calling is not supported"),
+    "functions": (_set, "function calling is not supported"),
+    "function_call": (lambda v: v not in (None, "none"), "function calling is not supported"),
+    "audio": (_set, "audio output is not supported"),
+    "modalities": (lambda v: _set(v) and list(v) != ["text"], "only text output is supported"),
+    "reasoning_effort": (_set, "pass it in chat_template_kwargs if the model's template reads it"),
+    "verbosity": (_set, "leave it out"),
+    "web_search_options": (_set, "web search is not supported"),
+    "vllm_xargs": (_set, "leave it out"),
+    "thinking_token_budget": (_set, "leave it out"),
+    "guided_whitespace_pattern": (_set, "leave it out; JSON is generated with flexible whitespace"),
+    "structural_tag": (_set, "use structured_outputs json, regex, choice or grammar"),
+}
+
+
 class _Sampling(RequestBody):
     """The sampling fields both routes share: OpenAI's, plus the extras vLLM users rely on."""
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    seed: int | None = None
     user: str | None = None
-    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM's extras
-    top_k: int = Field(0, ge=-1, le=INT32_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
     ignore_eos: bool = False
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -68,11 +109,59 @@ class _Sampling(RequestBody):
             out[token] = max(-100.0, min(100.0, value))  # OpenAI's documented range
         return out
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of is not supported; leave it out or set it equal to n", "best_of")
-        if self.stop_token_ids and any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    def check_supported(self) -> None:
+        values = {**dict(self), **(self.model_extra or {})}
+        for name, (asks, instead) in UNSUPPORTED.items():
+            if name in values and asks(values[name]):
+                raise InvalidRequestError(f"{name} is not supported by this server; {instead}", name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream: true", "stream_options")
+
+    def structured(self) -> tuple[StructuredOutputs | None, str]:
+        """What the output must match, from whichever field asked for it (at most one), and that field."""
+        asked: list[tuple[str, StructuredOutputs]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                asked.append(("response_format", StructuredOutputs(json_object=True)))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise InvalidRequestError('response_format json_schema needs {"json_schema": {"name": ..., '
+                                              '"schema": {...}}}', "response_format")
+                asked.append(("response_format", StructuredOutputs(json=schema)))
+            elif kind != "text":
+                raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, json_object "
+                                          "or json_schema", "response_format")
+        if self.structured_outputs:
+            so = dict(self.structured_outputs)
+            keys = {"json", "regex", "choice", "grammar", "json_object"}
+            unknown = sorted(k for k, v in so.items() if k not in keys and _set(v))
+            if unknown:
+                raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not supported; use one of json, "
+                                          "regex, choice, grammar, json_object", "structured_outputs")
+            choice = so.get("choice")
+            if choice is not None and (not isinstance(choice, list) or not all(isinstance(c, str) for c in choice)):
+                raise InvalidRequestError("structured_outputs.choice must be a list of strings", "structured_outputs")
+            asked.append(("structured_outputs", StructuredOutputs(
+                json=so.get("json"), regex=so.get("regex"), choice=choice, grammar=so.get("grammar"),
+                json_object=bool(so.get("json_object")))))
+        for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                         ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, StructuredOutputs(**{kw: value})))
+        if len(asked) > 1:
+            raise InvalidRequestError(f"{asked[0][0]} and {asked[1][0]} both constrain the output; send one",
+                                      asked[1][0])
+        return (asked[0][1], asked[0][0]) if asked else (None, "")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        self.check_supported()
+        spec, _ = self.structured()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -80,52 +169,70 @@ class _Sampling(RequestBody):
             top_k=self.top_k, min_p=self.min_p, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, presence_penalty=self.presence_penalty,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logit_bias=self._bias(), skip_special_tokens=self.skip_special_tokens)
+            logit_bias=self._bias(), skip_special_tokens=self.skip_special_tokens, structured_outputs=spec)
+
+
+Prompt = tuple[str | None, list[int] | None]   # (text, None) or (None, token ids)
+
+
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
 class CompletionRequest(_Sampling):
     prompt: Any = None
-    max_tokens: int | None = Field(16, ge=1)   # OpenAI's default for completions
+    max_tokens: int | None = 16   # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    logprobs: int | None = None
 
-    def prompt_input(self) -> tuple[str | None, list[int] | None]:
-        """(text, None) or (None, token ids): one prompt per request."""
+    def prompts(self) -> list[Prompt]:
+        """One or several prompts: a string, a list of strings, token ids, or a list of token-id lists."""
         p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str):
-            if not p:
-                raise InvalidRequestError("prompt is empty; send some text or token ids", "prompt")
-            return p, None
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return None, list(p)
-        if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-            raise InvalidRequestError(f"got {len(p)} prompts; this server takes one prompt per request "
-                                      "(send several requests concurrently instead)", "prompt")
         if p is None:
             raise InvalidRequestError("prompt is required", "prompt")
-        raise InvalidRequestError("prompt must be a string, a list of one string, or a list of token ids "
-                                  f"(got {type(p).__name__})", "prompt")
+        if isinstance(p, str) or _is_ids(p):
+            p = [p]
+        if not isinstance(p, list) or not p:
+            raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                                      f"token-id lists (got {type(p).__name__ if p != [] else 'an empty list'})",
+                                      "prompt")
+        out: list[Prompt] = []
+        for i, item in enumerate(p):
+            where = f"prompt[{i}]" if len(p) > 1 else "prompt"
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequestError(f"{where} is empty; send some text or token ids", "prompt")
+                out.append((item, None))
+            elif _is_ids(item):
+                out.append((None, list(item)))
+            else:
+                raise InvalidRequestError(f"{where} must be a string or a list of token ids (got {_shown(item)})",
+                                          "prompt")
+        return out
 
     def to_params(self) -> SamplingParams:
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported; leave it out", "suffix")
+        # echo + logprobs: OpenAI's legacy scoring returns the prompt tokens' log-probs too.
+        prompt_lps = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
-            # Prompt log-probs are not computed by the engine; echoing without them would mislead.
-            raise InvalidRequestError("echo with logprobs is not supported; drop one of them", "echo")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+            prompt_lps = max(prompt_lps or 0, self.logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, prompt_lps)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, BaseModel) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     def template_dict(self, index: int) -> dict[str, Any]:
+        if not self.role:
+            raise InvalidRequestError(f"messages[{index}].role is empty", f"messages[{index}].role")
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -147,29 +254,41 @@ class ChatMessage(RequestBody):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    echo: bool = False
     # vLLM's extras for templates
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise InvalidRequestError("messages is empty; send at least one message", "messages")
-        return [m.template_dict(i) for i, m in enumerate(self.messages)]
+        msgs = [m.template_dict(i) for i, m in enumerate(self.messages)]
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidRequestError("continue_final_message continues the last message, so it needs "
+                                          "add_generation_prompt: false", "continue_final_message")
+            if msgs[-1]["role"] != "assistant":
+                raise InvalidRequestError("continue_final_message needs an assistant message last",
+                                          "continue_final_message")
+        return msgs
 
     def to_params(self) -> SamplingParams:
-        if self.tools:
-            raise InvalidRequestError("tools are not supported by this server; leave tools out", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported", "response_format")
+        if self.echo:
+            raise InvalidRequestError("echo is not supported on chat completions; leave it out", "echo")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise InvalidRequestError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                                      "max_completion_tokens")
         max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context limit
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                    self.prompt_logprobs)
 
 
 class UpdateWeightsRequest(RequestBody):

@@ -3,38 +3,33 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi.responses import StreamingResponse
 
 from server.api.errors import as_api_error, error_body
-from server.engine.outputs import RequestOutput
 
 log = logging.getLogger("sleepserve.api")
 
 DONE = b"data: [DONE]\n\n"
 
-ChunkFn = Callable[[RequestOutput], list[dict[str, Any]]]
+T = TypeVar("T")
 
 
 def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-async def events(first: RequestOutput, gen: AsyncIterator[RequestOutput], chunks: ChunkFn, tail: ChunkFn,
-                 state: Callable[[], dict]) -> AsyncIterator[bytes]:
+async def events(items: AsyncIterator[T], chunks: Callable[[T], list[dict[str, Any]]],
+                 tail: Callable[[], list[dict[str, Any]]], state: Callable[[], dict]) -> AsyncIterator[bytes]:
     """The SSE body. Once the 200 is sent, an error can only travel as an event: it goes out as an
     OpenAI error object, then [DONE], so clients never wait on a stream that will not end.
-    When the client disconnects, Starlette cancels this generator; closing `gen` aborts the request."""
-    last = first
+    When the client disconnects, Starlette cancels this generator; closing `items` aborts the requests."""
     try:
-        for c in chunks(first):
-            yield sse(c)
-        async for out in gen:
-            last = out
-            for c in chunks(out):
+        async for item in items:
+            for c in chunks(item):
                 yield sse(c)
-        for c in tail(last):
+        for c in tail():
             yield sse(c)
     except Exception as e:
         err = as_api_error(e, state())
@@ -45,7 +40,7 @@ async def events(first: RequestOutput, gen: AsyncIterator[RequestOutput], chunks
         else:
             yield sse(error_body(err.status, err.message, err.param, err.code))
     finally:
-        await gen.aclose()  # type: ignore[attr-defined]
+        await items.aclose()  # type: ignore[attr-defined]
     yield DONE
 
 

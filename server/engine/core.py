@@ -23,6 +23,7 @@ from server.engine.params import SamplingParams
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Request, Sequence
+from server.engine.structured import GrammarCompiler
 from server.engine.sleep_plan import TAGS, SleepPlan, check_tags, refusal
 from server.engine.weight_session import WeightSession
 from server.model.config import ModelConfig
@@ -55,6 +56,7 @@ class EngineCore:
         self.served_model_name = config.served_model_name or source.name
         self.dtype = config.torch_dtype(self.device, self.model_config.torch_dtype)
         self.tokenizer = load_tokenizer(source.folder)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         torch.manual_seed(config.seed)
@@ -113,7 +115,7 @@ class EngineCore:
         return self.tokenizer(self.chat_prompt(messages, **kwargs), add_special_tokens=False).input_ids
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.tokenizer, "chat_template", None) and not kwargs.get("chat_template"):
             raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
                                       param="messages")
         try:
@@ -135,8 +137,27 @@ class EngineCore:
         self.check_can_serve()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        params = params or SamplingParams()
+        ids, params = self.check_prompt(prompt, prompt_token_ids, params or SamplingParams())
+        req = Request(request_id, prompt, ids, params, on_output=on_output)
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % (1 << 64))
+            seq = Sequence(self._next_seq_id, req, i, gen)
+            self._next_seq_id += 1
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                     params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params to run it with (max_tokens resolved, grammar compiled),
+        or InvalidRequestError. Changes nothing, so a batch can check every prompt before adding any."""
         params.validate(self.model_config.vocab_size)
+        if params.structured_outputs is not None and params.grammar is None:
+            # The server compiled it already (off this thread); the in-process LLM compiles here.
+            params = replace(params, grammar=self.grammars.compile(params.structured_outputs))
         if prompt_token_ids is None:
             if prompt is None or prompt == "":
                 raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
@@ -160,17 +181,7 @@ class EngineCore:
                 f"this model's context is {limit} tokens; the prompt has {len(ids)} and max_tokens asks for "
                 f"{params.max_tokens} more; lower max_tokens to at most {limit - len(ids)}", param="max_tokens",
                 code="context_length_exceeded")
-        req = Request(request_id, prompt, ids, params, on_output=on_output)
-        for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % (1 << 64))
-            seq = Sequence(self._next_seq_id, req, i, gen)
-            self._next_seq_id += 1
-            req.seqs.append(seq)
-            self.scheduler.add(seq)
-        self.requests[request_id] = req
-        return req
+        return ids, params
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -217,10 +228,12 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sampled = self.runner.execute(batch, self.eos_ids, self.tokenizer)
+        sampled, scored = self.runner.execute(batch, self.eos_ids, self.tokenizer)
         for seq, n in batch.items:
             seq.num_computed += n
             self.blocks.commit(seq)
+        for req, entries in scored:
+            req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, token, logprobs in sampled:

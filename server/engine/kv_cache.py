@@ -65,8 +65,10 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq's tokens. At least one token is always left to
-        compute, since the last prompt token's logits are what the first sample needs."""
-        if not self.enable_prefix_caching:
+        compute, since the last prompt token's logits are what the first sample needs. A request
+        that still needs prompt log-probs reuses nothing: they come from computing every position."""
+        if not self.enable_prefix_caching or seq.request.prompt_logprobs_pending:
+            seq.block_hashes = []
             return []
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs

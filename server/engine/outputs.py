@@ -42,3 +42,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (vLLM's shape).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

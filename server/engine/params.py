@@ -1,7 +1,14 @@
-"""Per-request sampling parameters, validated where they enter, with errors that name the field."""
+"""Per-request sampling parameters, validated here and only here, with errors that name the field.
+
+The HTTP schemas check types; every range lives in `validate` (one place, so the two can never
+drift), and the in-process LLM gets the same checks as the server."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+INT32_MAX = 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
 class InvalidRequestError(ValueError):
@@ -11,6 +18,25 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain the output (vLLM's StructuredOutputsParams): exactly one of these."""
+    json: str | dict | None = None       # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None           # Lark or GBNF (llama.cpp) grammar text
+    json_object: bool = False            # any JSON object
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError("structured outputs take exactly one of json, regex, choice, grammar or "
+                                      f"json_object (got {', '.join(given) or 'none'})", "structured_outputs")
 
 
 @dataclass
@@ -27,14 +53,21 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None        # top-k log-probs to return beside each sampled token
+    logprobs: int | None = None        # top-k log-probs to return beside each sampled token (0: that token only)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (computed on the prefill)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    # The compiled form of structured_outputs (server/engine/structured.py); the server compiles it
+    # off the engine thread, the engine compiles it on admission when nobody did.
+    grammar: Any = field(default=None, repr=False, compare=False)
 
-    MAX_LOGPROBS = 20
+    MAX_LOGPROBS = 20          # OpenAI's and vLLM's default limit for sampled tokens
+    MAX_PROMPT_LOGPROBS = 100  # teacher scoring asks for more (TRL's get_sequence_logprobs: 100)
+    MAX_N = 128
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,13 +84,13 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)
 
-        if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
-            raise bad("n", f"n must be an integer from 1 to 128, got {self.n!r}")
+        if not isinstance(self.n, int) or self.n < 1 or self.n > self.MAX_N:
+            raise bad("n", f"n must be an integer from 1 to {self.MAX_N}, got {self.n!r}")
         if self.temperature < 0:
             raise bad("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or self.top_k > 2 ** 31 - 1:
+        if self.top_k < -1 or self.top_k > INT32_MAX:
             raise bad("top_k", f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
@@ -67,14 +100,19 @@ class SamplingParams:
             raise bad("min_tokens", f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise bad("logprobs", f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_PROMPT_LOGPROBS:
+            raise bad("prompt_logprobs", f"prompt_logprobs must be between 0 and {self.MAX_PROMPT_LOGPROBS}, "
+                                         f"got {self.prompt_logprobs}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 64:
-            raise bad("seed", "seed must fit in 64 bits")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise bad("repetition_penalty", f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise bad("seed", f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        if any(not 0 <= int(t) <= INT32_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "stop_token_ids must be non-negative token ids")
         if vocab_size is not None:
             ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
             out = [i for i in ids if not 0 <= int(i) < vocab_size]

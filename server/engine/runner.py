@@ -6,14 +6,14 @@ pool only (weights under `weights`, the cache under `kv_cache`); the runner neve
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from server.engine.outputs import TokenLogprobs
-from server.engine.sampler import sample
+from server.engine.sampler import prompt_logprobs, sample
 from server.engine.scheduler import ScheduledBatch
-from server.engine.sequence import Sequence
+from server.engine.sequence import Request, Sequence
 from server.model.attention import AttentionContext, PrefillSpan
 from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
@@ -35,6 +35,11 @@ class HostBatch:
     spans: list[tuple[int, int, int, list[int]]]   # (offset, new tokens, context length, block table)
     sample_rows: list[int]                          # rows of the flat batch whose logits are sampled
     sample_seqs: list[Sequence]
+    # Prompt log-probs: rows whose logits score the next prompt token, that token, and per request
+    # how many of those rows (in order) are its next entries.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_groups: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -80,9 +85,21 @@ class ModelRunner:
         # Decodes (one new token) first: they share one batched attention call.
         items = sorted(batch.items, key=lambda it: it[1] != 1)
         hb = HostBatch([], [], [], [], [], [], [], [])
+        next_scored: dict[str, int] = {}  # per request: the first prompt token still without a log-prob
         for seq, n in items:
             start = seq.num_computed
             offset = len(hb.ids)
+            req = seq.request
+            if req.prompt_logprobs_pending:
+                # Position p's logits score prompt token p + 1. Of this chunk, the positions whose
+                # token has no entry yet (sequences of one request share the prompt: score it once).
+                first = next_scored.get(req.request_id, len(req.prompt_logprobs))  # type: ignore[arg-type]
+                end = min(start + n, len(req.prompt_token_ids) - 1)
+                if start <= first - 1 < end:
+                    hb.prompt_rows.extend(range(offset + first - 1 - start, offset + end - start))
+                    hb.prompt_targets.extend(req.prompt_token_ids[first:end + 1])
+                    hb.prompt_groups.append((req, end + 1 - first))
+                    next_scored[req.request_id] = end + 1
             table = seq.block_table
             if n == 1:
                 hb.ids.append(seq.token_ids[start])
@@ -127,18 +144,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hb: HostBatch) -> torch.Tensor:
-        if hb.decode_only and self.graphs is not None and self.graphs.covers(len(hb.ids)):
-            return self.graphs.run(hb)
+        return self.forward(hb)[0]
+
+    @torch.inference_mode()
+    def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits of the sampled rows, final hidden states of the prompt-log-prob rows or None)."""
+        if (hb.decode_only and not hb.prompt_rows and self.graphs is not None
+                and self.graphs.covers(len(hb.ids))):
+            return self.graphs.run(hb), None
         ids, positions, ctx, rows = self.to_device(hb)
         hidden = self.model(ids, positions, ctx)
-        return self.model.compute_logits(hidden[rows])
+        prompt_hidden = None
+        if hb.prompt_rows:
+            prompt_hidden = hidden[torch.tensor(hb.prompt_rows, device=hidden.device)]
+        return self.model.compute_logits(hidden[rows]), prompt_hidden
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer
-                ) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
+                ) -> tuple[list[tuple[Sequence, int, TokenLogprobs | None]], list[tuple[Request, list[TokenLogprobs]]]]:
+        """(sampled tokens, new prompt log-prob entries per request), both from this one forward."""
         hb = self.prepare(batch)
-        logits = self.logits(hb)
+        logits, prompt_hidden = self.forward(hb)
+        scored: list[tuple[Request, list[TokenLogprobs]]] = []
+        if prompt_hidden is not None:
+            ks = [req.params.prompt_logprobs or 0 for req, count in hb.prompt_groups for _ in range(count)]
+            entries = prompt_logprobs(self.model.compute_logits, prompt_hidden, hb.prompt_targets, ks, tokenizer)
+            at = 0
+            for req, count in hb.prompt_groups:
+                scored.append((req, entries[at:at + count]))
+                at += count
         if not hb.sample_seqs:
-            return []
+            return [], scored
         tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer)
-        return list(zip(hb.sample_seqs, tokens, logprobs))
+        return list(zip(hb.sample_seqs, tokens, logprobs)), scored

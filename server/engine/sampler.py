@@ -1,14 +1,18 @@
 """Turn logits into tokens: penalties, bias, min_tokens, temperature, top-k/top-p/min-p, seeds, log-probs.
 
 Rows that need no history (the common case) are handled as one batch; only rows that ask for
-penalties, a bias or min_tokens touch their own slice.
+penalties, a bias or min_tokens touch their own slice. Grammar masks (structured outputs) apply to
+all constrained rows at once. Prompt log-probs are scored here too, from the prefill's hidden states.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from server.engine.outputs import Logprob, TokenLogprobs
 from server.engine.sequence import Sequence
+from server.engine.structured import apply_masks
 
 
 def _apply_history(row: torch.Tensor, seq: Sequence, stop_ids: list[int]) -> None:
@@ -58,6 +62,9 @@ def _filter(scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
            tokenizer=None) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [N, V] float32, one row per sequence that needs a token."""
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if constrained:  # the grammar first: what it forbids is never sampled, whatever else applies
+        apply_masks(logits, constrained, [seqs[i].matcher for i in constrained])
     for i, s in enumerate(seqs):
         p = s.params
         if p.logit_bias or p.needs_penalties or (p.min_tokens and s.num_output_tokens < p.min_tokens):
@@ -102,6 +109,33 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], tok
         entry[tok] = Logprob(chosen, rank, _piece(tokenizer, tok))
         result[i] = entry
     return result
+
+
+PROMPT_ROWS_PER_PASS = 256  # logits of at most this many prompt rows at once ([rows, vocab] float32)
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    targets: list[int], ks: list[int], tokenizer) -> list[TokenLogprobs]:
+    """One entry per row of `hidden` (final hidden states): the log-prob of its target token (the next
+    prompt token) with its rank, plus the row's top ks[i]. Raw model log-probs, as vLLM's default."""
+    out: list[TokenLogprobs] = []
+    for lo in range(0, hidden.shape[0], PROMPT_ROWS_PER_PASS):
+        hi = min(lo + PROMPT_ROWS_PER_PASS, hidden.shape[0])
+        lps = compute_logits(hidden[lo:hi]).log_softmax(-1)
+        tgt = torch.tensor(targets[lo:hi], device=lps.device)
+        chosen = lps.gather(1, tgt[:, None])
+        ranks = ((lps > chosen).sum(-1) + 1).tolist()
+        k = max(ks[lo:hi])
+        top_v, top_i = lps.topk(k, dim=-1) if k else (None, None)
+        top_v = top_v.tolist() if k else None
+        top_i = top_i.tolist() if k else None
+        for j, (t, lp, rank) in enumerate(zip(targets[lo:hi], chosen[:, 0].tolist(), ranks)):
+            entry: TokenLogprobs = {}
+            for r in range(ks[lo + j]):
+                entry[top_i[j][r]] = Logprob(top_v[j][r], r + 1, _piece(tokenizer, top_i[j][r]))  # type: ignore[index]
+            entry[t] = Logprob(lp, rank, _piece(tokenizer, t))
+            out.append(entry)
+    return out
 
 
 def _piece(tokenizer, token_id: int) -> str | None:

@@ -42,6 +42,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.num_cached_tokens = 0
         self.detok: IncrementalDetokenizer | None = None
+        # Structured outputs: this sequence's grammar state, advanced by every token it samples.
+        self.matcher = self.params.grammar.matcher() if self.params.grammar is not None else None
         # What has been handed out already, so each output carries only the new part as its delta.
         self._emitted_text = 0
         self._emitted_tokens = 0
@@ -67,6 +69,8 @@ class Sequence:
         """Record a sampled token and decide whether the sequence is done."""
         p = self.params
         self.token_ids.append(token_id)
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
@@ -84,6 +88,11 @@ class Sequence:
             self.text += delta
             if p.stop and n_out >= p.min_tokens and self._check_stop_strings(len(delta)):
                 return
+        if self.matcher is not None and self.matcher.is_stopped() and not self.matcher.is_error():
+            # The grammar is complete and admits nothing more (not even EOS): the output is whole.
+            self.finish_reason = "stop"
+            self._finish_text()
+            return
         if (p.max_tokens is not None and n_out >= p.max_tokens) or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
             self._finish_text()
@@ -144,6 +153,18 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # params.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it);
+    # filled chunk by chunk as the prefill runs (runner.prepare picks the rows).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt log-probs asked for and not all computed yet (then prefix-cache hits are skipped)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -154,4 +175,5 @@ class Request:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=[s.output() for s in self.seqs], finished=self.finished,
             num_cached_tokens=max((s.num_cached_tokens for s in self.seqs), default=0),
+            prompt_logprobs=None if self.prompt_logprobs_pending else self.prompt_logprobs,
         )
