@@ -6,6 +6,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.dev-installed
+# Test-only packages installed without their dependencies (see requirements/dev.txt).
+TRL    ?= trl==1.16.0
 ARGS   ?=
 
 .PHONY: install serve test bench gpu-check lint-docker docker-smoke clean
@@ -20,12 +23,16 @@ $(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt
 	$(BIN)/python -m allocator.build --if-possible
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP) requirements/dev.txt
+	$(BIN)/python -m pip install -q --no-deps $(TRL)
+	touch $(DEV_STAMP)
+
 install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/sleepserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" --timeout=600 $(ARGS)
 
 bench: $(STAMP)

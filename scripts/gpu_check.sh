@@ -2,7 +2,7 @@
 # `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
 # Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
 # goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile sleepwake e2e weights rlloop
-# (default: all of these) and weights-nccl (two GPUs: run it on the 2-GPU host, by name).
+# structured (default: all of these) and weights-nccl (two GPUs: run it on the 2-GPU host, by name).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-stages=${*:-tests pool throughput profile sleepwake e2e weights rlloop}
+stages=${*:-tests pool throughput profile sleepwake e2e weights rlloop structured}
 failed=()
 
 run() {  # run NAME CMD...: log everything, print the tail, remember failures
@@ -49,13 +49,14 @@ for stage in $stages; do
     weights-nccl) run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
     rlloop)     run rlloop $PY examples/rl_colocated.py --device cuda --model llama-1b --iterations 3 --prompts 8 \
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
+    structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
     *) echo "unknown stage $stage"; failed+=("$stage") ;;
   esac
 done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer)" "$LOG" || true
+grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs)" "$LOG" || true
 grep -h -E "^iter [0-9]+:" "$LOG" || true
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi
 echo "gpu-check: all stages passed"

@@ -54,7 +54,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_set, "web search is not supported"),
     "vllm_xargs": (_set, "leave it out"),
     "thinking_token_budget": (_set, "leave it out"),
-    "guided_whitespace_pattern": (_set, "leave it out; JSON is generated with flexible whitespace"),
+    "guided_whitespace_pattern": (_set, "leave it out; set structured_outputs.disable_any_whitespace instead"),
     "structural_tag": (_set, "use structured_outputs json, regex, choice or grammar"),
 }
 
@@ -137,7 +137,7 @@ class _Sampling(RequestBody):
                                           "or json_schema", "response_format")
         if self.structured_outputs:
             so = dict(self.structured_outputs)
-            keys = {"json", "regex", "choice", "grammar", "json_object"}
+            keys = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
             unknown = sorted(k for k, v in so.items() if k not in keys and _set(v))
             if unknown:
                 raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not supported; use one of json, "
@@ -147,7 +147,8 @@ class _Sampling(RequestBody):
                 raise InvalidRequestError("structured_outputs.choice must be a list of strings", "structured_outputs")
             asked.append(("structured_outputs", StructuredOutputs(
                 json=so.get("json"), regex=so.get("regex"), choice=choice, grammar=so.get("grammar"),
-                json_object=bool(so.get("json_object")))))
+                json_object=bool(so.get("json_object")),
+                whitespace_flexible=so.get("disable_any_whitespace") is False)))
         for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                          ("guided_grammar", "grammar")):
             value = getattr(self, name)

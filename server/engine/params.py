@@ -28,6 +28,9 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None           # Lark or GBNF (llama.cpp) grammar text
     json_object: bool = False            # any JSON object
+    # JSON without free whitespace by default (vLLM's disable_any_whitespace): with it, small
+    # models at temperature 1 pad with newlines until max_tokens and the JSON never closes.
+    whitespace_flexible: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):

@@ -13,6 +13,7 @@ import json
 import threading
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from server.engine.params import InvalidRequestError, StructuredOutputs
@@ -24,11 +25,11 @@ def _grammar_text(spec: StructuredOutputs) -> str:
     """The llguidance grammar for a spec; ValueError for one that cannot be read."""
     import llguidance
 
-    if spec.json_object:
-        return llguidance.grammar_from("json_schema", '{"type": "object"}')
-    if spec.json is not None:
-        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-        return llguidance.grammar_from("json_schema", schema)
+    if spec.json_object or spec.json is not None:
+        schema = {"type": "object"} if spec.json_object else spec.json
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema if isinstance(schema, str) else json.dumps(schema),
+            defaults={"whitespace_flexible": spec.whitespace_flexible})
     if spec.regex is not None:
         return llguidance.grammar_from("regex", spec.regex)
     if spec.choice is not None:
@@ -39,7 +40,8 @@ def _grammar_text(spec: StructuredOutputs) -> str:
 
 
 def _cache_key(spec: StructuredOutputs) -> str:
-    return json.dumps([spec.json, spec.regex, spec.choice, spec.grammar, spec.json_object], sort_keys=True)
+    return json.dumps([spec.json, spec.regex, spec.choice, spec.grammar, spec.json_object, spec.whitespace_flexible],
+                      sort_keys=True)
 
 
 class CompiledGrammar:
@@ -107,7 +109,22 @@ def _llg_executor():
     return _executor
 
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+class _Staging:
+    """The packed masks of one step: [rows, words] int32, one bit per token. Reused across steps
+    (pinned on CUDA, so the copy to the device is one asynchronous transfer)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.shifts: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, rows: int, words: int, pin: bool) -> torch.Tensor:
+        b = self.buffer
+        if b is None or b.shape[0] < rows or b.shape[1] != words or b.is_pinned() != pin:
+            b = self.buffer = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=pin)
+        return b[:rows]
+
+
+_staging = _Staging()
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
@@ -117,17 +134,24 @@ def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
 
     V = logits.shape[-1]
     words = (V + 31) // 32
-    bitmask = torch.zeros((len(rows), words), dtype=torch.int32,
-                          pin_memory=logits.device.type == "cuda")
-    llt.fill_next_token_bitmask_par(_llg_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask)
     dev = logits.device
-    shifts = _SHIFTS.get(dev)
-    if shifts is None:
-        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-    bits = bitmask.to(dev, non_blocking=True)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :V].bool()
-    index = torch.tensor(rows, device=dev) if rows != list(range(logits.shape[0])) else None
-    if index is None:
-        logits.masked_fill_(~allowed, float("-inf"))
+    packed = _staging.get(len(rows), words, pin=dev.type == "cuda")
+    llt.fill_next_token_bitmask_par(_llg_executor(), [(m, i) for i, m in enumerate(matchers)], packed)
+    if dev.type == "cuda":
+        # 32x less to copy than a bool mask; the device unpacks it.
+        shifts = _staging.shifts.get(dev)
+        if shifts is None:
+            shifts = _staging.shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+        bits = packed.to(dev, non_blocking=True)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :V].bool()
     else:
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        # Bit j of word w is token 32 w + j: on a little-endian host that is byte order, bit by bit.
+        # unpackbits writes 0/1 bytes: valid bools as they are, so the view costs nothing.
+        unpacked = np.unpackbits(packed.numpy().view(np.uint8), axis=-1, bitorder="little")
+        allowed = torch.from_numpy(unpacked).view(torch.bool)[:, :V]
+    forbidden = allowed.logical_not_()
+    if len(rows) == logits.shape[0]:  # rows are always in order: all of them, or a subset
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=dev)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
