@@ -8,5 +8,6 @@ src=$(.venv/bin/python -c 'from server.model.loader import resolve_model; print(
 for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
   [ -f "$src/$f" ] && cp "$src/$f" .gpu_assets/tokenizer/
 done
-if [ -x ../shared/tools/device-wheels.sh ]; then bash ../shared/tools/device-wheels.sh > /dev/null; fi
+# llguidance: structured outputs (abi3 wheel, no dependencies); the image lacks it.
+if [ -x ../shared/tools/device-wheels.sh ]; then bash ../shared/tools/device-wheels.sh llguidance > /dev/null; fi
 du -sh .gpu_assets .whl 2>/dev/null || true
