@@ -55,7 +55,7 @@ def main() -> None:
         serve = [str(folder), "--device", "cuda", "--load-format", "dummy", "--max-model-len", "2048"]
     else:
         serve = ["--device", "cpu", "--kv-cache-memory", "256MiB", "--max-model-len", "1024"]
-    server = ServerProcess([*serve, "--dev-mode"]).start()
+    server = ServerProcess([*serve, "--dev-mode", "--while-asleep", "reject"]).start()
     result: dict = {"date": now_iso(), "device": args.device, "model": args.model if cuda else "SmolLM2-135M"}
     rows = []
     try:

@@ -112,7 +112,7 @@ def bench_model(name: str, device: torch.device, cycles: int) -> dict:
             if level == 2:
                 llm.update_weights()
             first = ttft(llm)
-            rows.append({"sleep_s": s["seconds"], "wake_s": wake_s, "awake_used": awake, "asleep_used": asleep,
+            rows.append({"sleep_s": s.seconds, "wake_s": wake_s, "awake_used": awake, "asleep_used": asleep,
                          "ttft_after_wake_s": first})
         later = rows[1:] or rows
         summary = {"cycles": rows, "sleep_s_cycle1": rows[0]["sleep_s"], "wake_s_cycle1": rows[0]["wake_s"],

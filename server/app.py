@@ -42,7 +42,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                   description="OpenAI-compatible inference server whose memory can sleep and wake.")
     app.state.engine = engine
     app.state.settings = settings
-    app.state.metrics = ServerMetrics(engine)
+    app.state.metrics = ServerMetrics(engine, engine.core.served_model_name)
     app.state.served_model_name = engine.core.served_model_name
     app.state.started_at = int(time.time())
     app.state.shut_down = False

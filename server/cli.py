@@ -97,6 +97,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            negation="--prefix-caching"),
     Option("--offload-dir", "CPU device: folder for offloaded weights while asleep (default: the temp folder)",
            None, metavar="DIR"),
+    Option("--while-asleep", "what a request that arrives while paused or asleep gets: hold (wait, bounded by the "
+           "next two flags, then be served) or reject (503 with Retry-After at once)", "hold",
+           choices=("hold", "reject")),
+    Option("--max-held-requests", "most requests held while paused or asleep; more get 503", 1024, int,
+           metavar="N"),
+    Option("--held-request-timeout", "seconds a request may be held before it gets 503", 600.0, float,
+           metavar="S"),
     Option("--seed", "seed of the global random state (requests with `seed` are reproducible regardless)",
            0, int, metavar="N"),
     Option("--log-level", "log verbosity", "info", choices=LEVELS),
@@ -198,7 +205,8 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "kv_cache_memory": values["kv_cache_memory"], "gpu_memory_utilization": values["gpu_memory_utilization"],
         "load_format": values["load_format"], "served_model_name": values["served_model_name"],
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
-        "seed": values["seed"], "offload_dir": values["offload_dir"],
+        "seed": values["seed"], "offload_dir": values["offload_dir"], "while_asleep": values["while_asleep"],
+        "max_held_requests": values["max_held_requests"], "held_request_timeout": values["held_request_timeout"],
     }
     return settings, engine
 

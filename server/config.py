@@ -42,6 +42,11 @@ class EngineConfig:
     enforce_eager: bool = False               # no CUDA graphs
     seed: int = 0
     offload_dir: str | None = None            # CPU backend: where offloaded tags are written while asleep
+    # Requests that arrive while paused or asleep (server/engine/hold.py): held until the engine can
+    # serve, bounded in number and in seconds; or, with "reject", refused at once with 503.
+    while_asleep: str = "hold"                # hold | reject
+    max_held_requests: int = 1024
+    held_request_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -53,6 +58,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 1], got {self.gpu_memory_utilization}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        if self.while_asleep not in ("hold", "reject"):
+            raise ValueError(f"while_asleep must be hold or reject, got {self.while_asleep!r}")
+        if self.max_held_requests < 0:
+            raise ValueError(f"max_held_requests must be at least 0, got {self.max_held_requests}")
+        if not self.held_request_timeout > 0:
+            raise ValueError(f"held_request_timeout must be above 0 seconds, got {self.held_request_timeout}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
 

@@ -13,14 +13,15 @@ from typing import Iterable, Sequence as Seq
 import torch
 
 from server.config import EngineConfig
-from server.engine.core import EngineCore
+from server.engine.build import build_engine
 from server.engine.outputs import RequestOutput
 from server.engine.params import SamplingParams
+from server.engine.sleep_state import SleepReport
 
 
 class LLM:
     def __init__(self, model: str | None = None, *, enable_sleep_mode: bool = True, **config):
-        self.engine = EngineCore(EngineConfig(model=model, enable_sleep_mode=enable_sleep_mode, **config))
+        self.engine = build_engine(EngineConfig(model=model, enable_sleep_mode=enable_sleep_mode, **config))
         self._ids = itertools.count()
 
     @property
@@ -62,7 +63,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         while wanted - done.keys():
             if not self.engine.can_step:
-                raise RuntimeError("the engine cannot make progress: " + str(self.engine.sleep_state()))
+                raise RuntimeError(f"the engine cannot make progress: {self.engine.sleep_state}")
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
@@ -70,19 +71,20 @@ class LLM:
 
     # -- sleep mode ------------------------------------------------------------------------------
 
-    def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> dict:
-        plan = self.engine.plan_sleep(level, tags, mode)
-        if plan.mode == "wait":
-            self.engine.begin_drain()
-            while self.engine.has_unfinished and self.engine.can_step:
-                self.engine.step()
-        return self.engine.sleep(plan)
+    def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> SleepReport:
+        return self.engine.sleep_control.sleep(level, tags, mode, step=self.engine.step)
 
-    def wake_up(self, tags: list[str] | None = None) -> dict:
-        return self.engine.wake_up(tags)
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> SleepReport:
+        return self.engine.sleep_control.sleep(0, None, mode, clear_cache, step=self.engine.step)
+
+    def resume(self) -> SleepReport:
+        return self.engine.sleep_control.resume()
+
+    def wake_up(self, tags: list[str] | None = None) -> SleepReport:
+        return self.engine.sleep_control.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping
+        return self.engine.sleep_state.is_sleeping
 
     def update_weights(self, path: str | None = None,
                        named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,

@@ -1,8 +1,9 @@
-"""Prometheus metrics (GET /metrics).
+"""Prometheus metrics (GET /metrics): ours (sleepserve_*) and vLLM's (vllm:*, with vLLM's names and its
+`model_name` and `engine` labels, so dashboards written for vLLM read this server unchanged).
 
-Two kinds: what the HTTP layer sees happen (tokens, latencies, sleep/wake transitions) is counted
-as it happens; what the engine *is* (queue lengths, KV blocks, sleep state, pool bytes) is read
-fresh at every scrape by a collector, so the API layer never keeps a copy of engine state.
+Two kinds: what happens (tokens, latencies, steps, sleep/wake transitions) is counted as it happens;
+what the engine *is* (queue lengths, KV blocks, sleep state, pool bytes) is read fresh at every scrape
+by a collector, so this module keeps no copy of engine state.
 """
 from __future__ import annotations
 
@@ -13,52 +14,89 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from server.api.state import ENGINE_STATES, engine_state_name
 from server.engine.outputs import RequestOutput
+from server.engine.params import SamplingParams
+from server.engine.sleep_state import ENGINE_STATES, SleepReport, SleepState
+from server.engine.tags import ALL_TAGS
 
 P = "sleepserve_"
-TAGS = ("weights", "kv_cache", "cuda_graph")
+V = "vllm:"
+ENGINE_INDEX = "0"  # vLLM labels each engine core; this server has one
+VLLM_SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TRANSITION = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# vLLM's buckets for the same families.
+_REQUEST_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_ITERATION = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N = (1, 2, 5, 10, 20)
 
 
 class RequestTracker:
-    """Per-request timing: TTFT, inter-token latency, tokens, outcome."""
+    """Per-request timing: TTFT, inter-token latency, tokens, outcome, and vLLM's per-request histograms."""
 
-    def __init__(self, metrics: "ServerMetrics", start: float):
+    def __init__(self, metrics: "ServerMetrics", start: float, params: SamplingParams | None):
         self.m = metrics
         self.start = start
+        self.params = params
         self.last_token: float | None = None
-        self.prompt_counted = False
+        self.prompt_tokens: int | None = None
+        self.generated = 0
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        if not self.prompt_counted:
-            self.prompt_counted = True
-            self.m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m = self.m
+        if self.prompt_tokens is None:
+            self.prompt_tokens = len(out.prompt_token_ids)
+            m.prompt_tokens.inc(self.prompt_tokens)
+            m.v_prompt_tokens.inc(self.prompt_tokens)
         new = sum(len(o.delta_token_ids) for o in out.outputs)
         if not new:
             return
-        self.m.generation_tokens.inc(new)
+        self.generated += new
+        m.generation_tokens.inc(new)
+        m.v_generation_tokens.inc(new)
         if self.last_token is None:
-            self.m.ttft.observe(now - self.start)
+            m.ttft.observe(now - self.start)
+            m.v_ttft.observe(now - self.start)
         else:
-            self.m.itl.observe(now - self.last_token)
+            m.itl.observe(now - self.last_token)
+            m.v_itl.observe((now - self.last_token) / new)
         self.last_token = now
 
     def finish(self, last: RequestOutput | None) -> None:
+        m = self.m
         if last is None or not last.finished:
             reason = "rejected" if last is None else "disconnected"  # refused at admission, or client left
         else:
             reason = last.outputs[0].finish_reason if last.outputs else "stop"
-        self.m.finished.labels(reason or "stop").inc()
-        self.m.e2e.observe(time.monotonic() - self.start)
+        m.finished.labels(reason or "stop").inc()
+        elapsed = time.monotonic() - self.start
+        m.e2e.observe(elapsed)
+        if last is None or not last.finished:
+            return  # vLLM's per-request histograms count finished requests
+        m.v_e2e.observe(elapsed)
+        m.v_prompt_hist.observe(self.prompt_tokens or 0)
+        m.v_generation_hist.observe(self.generated)
+        if self.params is not None:
+            m.v_params_n.observe(self.params.n)
+            if self.params.max_tokens is not None:
+                m.v_params_max_tokens.observe(self.params.max_tokens)
+        t = last.metrics
+        if t is not None and t.first_scheduled_time is not None:
+            m.v_queue.observe(t.first_scheduled_time - t.arrival_time)
+            if t.first_token_time is not None:
+                m.v_prefill.observe(t.first_token_time - t.first_scheduled_time)
+                if t.last_token_time is not None:
+                    m.v_decode.observe(t.last_token_time - t.first_token_time)
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, model_name: str):
         self.engine = engine
+        self.model_name = model_name
         # Unregistered on purpose: each scrape assembles its own registry (see render).
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of admitted requests", registry=None)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=None)
@@ -79,41 +117,85 @@ class ServerMetrics:
         self.bytes_discarded = Counter(P + "sleep_discarded_bytes", "Bytes released without backup by sleeps",
                                        registry=None)
         self.bytes_restored = Counter(P + "wake_restored_bytes", "Bytes copied back by wakes", registry=None)
-        self._own = [self.prompt_tokens, self.generation_tokens, self.finished, self.ttft, self.itl, self.e2e,
-                     self.sleep_seconds, self.wake_seconds, self.bytes_offloaded, self.bytes_discarded,
-                     self.bytes_restored]
-        self._last_sleep_level = "unknown"
+        own = [self.prompt_tokens, self.generation_tokens, self.finished, self.ttft, self.itl, self.e2e,
+               self.sleep_seconds, self.wake_seconds, self.bytes_offloaded, self.bytes_discarded,
+               self.bytes_restored]
+
+        labels = ["model_name", "engine"]
+        values = (model_name, ENGINE_INDEX)
+
+        def counter(name: str, doc: str) -> Any:
+            metric = Counter(V + name, doc, labels, registry=None)
+            own.append(metric)
+            return metric.labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            metric = Histogram(V + name, doc, labels, buckets=buckets, registry=None)
+            own.append(metric)
+            return metric.labels(*values)
+
+        self.v_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.v_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.v_ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                _LATENCY)
+        self.v_itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                               _LATENCY)
+        self.v_e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                               _REQUEST_LATENCY)
+        self.v_prompt_hist = histogram("request_prompt_tokens", "Number of prefill tokens processed.", _TOKENS)
+        self.v_generation_hist = histogram("request_generation_tokens", "Number of generation tokens processed.",
+                                           _TOKENS)
+        self.v_params_n = histogram("request_params_n", "Histogram of the n request parameter.", _N)
+        self.v_params_max_tokens = histogram("request_params_max_tokens",
+                                             "Histogram of the max_tokens request parameter.", _TOKENS)
+        self.v_queue = histogram("request_queue_time_seconds",
+                                 "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY)
+        self.v_prefill = histogram("request_prefill_time_seconds",
+                                   "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY)
+        self.v_decode = histogram("request_decode_time_seconds",
+                                  "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY)
+        self.v_iteration = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     _ITERATION)
+        self._own = own
         engine.on_transition.append(self.on_transition)
+        engine.on_step.append(self.v_iteration.observe)
 
-    def track(self, start: float) -> RequestTracker:
-        return RequestTracker(self, start)
+    def track(self, start: float, params: SamplingParams | None = None) -> RequestTracker:
+        return RequestTracker(self, start, params)
 
-    def on_transition(self, kind: str, report: dict) -> None:
-        """Called on the engine thread after each sleep and wake (prometheus-client is thread-safe)."""
-        if kind == "sleep":
-            self._last_sleep_level = str(report.get("level"))
-            self.sleep_seconds.labels(self._last_sleep_level).observe(report.get("seconds", 0.0))
-            self.bytes_offloaded.inc(report.get("bytes_offloaded", 0))
-            self.bytes_discarded.inc(report.get("bytes_discarded", 0))
-        elif kind == "wake":
-            self.wake_seconds.labels(self._last_sleep_level).observe(report.get("seconds", 0.0))
-            self.bytes_restored.inc(report.get("bytes_restored", 0))
+    def on_transition(self, report: SleepReport) -> None:
+        """Called on the engine thread after each sleep and wake that changed something
+        (prometheus-client is thread-safe). A wake's level is the level it woke from."""
+        if report.action == "sleep":
+            self.sleep_seconds.labels(str(report.level)).observe(report.seconds)
+            self.bytes_offloaded.inc(report.bytes_offloaded)
+            self.bytes_discarded.inc(report.bytes_discarded)
+        elif report.action == "wake_up":
+            self.wake_seconds.labels(str(report.level)).observe(report.seconds)
+            self.bytes_restored.inc(report.bytes_restored)
 
     def render(self, pool: dict | None) -> bytes:
         registry = CollectorRegistry(auto_describe=False)
         for metric in self._own:
             registry.register(metric)
-        registry.register(EngineCollector(self.engine.state, asdict(self.engine.stats), pool))
+        registry.register(EngineCollector(self.engine.state, asdict(self.engine.stats), pool,
+                                          self.engine.core.config, self.engine.core.kv_plan, self.model_name))
         return generate_latest(registry)
 
 
 class EngineCollector:
     """Gauges read from one scrape's snapshot of the engine (and of the pool, when it answered)."""
 
-    def __init__(self, state: dict, stats: dict, pool: dict | None):
+    def __init__(self, state: SleepState, stats: dict, pool: dict | None, config: Any, kv_plan: Any,
+                 model_name: str):
         self.state, self.stats, self.pool = state, stats, pool
+        self.config, self.kv_plan, self.model_name = config, kv_plan, model_name
 
     def collect(self) -> Iterable[Metric]:
+        yield from self._ours()
+        yield from self._vllm()
+
+    def _ours(self) -> Iterable[Metric]:
         s, st = self.stats, self.state
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -136,20 +218,18 @@ class EngineCollector:
         yield CounterMetricFamily(P + "preemptions", "Sequences preempted for lack of KV blocks",
                                   value=s["preemptions"])
 
-        current = engine_state_name(st)
         states = GaugeMetricFamily(P + "engine_state", "1 for the engine's current state", labels=["state"])
         for name in ENGINE_STATES:
-            states.add_metric([name], 1.0 if name == current else 0.0)
+            states.add_metric([name], 1.0 if name == st.name else 0.0)
         yield states
-        level = st.get("level")
-        yield gauge("sleep_level", "Level of the current sleep or pause; -1 when awake", -1 if level is None
-                    else level)
+        yield gauge("sleep_level", "Level of the current sleep or pause; -1 when awake",
+                    -1 if st.level is None else st.level)
         asleep = GaugeMetricFamily(P + "tag_asleep", "1 while the tag's memory sleeps", labels=["tag"])
-        for tag in TAGS:
-            asleep.add_metric([tag], 1.0 if tag in st.get("sleeping_tags", ()) else 0.0)
+        for tag in ALL_TAGS:
+            asleep.add_metric([tag], 1.0 if tag in st.asleep else 0.0)
         yield asleep
         yield gauge("weights_valid", "0 after weights were discarded until they are loaded again",
-                    1.0 if st.get("weights_valid", True) else 0.0)
+                    1.0 if st.weights_valid else 0.0)
 
         if self.pool is not None:
             by_tag = GaugeMetricFamily(P + "pool_bytes", "Bytes reserved in the memory pool, by tag",
@@ -161,3 +241,43 @@ class EngineCollector:
                         self.pool.get("host_backup_bytes", 0))
             yield gauge("device_memory_free_bytes", "Free device memory", self.pool.get("device_free", 0))
             yield gauge("device_memory_total_bytes", "Total device memory", self.pool.get("device_total", 0))
+
+    def _vllm(self) -> Iterable[Metric]:
+        s, st = self.stats, self.state
+        labels, values = ["model_name", "engine"], [self.model_name, ENGINE_INDEX]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(V + name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(V + name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", s["running"])
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", s["waiting"])
+        total = s["kv_blocks_total"]
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    s["kv_blocks_used"] / total if total else 0.0)
+        yield counter("num_preemptions", "Cumulative number of preemption from the engine.", s["preemptions"])
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s["prefix_cache_queried_tokens"])
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s["prefix_cache_hit_tokens"])
+
+        info_labels = {"block_size": str(self.kv_plan.block_size), "num_gpu_blocks": str(self.kv_plan.num_blocks - 1),
+                       "enable_prefix_caching": str(self.config.enable_prefix_caching),
+                       "gpu_memory_utilization": str(self.config.gpu_memory_utilization),
+                       "cache_dtype": "auto", "num_cpu_blocks": "0"}
+        info = GaugeMetricFamily(V + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=[*labels, *info_labels])
+        info.add_metric([*values, *info_labels.values()], 1.0)
+        yield info
+
+        sleep = GaugeMetricFamily(V + "engine_sleep_state", "Engine sleep state: 1 for the current one",
+                                  labels=[*labels, "sleep_state"])
+        for name in VLLM_SLEEP_STATES:
+            sleep.add_metric([*values, name], 1.0 if name == st.vllm_sleep_state else 0.0)
+        yield sleep

@@ -144,7 +144,9 @@ def wait_for(condition, timeout: float = 10.0, interval: float = 0.05, what: str
 
 
 # The main server: an API key, no dev routes. The dev server: dev routes behind an admin key, both
-# set through the environment (SLEEPSERVE_*), which test_http_cli checks reach the server.
+# set through the environment (SLEEPSERVE_*), which test_http_cli checks reach the server; it refuses
+# generation at once while asleep (--while-asleep reject). The hold server: dev routes, no keys, and
+# the default --while-asleep hold with small limits, so the limits are cheap to reach.
 MAIN_KEY = "sk-test-main"
 DEV_KEY = "sk-test-dev"
 ADMIN_KEY = "sk-test-admin"
@@ -156,4 +158,14 @@ def main_server() -> ServerProcess:
 
 def dev_server() -> ServerProcess:
     return shared_server("dev", ["--api-key", DEV_KEY], api_key=DEV_KEY,
-                         env={"SLEEPSERVE_DEV_MODE": "1", "SLEEPSERVE_ADMIN_API_KEY": ADMIN_KEY})
+                         env={"SLEEPSERVE_DEV_MODE": "1", "SLEEPSERVE_ADMIN_API_KEY": ADMIN_KEY,
+                              "SLEEPSERVE_WHILE_ASLEEP": "reject"})
+
+
+HOLD_LIMIT = 3          # --max-held-requests
+HOLD_TIMEOUT_S = 6.0    # --held-request-timeout
+
+
+def hold_server() -> ServerProcess:
+    return shared_server("hold", ["--dev-mode", "--max-held-requests", str(HOLD_LIMIT),
+                                  "--held-request-timeout", str(HOLD_TIMEOUT_S), "--served-model-name", "smol"])

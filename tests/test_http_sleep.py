@@ -1,4 +1,5 @@
-"""Sleep mode end to end through the real server's dev routes (DESIGN.md, "Sleep semantics")."""
+"""Sleep mode end to end through the real server's dev routes (README, "Sleep and wake"), on the dev
+server, which refuses generation at once while asleep (--while-asleep reject; holding is test_http_hold)."""
 from __future__ import annotations
 
 import asyncio
@@ -49,9 +50,11 @@ def leave_serving(server):
         wait_for(lambda: not state(server)["draining"], timeout=60, what="the drain to end")
         s = state(server)
     if s["sleeping_tags"] or s["paused"]:
-        assert admin(server, "POST", "/wake_up").status_code == 200
+        woke = admin(server, "POST", "/wake_up")
+        assert woke.status_code == 200, woke.text
     if not state(server)["weights_valid"]:
-        assert admin(server, "POST", "/update_weights").status_code == 200
+        loaded = admin(server, "POST", "/update_weights")
+        assert loaded.status_code == 200, loaded.text
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
@@ -172,11 +175,77 @@ def test_pause_and_resume(server, client, reference):
     assert greedy(client) == reference
 
 
-def test_memory_and_prefix_cache_reset(server):
+def test_memory(server):
     mem = admin(server, "GET", "/memory").json()
     assert mem["tags"]["weights"]["bytes"] > 100e6 and mem["tags"]["weights"]["state"] == "awake"
     assert mem["device_total"] > 0 and 0 <= mem["device_free"] <= mem["device_total"]
-    assert admin(server, "POST", "/reset_prefix_cache").status_code == 200
+
+
+def prefix_hits(server) -> float:
+    return server.metric("vllm:prefix_cache_hits_total", '{engine="0",model_name="SmolLM2-135M-Instruct"}')
+
+
+def test_reset_prefix_cache_forgets_every_prefix(server, client, reference):
+    generate(client)  # PROMPT's blocks are in the cache now
+    hits = prefix_hits(server)
+    cached = generate(client)
+    assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert prefix_hits(server) >= hits + 16
+    r = admin(server, "POST", "/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    hits = prefix_hits(server)
+    fresh = generate(client)
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing was found...
+    assert prefix_hits(server) == hits  # ...by the engine either
+    assert fresh["choices"][0]["text"] == reference
+    # A pause resets it too unless told not to (clear_cache, default true as in vLLM).
+    for clear, expect_hit in (("false", True), ("true", False)):
+        assert admin(server, "POST", f"/pause?clear_cache={clear}").status_code == 200
+        assert admin(server, "POST", "/resume").status_code == 200
+        again = generate(client)
+        assert (again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16) is expect_hit, (clear, again)
+
+
+def test_repeats_are_idempotent_and_only_impossible_requests_conflict(server, client, reference):
+    def call(path: str, status: int = 200, changed: bool | None = None) -> dict:
+        r = admin(server, "POST", path)
+        assert r.status_code == status, (path, r.text)
+        body = r.json()
+        if changed is not None:
+            assert body["changed"] is changed, (path, body)
+        return body
+
+    for path in ("/wake_up", "/wake_up?tags=weights", "/wake_up?tags=kv_cache,weights", "/resume"):
+        assert call(path, changed=False)["state"]["is_sleeping"] is False
+    call("/sleep?level=1", changed=True)
+    before = state(server)
+    for path in ("/sleep?level=1", "/sleep?level=1&tags=kv_cache", "/sleep?level=1&tags=weights&tags=kv_cache",
+                 "/sleep?level=2&tags=kv_cache"):
+        body = call(path, changed=False)
+        assert body["bytes_offloaded"] == body["bytes_discarded"] == 0 and body["aborted"] == 0
+    assert state(server) == before
+    err = call("/sleep?level=2", status=409)["error"]
+    assert err["code"] == "conflict" and "weights is offloaded, level 2 would have it discarded" in err["message"]
+    call("/wake_up?tags=kv_cache", changed=True)
+    call("/wake_up?tags=kv_cache", changed=False)
+    call("/wake_up", changed=True)
+    call("/wake_up", changed=False)
+
+    call("/sleep?level=2", changed=True)
+    call("/sleep?level=2", changed=False)
+    assert "level 1 would have it offloaded" in call("/sleep?level=1", status=409)["error"]["message"]
+    call("/wake_up?tags=weights", changed=True)
+    call("/wake_up?tags=weights", changed=False)
+    assert admin(server, "POST", "/update_weights").status_code == 200
+    call("/wake_up?tags=kv_cache", changed=True)
+
+    assert call("/pause", changed=True)["status"] == "paused"
+    assert admin(server, "GET", "/is_paused").json() == {"is_paused": True}
+    assert call("/pause?mode=wait", changed=False)["state"]["paused"] is True
+    assert call("/resume", changed=True)["status"] == "resumed"
+    call("/resume", changed=False)
+    assert admin(server, "GET", "/is_paused").json() == {"is_paused": False}
+    assert greedy(client) == reference
 
 
 def test_sleep_metrics(server):
@@ -206,8 +275,10 @@ def test_sleep_metrics(server):
     ("POST", "/sleep?level=3", None, 400, "level must be 0, 1 or 2"),
     ("POST", "/sleep?level=one", None, 400, "level: Input should be a valid integer"),
     ("POST", "/sleep?tags=gpu", None, 400, "unknown tag 'gpu'"),
+    ("POST", "/sleep?tags=cuda_graph", None, 400, "'cuda_graph' is internal"),
+    ("POST", "/pause?mode=later", None, 400, "mode must be one of abort, wait, keep"),
+    ("POST", "/pause?clear_cache=maybe", None, 400, "clear_cache: Input should be a valid boolean"),
     ("POST", "/sleep?mode=later", None, 400, "mode must be one of abort, wait, keep"),
-    ("POST", "/wake_up", None, 409, "nothing to wake"),
     ("POST", "/wake_up?tags=gpu", None, 400, "unknown tag"),
     ("POST", "/update_weights", {"path": "/no/such/checkpoint"}, 400, "does not exist"),
     ("POST", "/update_weights", b"{oops", 400, "not valid JSON"),
@@ -370,7 +441,8 @@ def test_rlhf_update_with_new_weights_serves_what_a_fresh_load_serves(server, cl
 
 def greedy_reference_16(client, server) -> str:
     """The original weights' answer, restoring them on the server (the other tests expect them)."""
-    assert admin(server, "POST", "/update_weights", json={}).status_code == 200
+    restored = admin(server, "POST", "/update_weights", json={})
+    assert restored.status_code == 200, restored.text
     return greedy(client, max_tokens=16)
 
 

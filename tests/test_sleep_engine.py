@@ -28,20 +28,25 @@ def test_levels_restore_the_same_outputs_and_refuse_meanwhile(llm):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], greedy())] == before
 
 
-def test_sleeping_again_is_a_conflict_not_a_silent_change(llm):
-    llm.sleep(level=1)
+def test_repeats_change_nothing_and_clashes_are_conflicts(llm):
+    ctl = llm.engine.sleep_control
+    first = llm.sleep(level=1)
+    assert first.changed and first.bytes_offloaded > 100e6
     try:
-        with pytest.raises(ConflictError, match="nothing to do"):
-            llm.sleep(level=1)
-        with pytest.raises(ConflictError, match="weights is offloaded"):
+        before = ctl.state
+        again = llm.sleep(level=1)
+        assert not again.changed and again.bytes_offloaded == 0 and ctl.state == before
+        assert not llm.sleep(level=1, tags=["kv_cache"]).changed  # already discarded, as level 1 wants
+        with pytest.raises(ConflictError, match="weights is offloaded, level 2 would have it discarded"):
             llm.sleep(level=2)  # would discard weights that are offloaded: refuse, do not pretend
-        llm.engine.sleep(llm.engine.plan_sleep(0, None, "abort"))  # a pause on top keeps the level
-        assert llm.engine.sleep_state()["level"] == 1
+        assert llm.pause().changed and not llm.pause().changed
+        assert ctl.state.level == 1 and ctl.state.paused  # a pause on top keeps the level
+        assert llm.wake_up(tags=["weights", "kv_cache"]).woke == ("weights", "kv_cache")
+        assert ctl.state.paused and not ctl.state.asleep  # waking named tags keeps the pause
     finally:
         llm.wake_up()
-    assert not llm.is_sleeping() and llm.engine.sleep_state()["level"] is None
-    with pytest.raises(ConflictError, match="awake"):
-        llm.wake_up()
+    assert not llm.is_sleeping() and ctl.state.level is None
+    assert not llm.wake_up().changed and not llm.resume().changed
 
 
 def test_partial_wake_and_bad_arguments(llm):

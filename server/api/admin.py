@@ -1,61 +1,71 @@
-"""Dev-mode routes (DESIGN.md, "Sleep semantics"): mounted only with --dev-mode, behind the admin key.
+"""Dev-mode routes (README, "Sleep and wake"): mounted only with --dev-mode, behind the admin key.
 
-Each route is one engine call; the engine owns the state machine and says what is allowed (its
-InvalidRequestError, ConflictError and WeightLoadError become 400, 409 and 400 in errors.py).
+Each route is one engine call; the engine's SleepController says what is allowed (its
+InvalidRequestError, ConflictError and WeightLoadError become 400, 409 and 400 in errors.py). Every
+transition answers its report (`changed: false` for a repeat that found the state as asked) and the
+state after it.
 """
 from __future__ import annotations
 
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from server.api.auth import require_admin_key
+from server import __version__
 from server.api import weight_transfer
+from server.api.auth import require_admin_key
 from server.api.body import parse_body, read_json
 from server.api.schemas import UpdateWeightsRequest
+from server.engine.sleep_state import SleepReport
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], tags=["dev mode"])
 
 
-def _tags(tags: list[str] | None) -> list[str] | None:
-    """Tags may repeat (?tags=a&tags=b) or come comma-separated (?tags=a,b); none means all."""
-    out = [t.strip() for raw in tags or [] for t in raw.split(",") if t.strip()]
-    return out or None
+def _answer(request: Request, report: SleepReport, **extra: Any) -> dict[str, Any]:
+    return {**report.as_dict(), **extra, "state": request.app.state.engine.state.as_dict()}
 
 
 @router.post("/sleep")
 async def sleep(request: Request, level: int = 1, tags: list[str] | None = Query(None),
                 mode: str = "abort") -> dict[str, Any]:
-    engine = request.app.state.engine
-    report = await engine.sleep(level=level, tags=_tags(tags), mode=mode)
-    return {**report, "state": engine.state}
+    """Tags may repeat (?tags=a&tags=b) or come comma-separated (?tags=a,b); none means all."""
+    report = await request.app.state.engine.sleep(level=level, tags=tags, mode=mode)
+    return _answer(request, report)
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request, tags: list[str] | None = Query(None)) -> dict[str, Any]:
-    engine = request.app.state.engine
-    report = await engine.wake_up(_tags(tags))
-    return {**report, "state": engine.state}
+    report = await request.app.state.engine.wake_up(tags)
+    return _answer(request, report)
 
 
 @router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict[str, Any]:
-    return dict(request.app.state.engine.state)
+    return request.app.state.engine.state.as_dict()
 
 
 @router.post("/pause")
-async def pause(request: Request, mode: str = "abort") -> dict[str, Any]:
-    """Sleep level 0: scheduling stops, all memory stays; `mode` says what happens to in-flight requests."""
-    engine = request.app.state.engine
-    report = await engine.sleep(level=0, tags=None, mode=mode)
-    return {**report, "state": engine.state}
+async def pause(request: Request, mode: str = "abort", clear_cache: bool = True,
+                wait_for_inflight_requests: bool | None = None) -> dict[str, Any]:
+    """vLLM's pause: scheduling stops, all memory stays (sleep level 0); `mode` says what happens to the
+    requests in flight; `clear_cache` (default true, as in vLLM) resets the prefix cache. vLLM's older
+    `wait_for_inflight_requests=true` means mode=wait."""
+    if wait_for_inflight_requests:
+        mode = "wait"
+    report = await request.app.state.engine.sleep(level=0, tags=None, mode=mode, clear_cache=clear_cache)
+    return _answer(request, report, status="paused")
 
 
 @router.post("/resume")
 async def resume(request: Request) -> dict[str, Any]:
-    engine = request.app.state.engine
-    await engine.call(lambda core: core.resume())
-    return {"state": engine.state}
+    report = await request.app.state.engine.resume()
+    return _answer(request, report, status="resumed")
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict[str, Any]:
+    return {"is_paused": request.app.state.engine.state.paused}
 
 
 @router.post("/reset_prefix_cache")
@@ -72,11 +82,54 @@ async def memory(request: Request) -> dict[str, Any]:
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> dict[str, Any]:
-    """{"path"}: load from disk; vLLM's {"update_info"}: receive from a trainer (weight_transfer.py)."""
+    """Allowed while the weights are awake and no request is stepping: after /sleep + /wake_up?tags=weights,
+    or while paused (a pause with mode=keep keeps the requests in flight; they recompute their KV on the
+    new weights after /resume). {"path"}: load from disk; vLLM's {"update_info"}: receive from a trainer
+    (weight_transfer.py)."""
     data = await read_json(request, allow_empty=True)
     if "update_info" in data:
         return await weight_transfer.update_weights_from_body(request, data)
     body = await parse_body(request, UpdateWeightsRequest, allow_empty=True)
     engine = request.app.state.engine
     report = await engine.call(lambda core: core.update_weights(path=body.path, weight_version=body.weight_version))
-    return {**report, "state": engine.state}
+    return {**report, "state": engine.state.as_dict()}
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    """The resolved configuration (flags after defaults and the environment), as vLLM's dev route."""
+    engine = request.app.state.engine
+    core = engine.core
+    settings = request.app.state.settings
+    return {
+        "version": __version__,
+        "model": {"served_model_name": core.served_model_name, "path": str(core.model_path),
+                  "model_type": core.model_config.model_type, "dtype": str(core.dtype).removeprefix("torch."),
+                  "max_model_len": core.max_model_len, "vocab_size": core.model_config.vocab_size},
+        "device": str(core.device),
+        "engine_config": asdict(core.config),
+        "kv_cache": {"num_blocks": core.kv_plan.num_blocks - 1, "block_size": core.kv_plan.block_size,
+                     "bytes": core.kv_plan.bytes, "capacity_tokens": core.kv_plan.capacity_tokens},
+        "server": {"host": settings.host, "port": settings.port, "dev_mode": settings.dev_mode,
+                   "api_key_set": settings.api_key is not None,
+                   "admin_api_key_set": settings.effective_admin_key is not None,
+                   "log_level": settings.log_level},
+        "world_size": 1,
+        "weight_transfer_config": _transfer_config(request),
+        "weight_version": engine.state.weight_version,
+    }
+
+
+def _transfer_config(request: Request) -> dict[str, Any] | None:
+    """--weight-transfer-config as resolved; null when the server was started without one."""
+    svc = getattr(request.app.state, "weight_transfer", None)
+    if svc is None:
+        return None
+    config = svc.config
+    return asdict(config) if is_dataclass(config) else dict(vars(config))
+
+
+@router.get("/get_world_size")
+async def get_world_size(request: Request) -> dict[str, int]:
+    """One process drives one GPU: no tensor or pipeline parallelism yet."""
+    return {"world_size": 1}

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api.state import engine_state_name
+from server.engine.sleep_state import SleepState
 from server.engine.errors import ConflictError, EngineDeadError, EngineUnavailableError, InvalidRequestError
 from server.model.loader import WeightLoadError
 
@@ -48,13 +48,15 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def unavailable_code(state: dict) -> str:
-    """A machine-readable reason for a 503, read from the engine's state snapshot."""
-    name = engine_state_name(state)
+def unavailable_code(exc: EngineUnavailableError, state: SleepState | None) -> str:
+    """A machine-readable reason for a 503: the refusal's own code, else the engine's state now."""
+    if exc.code:
+        return exc.code
+    name = state.name if state is not None else "awake"
     return "unavailable" if name == "awake" else name
 
 
-def as_api_error(exc: BaseException, state: dict | None = None) -> APIError | None:
+def as_api_error(exc: BaseException, state: SleepState | None = None) -> APIError | None:
     """The APIError an engine exception stands for; None for an unexpected exception (a bug)."""
     if isinstance(exc, APIError):
         return exc
@@ -63,7 +65,7 @@ def as_api_error(exc: BaseException, state: dict | None = None) -> APIError | No
     if isinstance(exc, WeightLoadError):
         return APIError(400, str(exc), "path", "weight_load_error")
     if isinstance(exc, EngineUnavailableError):
-        return APIError(503, str(exc), None, unavailable_code(state or {}),
+        return APIError(503, str(exc), None, unavailable_code(exc, state),
                         headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, ConflictError):
         return APIError(409, str(exc), None, "conflict")
@@ -73,9 +75,9 @@ def as_api_error(exc: BaseException, state: dict | None = None) -> APIError | No
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    def state() -> dict:
+    def state() -> SleepState | None:
         engine = getattr(app.state, "engine", None)
-        return engine.state if engine is not None else {}
+        return engine.state if engine is not None else None
 
     async def on_known(request: Request, exc: Exception) -> JSONResponse:
         err = as_api_error(exc, state())
@@ -115,7 +117,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 # Paths that exist only in dev mode: a 404 on them says how to turn them on.
 DEV_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/pause", "/resume",
-                       "/memory", "/update_weights", "/init_weight_transfer_engine", "/start_weight_update",
-                       "/finish_weight_update", "/init_weights_update_group", "/update_weights_from_distributed",
-                       "/update_weights_from_tensor", "/update_weights_from_disk", "/release_memory_occupation",
-                       "/resume_memory_occupation", "/get_weight_version"})
+                       "/is_paused", "/memory", "/update_weights", "/server_info", "/get_world_size",
+                       "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+                       "/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor",
+                       "/update_weights_from_disk", "/release_memory_occupation", "/resume_memory_occupation",
+                       "/get_weight_version"})

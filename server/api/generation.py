@@ -1,8 +1,9 @@
 """One request's trip through the engine, shared by the completions and chat routes.
 
 The two things every generation route must get right live here: refusing at once while the engine
-cannot serve (503 from the state snapshot, no round trip), and aborting the engine request — which
-frees its KV blocks — whenever the client goes away, streaming or not.
+cannot serve when told to (--while-asleep reject: 503 from the published state, no round trip), and
+aborting the engine request (which frees its KV blocks, or drops a held request before it reaches the
+engine) whenever the client goes away, streaming or not.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from typing import AsyncIterator, Awaitable, TypeVar
 from fastapi import Request
 
 from server.api.errors import APIError
-from server.engine.errors import EngineUnavailableError
 from server.engine.outputs import RequestOutput
 from server.engine.params import SamplingParams
 
@@ -38,10 +38,9 @@ def check_model(request: Request, model: str | None) -> str:
 
 
 def check_available(request: Request) -> None:
-    engine = request.app.state.engine
-    reason = engine.unavailable_reason()
-    if reason:
-        raise EngineUnavailableError(reason)
+    """With --while-asleep reject: 503 at once while the engine cannot serve. Otherwise a request
+    that arrives while paused or asleep is held by the engine (bounded) and served after wake."""
+    request.app.state.engine.refuse_now()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -75,7 +74,7 @@ async def generate(request: Request, request_id: str, prompt: str | None, prompt
                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
     """engine.generate plus metrics. Close it (aclose) when done early: that aborts the request."""
     engine = request.app.state.engine
-    tracker = request.app.state.metrics.track(time.monotonic())
+    tracker = request.app.state.metrics.track(time.monotonic(), params)
     last: RequestOutput | None = None
     async with contextlib.aclosing(engine.generate(request_id, prompt, prompt_token_ids, params)) as outputs:
         try:

@@ -1,9 +1,10 @@
-"""Open routes (no key): /health, /version, /metrics. Health reports the sleep state without failing:
+"""Open routes (no key): /health, /version, /load, /metrics. Health reports the sleep state without failing:
 a sleeping server is healthy, it is just not serving; only a dead engine answers 503."""
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,7 +12,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import __version__
-from server.api.state import engine_state_name
 
 router = APIRouter()
 log = logging.getLogger("sleepserve.api")
@@ -26,17 +26,25 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "dead", "detail": f"the engine stopped: {engine.dead}; restart the server"},
                             status_code=503)
     state = engine.state
-    name = engine_state_name(state)
-    body: dict[str, Any] = {"status": "ok" if name == "awake" else name}
-    body.update({k: state[k] for k in ("is_sleeping", "level", "sleeping_tags", "paused", "draining",
-                                       "weights_valid") if k in state})
+    body: dict[str, Any] = {"status": "ok" if state.name == "awake" else state.name}
+    full = state.as_dict()
+    body.update({k: full[k] for k in ("is_sleeping", "level", "sleeping_tags", "paused", "draining",
+                                      "weights_valid")})
     return JSONResponse(body)
 
 
 @router.get("/version")
 async def version(request: Request) -> dict[str, Any]:
     return {"version": __version__, "model": request.app.state.served_model_name,
-            "weight_version": request.app.state.engine.state.get("weight_version")}
+            "weight_version": request.app.state.engine.state.weight_version}
+
+
+@router.get("/load")
+async def load(request: Request) -> dict[str, Any]:
+    """vLLM's server_load (generation requests in progress, held ones included) and where they are:
+    sequences running and waiting in the engine, requests held while the server is paused or asleep
+    (by reason: paused, sleeping, draining, weights_invalid)."""
+    return asdict(request.app.state.engine.load())
 
 
 @router.get("/metrics")

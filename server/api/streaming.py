@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from fastapi.responses import StreamingResponse
 
 from server.api.errors import as_api_error, error_body
+from server.engine.sleep_state import SleepState
 
 log = logging.getLogger("sleepserve.api")
 
@@ -21,7 +22,7 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 async def events(items: AsyncIterator[T], chunks: Callable[[T], list[dict[str, Any]]],
-                 tail: Callable[[], list[dict[str, Any]]], state: Callable[[], dict]) -> AsyncIterator[bytes]:
+                 tail: Callable[[], list[dict[str, Any]]], state: Callable[[], SleepState]) -> AsyncIterator[bytes]:
     """The SSE body. Once the 200 is sent, an error can only travel as an event: it goes out as an
     OpenAI error object, then [DONE], so clients never wait on a stream that will not end.
     When the client disconnects, Starlette cancels this generator; closing `items` aborts the requests."""

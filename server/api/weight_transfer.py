@@ -219,8 +219,8 @@ class WeightTransferService:
             await self.off_loop(self.receiver.finish)
         return {"tensors": len(loaded), "bytes": update.nbytes, "seconds": seconds,
                 "gb_per_s": update.nbytes / seconds / 1e9 if seconds > 0 else None,
-                "weights_valid": self.engine.state.get("weights_valid"),
-                "weight_version": self.engine.state.get("weight_version"), "state": self.engine.state}
+                "weights_valid": self.engine.state.weights_valid,
+                "weight_version": self.engine.state.weight_version, "state": self.engine.state.as_dict()}
 
     async def start(self) -> dict:
         return await self.engine.call(weight_session.start)
@@ -228,7 +228,7 @@ class WeightTransferService:
     async def finish(self, weight_version: str | None) -> dict:
         report = await self.engine.call(lambda core: weight_session.finish(core, weight_version))
         await self.off_loop(self.receiver.finish)
-        return {**report, "state": self.engine.state}
+        return {**report, "state": self.engine.state.as_dict()}
 
 
 def service(request: Request) -> WeightTransferService:
@@ -262,7 +262,7 @@ async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request) -> dict[str, Any]:
     await read_json(request, allow_empty=True)  # vLLM's {"is_checkpoint_format": true} changes nothing here
-    return {**await service(request).start(), "state": request.app.state.engine.state}
+    return {**await service(request).start(), "state": request.app.state.engine.state.as_dict()}
 
 
 @router.post("/finish_weight_update")
@@ -342,7 +342,7 @@ async def release_memory_occupation(request: Request) -> dict[str, Any]:
     body = await parse_body(request, SglMemory, allow_empty=True)
     engine = request.app.state.engine
     report = await engine.sleep(level=2, tags=body.tags, mode="abort")
-    return _sgl(True, "released", **report, state=engine.state)
+    return _sgl(True, "released", **report.as_dict(), state=engine.state.as_dict())
 
 
 @router.post("/resume_memory_occupation")
@@ -350,10 +350,10 @@ async def resume_memory_occupation(request: Request) -> dict[str, Any]:
     body = await parse_body(request, SglMemory, allow_empty=True)
     engine = request.app.state.engine
     report = await engine.wake_up(body.tags)
-    return _sgl(True, "resumed", **report, state=engine.state)
+    return _sgl(True, "resumed", **report.as_dict(), state=engine.state.as_dict())
 
 
 @router.get("/get_weight_version")
 async def get_weight_version(request: Request) -> dict[str, Any]:
-    return {"weight_version": request.app.state.engine.state.get("weight_version")}
+    return {"weight_version": request.app.state.engine.state.weight_version}
 

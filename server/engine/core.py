@@ -1,4 +1,5 @@
-"""The engine: owns the model runner, the scheduler, the requests and the sleep state machine.
+"""The engine: owns the model runner, the scheduler and the requests; its SleepController owns the
+sleep state machine.
 
 Synchronous and single-threaded by design: the async engine (engine.py) and the in-process LLM
 (server/llm.py) drive it from one thread each, so every transition here is serialized.
@@ -13,24 +14,22 @@ from typing import Callable, Iterable
 
 import torch
 
-from allocator import create_pool
+from allocator import MemoryPool
 from server.config import EngineConfig
-from server.engine.errors import ConflictError, EngineUnavailableError, InvalidRequestError
+from server.engine.errors import EngineUnavailableError, InvalidRequestError
 from server.engine.kv_cache import BlockManager
-from server.engine.memory_plan import plan_kv_cache
+from server.engine.memory_plan import KVPlan
 from server.engine.outputs import RequestOutput
 from server.engine.params import SamplingParams
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Request, Sequence
+from server.engine.sleep_controller import SleepController
+from server.engine.sleep_state import SleepState
 from server.engine.structured import GrammarCompiler
-from server.engine.sleep_plan import TAGS, SleepPlan, check_tags, refusal
-from server.engine.weight_session import WeightSession
 from server.model.config import ModelConfig
-from server.model.loader import (WeightLoadError, build_model, check_checkpoint, checkpoint_shapes, copy_weights,
-                                 describe, init_dummy_weights, iter_checkpoint, load_checkpoint, parameter_names,
-                                 resolve_model, safetensors_files)
-from server.model.tokenizer import load_tokenizer
+from server.model.loader import (WeightLoadError, check_checkpoint, checkpoint_shapes, copy_weights, describe,
+                                 init_dummy_weights, iter_checkpoint, parameter_names, safetensors_files)
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -47,63 +46,43 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    """Built by build_engine (server/engine/build.py), which loads and sizes everything first."""
+
+    def __init__(self, *, config: EngineConfig, device: torch.device, dtype: torch.dtype, model_path: Path,
+                 model_config: ModelConfig, served_model_name: str, tokenizer, pool: MemoryPool, model: torch.nn.Module,
+                 runner: ModelRunner, blocks: BlockManager, scheduler: Scheduler, kv_plan: KVPlan,
+                 max_model_len: int, load_seconds: float, weight_version: str | None):
         self.config = config
-        self.device = config.torch_device()
-        source = resolve_model(config.model)
-        self.model_path: Path = source.folder
-        self.model_config = ModelConfig.from_folder(source.folder)
-        self.served_model_name = config.served_model_name or source.name
-        self.dtype = config.torch_dtype(self.device, self.model_config.torch_dtype)
-        self.tokenizer = load_tokenizer(source.folder)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
-            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        torch.manual_seed(config.seed)
-
-        position_limit = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            position_limit = min(position_limit, self.model_config.sliding_window)
-        if config.max_model_len and config.max_model_len > position_limit:
-            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {position_limit} positions")
-        positions = config.max_model_len or position_limit
-
-        self.pool = create_pool(self.device, backup_dir=config.offload_dir)
-        t0 = time.perf_counter()
-        self.model = build_model(self.model_config, self.pool, self.dtype, positions)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
-            self.weight_version: str | None = "dummy"
-        else:
-            load_checkpoint(self.model, self.model_path)
-            self.weight_version = "initial"
-        self.load_seconds = time.perf_counter() - t0
-
-        plan = plan_kv_cache(config, self.model, self.pool, self.dtype)
-        self.max_model_len = min(positions, plan.capacity_tokens)
-        if config.max_model_len and config.max_model_len > plan.capacity_tokens:
-            raise ValueError(
-                f"the KV cache holds {plan.capacity_tokens} tokens, fewer than --max-model-len {config.max_model_len}; "
-                "give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len")
-        self.kv_plan = plan
-        self.runner = ModelRunner(self.model, self.pool, plan.num_blocks, config.block_size, self.dtype)
-        self.blocks = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.batched_tokens(self.device))
-        self.runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
-
+        self.device = device
+        self.dtype = dtype
+        self.model_path = model_path
+        self.model_config = model_config
+        self.served_model_name = served_model_name
+        self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
+        self.eos_ids = frozenset(model_config.eos_token_ids) | frozenset(
+            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        self.pool = pool
+        self.model = model
+        self.runner = runner
+        self.blocks = blocks
+        self.scheduler = scheduler
+        self.kv_plan = kv_plan
+        self.max_model_len = max_model_len
+        self.load_seconds = load_seconds
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
-        # The sleep state machine. Memory state per tag lives in the pool; this is the policy.
-        self.sleep_level: int | None = None   # level of the last sleep while anything sleeps or is paused
-        self.paused = False
-        self.draining = False
-        self.weights_valid = True
-        self._weights_reloaded: set[str] = set()
-        # Weights arriving in pieces (server/engine/weight_session.py): the open session, whether a
-        # transfer thread is writing into the weights right now (no step may run), completed updates.
-        self.weight_session: WeightSession | None = None
-        self.transfer_active = False
-        self.weight_updates = 0
+        self.step_tokens = 0  # tokens the last step ran (vllm:iteration_tokens_total)
+        # The sleep state machine's one owner; memory state per tag lives in the pool.
+        self.sleep_control = SleepController(self, config.enable_sleep_mode, weight_version)
+
+    @property
+    def sleep_state(self) -> SleepState:
+        return self.sleep_control.state
+
+    @property
+    def weight_version(self) -> str | None:
+        return self.sleep_control.state.weight_version
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -127,9 +106,9 @@ class EngineCore:
 
     def check_can_serve(self) -> None:
         """Raise EngineUnavailableError unless new generation can be accepted now."""
-        refused = refusal(self.sleep_state())
+        refused = self.sleep_state.refusal
         if refused:
-            raise EngineUnavailableError(refused[1])
+            raise EngineUnavailableError(refused.message, code=refused.code)
 
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                     params: SamplingParams | None = None,
@@ -218,17 +197,25 @@ class EngineCore:
 
     @property
     def can_step(self) -> bool:
-        return (self.scheduler.has_work and not self.paused and self.weights_valid
-                and not self.transfer_active and not self.pool.sleeping_tags())
+        return self.scheduler.has_work and self.sleep_state.can_run
+
+    def preempt_all(self) -> None:
+        self.scheduler.preempt_all()
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return an output for each request it advanced."""
+        self.step_tokens = 0
         if not self.can_step:
             return []
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        started = time.monotonic()
+        for seq, _ in batch.items:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = started
         sampled, scored = self.runner.execute(batch, self.eos_ids, self.tokenizer)
+        self.step_tokens = batch.num_tokens
         for seq, n in batch.items:
             seq.num_computed += n
             self.blocks.commit(seq)
@@ -263,103 +250,6 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
 
-    # -- sleep state machine ---------------------------------------------------------------------
-
-    @property
-    def is_sleeping(self) -> bool:
-        return bool(self.pool.sleeping_tags()) or self.sleep_level == 0
-
-    def sleep_state(self) -> dict:
-        return {
-            "is_sleeping": self.is_sleeping,
-            "level": self.sleep_level,
-            "sleeping_tags": sorted(self.pool.sleeping_tags()),
-            "tag_states": {t: self.pool.tag_state(t) for t in TAGS},
-            "paused": self.paused,
-            "draining": self.draining,
-            "weights_valid": self.weights_valid,
-            "weight_version": self.weight_version,
-        }
-
-    def plan_sleep(self, level: int, tags: list[str] | None, mode: str) -> SleepPlan:
-        if not self.config.enable_sleep_mode:
-            raise ConflictError("sleep mode is disabled for this engine (enable_sleep_mode=False)")
-        if self.draining:
-            raise ConflictError("a sleep is already in progress (draining requests); wait for it to finish")
-        if self.transfer_active:
-            raise ConflictError("a weight transfer is writing the weights; sleep after it returns")
-        plan = SleepPlan.make(level, tags, mode)
-        if plan.level == 0:
-            if self.paused:
-                raise ConflictError("the server is already paused; POST /resume or /wake_up first")
-            return plan
-        # Only tags that hold memory can sleep (no CUDA graphs on CPU, say).
-        held = set(self.pool.stats().tags)
-        want = {t: "offloaded" for t in plan.offload if t in held}
-        want.update({t: "discarded" for t in plan.discard if t in held})
-        asleep = self.pool.sleeping_tags()
-        clashes = [f"{t} is {asleep[t]}, level {level} would have it {want[t]}"
-                   for t in want if t in asleep and asleep[t] != want[t]]
-        if clashes:
-            raise ConflictError(f"already asleep in another way ({'; '.join(clashes)}); "
-                                "wake those tags first with POST /wake_up")
-        if want and all(t in asleep for t in want):
-            raise ConflictError(f"{', '.join(sorted(want))} already asleep at level {self.sleep_level}; nothing to do")
-        return plan
-
-    def begin_drain(self) -> None:
-        """mode=wait: refuse new requests; the driver keeps stepping until none are left, then sleeps."""
-        self.draining = True
-
-    def sleep(self, plan: SleepPlan) -> dict:
-        """Apply a sleep plan. Returns once the memory is really released (the pool synchronizes)."""
-        self.draining = False
-        t0 = time.perf_counter()
-        aborted = 0
-        if plan.mode in ("abort", "wait"):
-            aborted = self.abort_all()
-        elif "kv_cache" in plan.discard or "weights" in plan.discard:
-            # mode=keep: the KV is about to go, so every running sequence will recompute it after wake.
-            self.scheduler.preempt_all()
-        if plan.level == 0:
-            self.paused = True
-            if self.sleep_level is None:  # a pause on top of a sleep keeps the sleep's level
-                self.sleep_level = 0
-            return {"level": 0, "aborted": aborted, "seconds": time.perf_counter() - t0}
-        if "kv_cache" in plan.discard:
-            self.blocks.reset_prefix_cache()  # the KV those hashes point to is about to vanish
-        if "weights" in plan.discard and self.pool.tag_state("weights") == "awake":
-            self.weights_valid = False
-            self._weights_reloaded = set()
-            self.weight_session = None  # what a session wrote is gone with the memory
-        report = self.pool.sleep(offload_tags=plan.offload, discard_tags=plan.discard)
-        self.sleep_level = max(self.sleep_level or 0, plan.level)
-        return {"level": plan.level, "aborted": aborted, "offloaded": list(plan.offload),
-                "discarded": list(plan.discard), "bytes_offloaded": report.bytes_offloaded,
-                "bytes_discarded": report.bytes_discarded, "seconds": time.perf_counter() - t0}
-
-    def wake_up(self, tags: list[str] | None = None) -> dict:
-        tags = check_tags(tags)
-        asleep = self.pool.sleeping_tags()
-        if not asleep and not self.paused:
-            raise ConflictError("the server is awake; there is nothing to wake")
-        t0 = time.perf_counter()
-        report = self.pool.wake_up(tags)
-        if tags is None:
-            self.paused = False  # a full wake also ends a level-0 pause
-        if not self.pool.sleeping_tags() and not self.paused:
-            self.sleep_level = None
-        return {"woke": sorted(t for t in asleep if tags is None or t in tags),
-                "already_awake": sorted(t for t in (tags or []) if t not in asleep),
-                "bytes_restored": report.bytes_restored, "seconds": time.perf_counter() - t0,
-                "weights_valid": self.weights_valid}
-
-    def resume(self) -> None:
-        if self.pool.sleeping_tags():
-            raise ConflictError("the server is asleep; wake it with POST /wake_up instead of /resume")
-        self.paused = False
-        self.sleep_level = None
-
     # -- weights ---------------------------------------------------------------------------------
 
     def update_weights(self, path: str | None = None,
@@ -367,12 +257,8 @@ class EngineCore:
                        weight_version: str | None = None) -> dict:
         """Load weights into the existing tensors, in place: addresses and CUDA graphs stay valid.
         Everything is checked before the first byte is copied."""
-        if self.pool.tag_state("weights") != "awake":
-            raise ConflictError("the weights are asleep; wake them first with POST /wake_up?tags=weights")
-        if self.scheduler.running and self.weights_valid:
-            raise ConflictError("requests are running; pause or sleep the server before updating weights")
-        if self.transfer_active:
-            raise ConflictError("a weight transfer is writing the weights; update after it returns")
+        self.sleep_control.check_weight_update()
+        weights_valid = self.sleep_state.weights_valid
         t0 = time.perf_counter()
         if named_tensors is not None:
             named = dict(named_tensors)
@@ -387,24 +273,20 @@ class EngineCore:
             folder = Path(path).expanduser() if path else self.model_path
             files = safetensors_files(folder)
             shapes = checkpoint_shapes(files)
-            check_checkpoint(self.model, shapes, require_all=not self.weights_valid or path is None)
+            check_checkpoint(self.model, shapes, require_all=not weights_valid or path is None)
             loaded = copy_weights(self.model, iter_checkpoint(files))
             source = str(folder)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if not self.weights_valid:
-            self._weights_reloaded |= loaded
-            missing = parameter_names(self.model) - self._weights_reloaded
-            if not missing:
-                self.weights_valid = True
-        # KV computed with the old weights must never be reused.
+        # KV computed with the old weights must never be reused: requests kept by a pause recompute
+        # theirs on the new weights, and the prefix-cache index forgets every hash.
+        self.preempt_all()
         self.blocks.reset_prefix_cache()
-        if weight_version is not None:
-            self.weight_version = weight_version
-        elif named_tensors is not None or path:
-            self.weight_version = None
-        return {"source": source, "tensors": len(loaded), "weights_valid": self.weights_valid,
-                "weight_version": self.weight_version, "seconds": time.perf_counter() - t0}
+        set_version = weight_version is not None or named_tensors is not None or bool(path)
+        self.sleep_control.weights_loaded(loaded, parameter_names(self.model), weight_version, set_version)
+        state = self.sleep_state
+        return {"source": source, "tensors": len(loaded), "weights_valid": state.weights_valid,
+                "weight_version": state.weight_version, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
         self.abort_all()

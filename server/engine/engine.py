@@ -7,18 +7,21 @@ GIL, so the event loop stays responsive while a step runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable
 
 from server.config import EngineConfig
+from server.engine.build import build_engine
 from server.engine.core import EngineCore
-from server.engine.errors import ConflictError, EngineDeadError, EngineUnavailableError
+from server.engine.errors import EngineDeadError, EngineUnavailableError
+from server.engine.hold import HeldRequests, HoldPolicy
 from server.engine.outputs import RequestOutput
 from server.engine.params import SamplingParams
-from server.engine.sleep_plan import SleepPlan, refusal
+from server.engine.sleep_state import SleepReport, SleepState
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -45,21 +48,43 @@ def _thread_future() -> tuple[asyncio.Future, Settle]:
     return fut, settle
 
 
+@dataclass(frozen=True)
+class Load:
+    """GET /load: how much work the server has (vLLM's server_load) and where it is."""
+    server_load: int          # generation requests accepted and not finished, held ones included
+    running: int              # sequences in the running batch
+    waiting: int              # sequences waiting for the scheduler
+    held: int                 # requests waiting for the server to wake, resume or get valid weights
+    held_by_reason: dict[str, int]
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None):
         self.config = config
-        self.core = core or EngineCore(config)
+        self.core = core or build_engine(config)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._pending_sleep: tuple[SleepPlan, Settle] | None = None
         self.dead: BaseException | None = None
-        # A snapshot the event loop may read without a round trip: refreshed after every command and step.
-        self.state: dict = self.core.sleep_state()
-        self.stats = self.core.stats()
-        # Observers (metrics): called on the engine thread after each sleep / wake with its report.
-        self.on_transition: list[Callable[[str, dict], None]] = []
+        self.stats = self.core.stats()  # refreshed after every command and step; the loop reads it
+        self.held = HeldRequests(HoldPolicy(config.while_asleep, config.max_held_requests,
+                                            config.held_request_timeout), lambda: self.state)
+        self.core.sleep_control.listeners.append(self.held.state_changed)
+        self._active = 0  # generate() calls in progress (GET /load's server_load)
+        # Observers (metrics): called on the engine thread with the report of each sleep, pause, wake, resume.
+        self.on_transition: list[Callable[[SleepReport], None]] = []
+        # Observers (metrics): called on the engine thread with the tokens each step ran.
+        self.on_step: list[Callable[[int], None]] = []
+
+    @property
+    def state(self) -> SleepState:
+        """The sleep state the controller published last (safe to read from the event loop)."""
+        return self.core.sleep_state
+
+    def load(self) -> Load:
+        return Load(server_load=self._active, running=self.stats.running, waiting=self.stats.waiting,
+                    held=self.held.count, held_by_reason=dict(self.held.by_reason))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -83,13 +108,14 @@ class AsyncEngine:
         while not self._stop:
             self._drain_commands()
             # Only mode=wait waits for the requests in flight; abort and keep sleep at once (between steps).
-            pending = self._pending_sleep
-            if pending is not None and (pending[0].mode != "wait" or not core.has_unfinished):
+            if core.sleep_control.ready:
                 self._finish_sleep()
             if core.can_step and self.dead is None:
                 try:
                     core.step()
                     failures = 0
+                    for fn in self.on_step if core.step_tokens else ():
+                        fn(core.step_tokens)
                 except Exception as e:  # a failed step must not take the server down...
                     log.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(e)
@@ -111,7 +137,6 @@ class AsyncEngine:
             except queue.Empty:
                 return
             cmd()
-            self.state = self.core.sleep_state()
             self.stats = self.core.stats()
 
     def _fail_all(self, error: Exception) -> None:
@@ -122,23 +147,18 @@ class AsyncEngine:
                 cb(error)  # type: ignore[arg-type]
 
     def _finish_sleep(self) -> None:
-        plan, done = self._pending_sleep  # type: ignore[misc]
-        self._pending_sleep = None
         try:
-            report = self.core.sleep(plan)
-        except BaseException as e:
-            self.core.draining = False
-            self.state = self.core.sleep_state()
-            done(None, e)
-        else:
-            self.state = self.core.sleep_state()  # before done(): the caller reads it next
-            self._notify("sleep", report)
-            done(report, None)
+            self.core.sleep_control.finish_sleep()  # its on_done settles the caller's future
+        except BaseException:
+            log.exception("sleep failed")
+        self.stats = self.core.stats()
 
-    def _notify(self, kind: str, report: dict) -> None:
+    def _notify(self, report: SleepReport) -> None:
+        if not report.changed:
+            return
         for fn in self.on_transition:
             try:
-                fn(kind, report)
+                fn(report)
             except Exception:
                 log.exception("transition observer failed")
 
@@ -157,9 +177,6 @@ class AsyncEngine:
                 result = fn(self.core)
             except BaseException as e:
                 error = e
-            # Refresh the snapshot before the caller resumes: a handler that awaited a wake must not
-            # see the pre-wake state in unavailable_reason() (a spurious 503) or in /is_sleeping.
-            self.state = self.core.sleep_state()
             self.stats = self.core.stats()
             settle(result, error)
 
@@ -167,31 +184,48 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
-    def unavailable_reason(self) -> str | None:
-        """Why generation would be refused right now, from the snapshot (no round trip)."""
-        refused = refusal(self.state)
-        return refused[1] if refused else None
+    def refuse_now(self) -> None:
+        """With --while-asleep reject, 503 at once while the engine cannot serve (no round trip)."""
+        self.held.refuse_now()
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield outputs (each with its delta) until the request finishes. Closing the iterator
-        early (a client that went away) aborts the request and frees its KV blocks."""
-        reason = self.unavailable_reason()
-        if reason:
-            raise EngineUnavailableError(reason)
+        """Yield outputs (each with its delta) until the request finishes. While the engine cannot serve,
+        the request is held first (or refused, per HoldPolicy). Closing the iterator early (a client
+        that went away) drops a held request and aborts an admitted one, freeing its KV blocks."""
+        self._active += 1
+        try:
+            async with contextlib.aclosing(self._generate(request_id, prompt, prompt_token_ids, params)) as gen:
+                async for out in gen:
+                    yield out
+        finally:
+            self._active -= 1
+
+    async def _generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 
         def on_output(out: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        try:
-            await self.call(lambda core: core.add_request(request_id, prompt, prompt_token_ids, params, on_output))
-        except asyncio.CancelledError:
-            # Cancelled while the add waited for a step to end: the add still runs, so undo it, or the
-            # request would run to max_tokens for nobody (abort is queued behind the add, FIFO).
-            await self.abort(request_id)
-            raise
+        deadline = None
+        while True:
+            # Cancelled while held (the client left): nothing reached the engine, nothing to undo.
+            deadline = await self.held.wait_until_servable(deadline)
+            try:
+                await self.call(lambda core: core.add_request(request_id, prompt, prompt_token_ids, params,
+                                                              on_output))
+                break
+            except EngineUnavailableError:
+                # The engine fell asleep between the check and the add: hold again (or refuse).
+                if self.held.policy.while_asleep == "reject":
+                    raise
+            except asyncio.CancelledError:
+                # Cancelled while the add waited for a step to end: the add still runs, so undo it, or the
+                # request would run to max_tokens for nobody (abort is queued behind the add, FIFO).
+                await self.abort(request_id)
+                raise
         finished = False
         try:
             while not finished:
@@ -208,36 +242,47 @@ class AsyncEngine:
         if self.dead is None:
             await self.call(lambda core: core.abort_request(request_id))
 
-    # -- sleep mode (the state machine lives in EngineCore; this only sequences it) ---------------
+    # -- sleep mode (the state machine is the core's SleepController; this only sequences it) -------
 
-    async def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> dict:
-        fut, done = _thread_future()
+    async def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort",
+                    clear_cache: bool = False) -> SleepReport:
+        """Sleep (level 1, 2) or pause (level 0). abort and keep apply between two steps; wait first
+        lets the requests in flight finish (refusing or holding new ones)."""
+        fut, settle = _thread_future()
+
+        def done(report: SleepReport | None, error: BaseException | None) -> None:
+            if report is not None:
+                self._notify(report)
+            settle(report, error)
 
         def begin(core: EngineCore) -> None:
-            if self._pending_sleep is not None:
-                raise ConflictError("a sleep is already in progress; wait for it to finish")
-            plan = core.plan_sleep(level, tags, mode)
-            if plan.mode == "wait":
-                core.begin_drain()
-            self._pending_sleep = (plan, done)
+            report = core.sleep_control.begin_sleep(level, tags, mode, clear_cache, on_done=done)
+            if report is not None:  # a repeat: nothing to wait for
+                settle(report, None)
 
         await self.call(begin)
         self._wake.set()
         return await fut
 
-    async def wake_up(self, tags: list[str] | None = None) -> dict:
-        def wake(core: EngineCore) -> dict:
-            if self._pending_sleep is not None:
-                raise ConflictError("a sleep is in progress (draining requests); wake after it completes")
-            report = core.wake_up(tags)
-            self._notify("wake", report)
+    async def wake_up(self, tags: list[str] | None = None) -> SleepReport:
+        def wake(core: EngineCore) -> SleepReport:
+            report = core.sleep_control.wake_up(tags)
+            self._notify(report)
             return report
 
         return await self.call(wake)
 
+    async def resume(self) -> SleepReport:
+        def resume(core: EngineCore) -> SleepReport:
+            report = core.sleep_control.resume()
+            self._notify(report)
+            return report
+
+        return await self.call(resume)
+
     async def snapshot(self) -> dict:
         """Sleep state, engine stats and pool stats, read consistently on the engine thread."""
         def read(core: EngineCore) -> dict:
-            return {"state": core.sleep_state(), "stats": asdict(core.stats()), "pool": core.pool.stats().as_dict()}
+            return {"state": core.sleep_state.as_dict(), "stats": asdict(core.stats()),
+                    "pool": core.pool.stats().as_dict()}
         return await self.call(read)
-

@@ -7,11 +7,13 @@ __all__ = ["InvalidRequestError", "EngineUnavailableError", "ConflictError", "En
 
 
 class EngineUnavailableError(RuntimeError):
-    """The engine is asleep, paused, draining or holds no valid weights; retry later (HTTP 503)."""
+    """The engine is asleep, paused, draining or holds no valid weights, or too many requests wait for
+    it; retry later (HTTP 503 with Retry-After). `code` is the refusal's machine-readable reason."""
 
-    def __init__(self, message: str, retry_after: int = 5):
+    def __init__(self, message: str, retry_after: int = 5, code: str | None = None):
         super().__init__(message)
         self.retry_after = retry_after
+        self.code = code
 
 
 class ConflictError(RuntimeError):

@@ -34,6 +34,15 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """When the engine saw the request (time.monotonic()): vLLM's queue, prefill and decode times."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -44,3 +53,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (vLLM's shape).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None

@@ -14,14 +14,13 @@ from server.engine.outputs import TokenLogprobs
 from server.engine.sampler import prompt_logprobs, sample
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Request, Sequence
+from server.engine.tags import KV_CACHE
 from server.model.attention import AttentionContext, PrefillSpan
 from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
 from server.model.ops import ops_for
 
 log = logging.getLogger("sleepserve.engine")
-
-KV_TAG = "kv_cache"
 
 
 @dataclass
@@ -61,7 +60,7 @@ class ModelRunner:
         c = self.cfg
         # One tensor for the whole cache: one pool allocation, sliced into per-layer K and V views.
         self.kv_cache = pool.empty((c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim),
-                                   dtype, KV_TAG)
+                                   dtype, KV_CACHE)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer, find_stop
-from server.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from server.engine.params import SamplingParams
 
 
@@ -151,6 +151,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # Called (on the engine's thread) with each new RequestOutput.
     on_output: Callable[[RequestOutput], None] | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     # params.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it);
@@ -176,4 +177,6 @@ class Request:
             outputs=[s.output() for s in self.seqs], finished=self.finished,
             num_cached_tokens=max((s.num_cached_tokens for s in self.seqs), default=0),
             prompt_logprobs=None if self.prompt_logprobs_pending else self.prompt_logprobs,
+            metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                                   self.last_token_time),
         )

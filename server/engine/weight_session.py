@@ -12,6 +12,8 @@ decide what the weights are worth:
   before it (a partial update of valid weights is what the trainer asked for); if they were
   invalid before (sleep level 2, a broken transfer), only once every parameter was reloaded.
   It also sets weight_version.
+The state they change (weights_valid, the parameters reloaded, weight_version, transfer_active, the
+open session) belongs to the engine's SleepController; these functions are its policy for transfers.
 """
 from __future__ import annotations
 
@@ -35,36 +37,32 @@ class WeightSession:
 
 
 def check_writable(core: "EngineCore") -> None:
-    if core.transfer_active:
-        raise ConflictError("a weight transfer is already in progress; wait for it to finish")
-    if core.pool.tag_state("weights") != "awake":
-        raise ConflictError("the weights are asleep; wake them first with POST /wake_up?tags=weights")
-    if core.draining:
-        raise ConflictError("the server is draining requests before a sleep; update the weights after it")
-    if core.scheduler.running and core.weights_valid:
-        raise ConflictError("requests are running; pause or sleep the server before updating weights "
-                            "(or wait for them to finish)")
+    core.sleep_control.check_weight_update()
 
 
 def start(core: "EngineCore") -> dict:
     check_writable(core)
-    previous = core.weight_session
-    core.weight_session = WeightSession(valid_before=core.weights_valid, explicit=True)
-    return {"restarted": previous is not None, "weights_valid": core.weights_valid}
+    ctl = core.sleep_control
+    previous = ctl.weight_session
+    ctl.weight_session = WeightSession(valid_before=ctl.weights_valid, explicit=True)
+    return {"restarted": previous is not None, "weights_valid": ctl.weights_valid}
 
 
 def begin_write(core: "EngineCore") -> None:
     check_writable(core)
-    if core.weight_session is None:
-        core.weight_session = WeightSession(valid_before=core.weights_valid, explicit=False)
-    core.transfer_active = True
-    core.weights_valid = False
+    ctl = core.sleep_control
+    if ctl.weight_session is None:
+        ctl.weight_session = WeightSession(valid_before=ctl.weights_valid, explicit=False)
+    ctl.transfer_active = True
+    ctl.weights_valid = False
+    ctl.publish()
 
 
 def end_write(core: "EngineCore", loaded: set[str], failed: bool) -> dict | None:
     """Returns finish()'s report for a one-call session, else None."""
-    core.transfer_active = False
-    session = core.weight_session
+    ctl = core.sleep_control
+    ctl.transfer_active = False
+    session = ctl.weight_session
     assert session is not None, "end_write without begin_write"
     session.writes += 1
     if failed and (loaded or session.loaded):
@@ -72,40 +70,46 @@ def end_write(core: "EngineCore", loaded: set[str], failed: bool) -> dict | None
         # never will: whatever the trainer does next, these weights are not a version it sent.
         session.broken = True
         session.loaded = set()
-        core._weights_reloaded = set()  # a complete update is needed now
+        ctl.reloaded = set()  # a complete update is needed now
     else:
         session.loaded |= loaded
     if failed and not session.loaded and not session.broken and session.writes == 1:
-        core.weights_valid = session.valid_before  # nothing landed: nothing changed
+        ctl.weights_valid = session.valid_before  # nothing landed: nothing changed
         if not session.explicit:
-            core.weight_session = None
+            ctl.weight_session = None
+        ctl.publish()
         return None
     if not session.explicit and not failed:
         return finish(core, None)
+    ctl.publish()
     return None
 
 
 def finish(core: "EngineCore", weight_version: str | None) -> dict:
-    session = core.weight_session
-    if core.transfer_active:
+    ctl = core.sleep_control
+    session = ctl.weight_session
+    if ctl.transfer_active:
         raise ConflictError("a weight transfer is still in progress; finish after it returns")
-    core.weight_session = None
+    ctl.weight_session = None
     if session is None:
-        return {"tensors": 0, "weights_valid": core.weights_valid, "weight_version": core.weight_version}
+        return {"tensors": 0, "weights_valid": ctl.weights_valid, "weight_version": ctl.weight_version}
     if session.valid_before and not session.broken:
         valid = True
     else:
-        core._weights_reloaded |= session.loaded
-        valid = parameter_names(core.model) <= core._weights_reloaded
-    core.weights_valid = valid
+        ctl.reloaded |= session.loaded
+        valid = parameter_names(core.model) <= ctl.reloaded
+    ctl.weights_valid = valid
     if session.loaded:
         # Buffers derived from the config (rotary tables) live under the weights tag too: a level-2
         # sleep discarded them with the weights, so write them again (as a disk load does).
         core.model.init_buffers()
-        core.blocks.reset_prefix_cache()  # KV computed with the old weights must never be reused
-        core.weight_updates += 1
-        core.weight_version = weight_version if weight_version is not None else str(core.weight_updates)
+        # KV computed with the old weights must never be reused (requests kept by a pause recompute theirs).
+        core.preempt_all()
+        core.blocks.reset_prefix_cache()
+        ctl.weight_updates += 1
+        ctl.weight_version = weight_version if weight_version is not None else str(ctl.weight_updates)
     elif weight_version is not None:
-        core.weight_version = weight_version
-    return {"tensors": len(session.loaded), "weights_valid": valid, "weight_version": core.weight_version,
+        ctl.weight_version = weight_version
+    ctl.publish()
+    return {"tensors": len(session.loaded), "weights_valid": valid, "weight_version": ctl.weight_version,
             "broken": session.broken}

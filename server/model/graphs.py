@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from server.engine.tags import CUDA_GRAPH
 from server.model.attention import AttentionContext
 
 if TYPE_CHECKING:
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sleepserve.engine")
 
-GRAPH_TAG = "cuda_graph"
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -42,8 +42,8 @@ class DecodeGraphs:
         B = self.largest = buckets[-1]
         self.width = -(-runner.model.max_positions // runner.block_size)
         # The staging area: the first 4*B entries are the graph's own ids/positions/slots/lengths.
-        self.stage = pool.empty((4 * B + B * self.width,), torch.long, GRAPH_TAG)
-        self.tables = pool.empty((B, self.width), torch.long, GRAPH_TAG)
+        self.stage = pool.empty((4 * B + B * self.width,), torch.long, CUDA_GRAPH)
+        self.tables = pool.empty((B, self.width), torch.long, CUDA_GRAPH)
         self.stage.zero_()
         self.tables.zero_()
         self.input_ids, self.positions, self.slots, self.lens = (self.stage[i * B:(i + 1) * B] for i in range(4))
@@ -71,12 +71,12 @@ class DecodeGraphs:
         # Largest first: smaller graphs then reuse the memory the larger ones left in the pool.
         for batch in reversed(self.buckets):
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with pool.use(GRAPH_TAG), torch.cuda.stream(stream):
+            with pool.use(CUDA_GRAPH), torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
                     self._forward(batch)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool.graph_pool(GRAPH_TAG), stream=stream):
+            with torch.cuda.graph(graph, pool=pool.graph_pool(CUDA_GRAPH), stream=stream):
                 self.logits[batch] = self._forward(batch)
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.device)

@@ -10,13 +10,12 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from server.engine.tags import WEIGHTS
 from server.model.config import ModelConfig
 from server.model.default_model import DEFAULT_NAME, ModelNotFoundError, converted_folder, default_gguf_path
 from server.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("sleepserve.model")
-
-WEIGHTS_TAG = "weights"
 
 
 class WeightLoadError(ValueError):
@@ -59,17 +58,17 @@ def materialize(model: nn.Module, pool, dtype: torch.dtype) -> None:
                 if any(p is None for p in parts):
                     continue
                 rows = [p.shape[0] for p in parts]
-                whole = pool.empty((sum(rows), *parts[0].shape[1:]), dtype, WEIGHTS_TAG)
+                whole = pool.empty((sum(rows), *parts[0].shape[1:]), dtype, WEIGHTS)
                 for lin, view in zip(linears, whole.split(rows)):
                     lin._parameters[kind] = nn.Parameter(view, requires_grad=False)
                 setattr(module, f"{name}_{kind}", whole)
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[name] = nn.Parameter(pool.empty(p.shape, dtype, WEIGHTS_TAG), requires_grad=False)
+                module._parameters[name] = nn.Parameter(pool.empty(p.shape, dtype, WEIGHTS), requires_grad=False)
         for name, b in list(module._buffers.items()):
             if b is not None:
-                module._buffers[name] = pool.empty(b.shape, dtype if b.is_floating_point() else b.dtype, WEIGHTS_TAG)
+                module._buffers[name] = pool.empty(b.shape, dtype if b.is_floating_point() else b.dtype, WEIGHTS)
 
 
 def build_model(cfg: ModelConfig, pool, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:

@@ -45,7 +45,7 @@ def test_graph_decode_matches_eager_and_survives_sleep(tiny):
             llm.sleep(level=level)
             llm.wake_up()
             if level == 2:
-                assert not llm.engine.weights_valid
+                assert not llm.engine.sleep_state.weights_valid
                 llm.update_weights()  # dummy weights: the same seeded values again
             assert _run(llm) == expected, f"outputs changed after a level-{level} sleep"
     finally:

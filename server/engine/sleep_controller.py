@@ -1,0 +1,269 @@
+"""The sleep state machine: its one owner.
+
+SleepController decides every sleep, pause, wake and resume, keeps the level, the pause, the pending
+sleep (with its mode=wait drain) and whether the weights are whole, and publishes a frozen SleepState
+after each transition. The pool keeps the memory state per tag; the controller is the policy on top.
+The async engine and the in-process LLM only call it (both from the one thread that drives the engine).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Iterable, Protocol
+
+from server.engine.errors import ConflictError
+from server.engine.sleep_plan import DISCARDED, INTERNAL_ACTIONS, OFFLOADED, SleepPlan
+from server.engine.sleep_state import AWAKE, SleepReport, SleepState
+from server.engine.tags import ALL_TAGS, INTERNAL_TAGS, KV_CACHE, USER_TAGS, WEIGHTS, parse_tags
+from server.engine.weight_session import WeightSession
+
+Done = Callable[["SleepReport | None", "BaseException | None"], None]
+
+
+class SleepTarget(Protocol):
+    """What the controller needs from the engine it puts to sleep (EngineCore; a fake in unit tests)."""
+
+    pool: object  # allocator.MemoryPool: sleep, wake_up, tag_state, sleeping_tags, stats
+
+    @property
+    def has_unfinished(self) -> bool: ...
+
+    def abort_all(self) -> int: ...
+
+    def preempt_all(self) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Pending:
+    plan: SleepPlan
+    offload: tuple[str, ...]
+    discard: tuple[str, ...]
+    on_done: Done | None
+
+
+class SleepController:
+    def __init__(self, target: SleepTarget, enabled: bool = True, weight_version: str | None = None):
+        self._target = target
+        self._pool = target.pool
+        self.enabled = enabled
+        self._level: int | None = None
+        self._paused = False
+        self._pending: _Pending | None = None
+        # Whether the weights are whole, and what they are: written here, and by the weight-transfer
+        # session policy (server/engine/weight_session.py), which publishes after each change.
+        self.weights_valid = True
+        self.reloaded: set[str] = set()      # parameters loaded since the weights were last invalidated
+        self.weight_version = weight_version
+        self.weight_updates = 0              # completed transfer sessions (the default weight_version)
+        self.transfer_active = False         # a transfer thread is writing the weights: no step may run
+        self.weight_session: WeightSession | None = None
+        # Called (on the engine thread) with the new state after every change: the async engine
+        # wakes the requests it holds with it.
+        self.listeners: list[Callable[[SleepState], None]] = []
+        self.state = self._snapshot()
+
+    # -- the published state ---------------------------------------------------------------------
+
+    def _snapshot(self) -> SleepState:
+        tag_states = {t: self._pool.tag_state(t) for t in ALL_TAGS}  # type: ignore[attr-defined]
+        return SleepState(level=self._level, tag_states=MappingProxyType(tag_states), paused=self._paused,
+                          draining=self._pending is not None and self._pending.plan.mode == "wait",
+                          weights_valid=self.weights_valid, weight_version=self.weight_version,
+                          transfer_active=self.transfer_active)
+
+    def publish(self) -> None:
+        self.state = self._snapshot()
+        for fn in self.listeners:
+            fn(self.state)
+
+    # -- sleep and pause ---------------------------------------------------------------------------
+
+    def begin_sleep(self, level: int, tags: str | Iterable[str] | None = None, mode: str = "abort",
+                    clear_cache: bool = False, on_done: Done | None = None) -> SleepReport | None:
+        """Start a sleep (level 1, 2) or a pause (level 0). Returns a report at once for a repeat that
+        changes nothing; otherwise the sleep is pending until `ready` and `finish_sleep()` (mode=wait
+        drains the requests in flight meanwhile, refusing new ones), and None is returned."""
+        if not self.enabled:
+            raise ConflictError("sleep mode is disabled for this engine (enable_sleep_mode=False)")
+        plan = SleepPlan.make(level, list(tags) if tags is not None and not isinstance(tags, str) else tags,
+                              mode, clear_cache)
+        if self._pending is not None:
+            raise ConflictError("a sleep is already in progress (draining requests); wait for it to finish")
+        if self.transfer_active:
+            raise ConflictError("a weight transfer is writing the weights; sleep after it returns")
+        action = "pause" if plan.level == 0 else "sleep"
+        if plan.level == 0:
+            if self._paused:
+                return SleepReport(action, changed=False, level=0)
+            self._pending = _Pending(plan, (), (), on_done)
+        else:
+            offload, discard = self._diff(plan)
+            if not offload and not discard:
+                return SleepReport(action, changed=False, level=plan.level)
+            self._pending = _Pending(plan, offload, discard, on_done)
+        if plan.mode == "wait":
+            self.publish()  # draining: new requests are refused (or held) from now on
+        return None
+
+    def _diff(self, plan: SleepPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The tags to offload and to discard so that every tag is as the plan wants. A tag asleep in
+        another way than asked cannot be changed in place: 409 (wake it first)."""
+        held = set(self._pool.stats().tags)  # type: ignore[attr-defined]  # only tags holding memory sleep
+        now = {t: self._pool.tag_state(t) for t in held}  # type: ignore[attr-defined]
+        want = {t: a for t, a in plan.want.items() if t in held}
+        clashes = [f"{t} is {now[t]}, level {plan.level} would have it {a}"
+                   for t, a in want.items() if now[t] not in (AWAKE, a)]
+        if clashes:
+            raise ConflictError(f"already asleep in another way ({'; '.join(clashes)}); wake those tags first "
+                                "with POST /wake_up (after a level-2 sleep, also POST /update_weights)")
+        todo = {t: a for t, a in want.items() if now[t] == AWAKE}
+        if todo:  # the internal tags sleep with the first tag that sleeps
+            todo.update({t: a for t, a in INTERNAL_ACTIONS.items() if t in held and now[t] == AWAKE})
+        return (tuple(t for t, a in todo.items() if a == OFFLOADED),
+                tuple(t for t, a in todo.items() if a == DISCARDED))
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    @property
+    def ready(self) -> bool:
+        """A pending sleep may be applied now: mode=wait once no request is left (or none can advance,
+        as when a pause holds them), other modes at once."""
+        p = self._pending
+        return p is not None and (p.plan.mode != "wait" or not self._target.has_unfinished
+                                  or not self.state.can_run)
+
+    def finish_sleep(self) -> SleepReport:
+        """Apply the pending sleep. Returns once the memory is really released (the pool synchronizes).
+        Its on_done, if any, hears the outcome too."""
+        pending = self._pending
+        assert pending is not None, "finish_sleep without a pending sleep"
+        self._pending = None
+        try:
+            report = self._apply(pending)
+        except BaseException as e:
+            self.publish()
+            if pending.on_done is not None:
+                pending.on_done(None, e)
+            raise
+        self.publish()
+        if pending.on_done is not None:
+            pending.on_done(report, None)
+        return report
+
+    def _apply(self, p: _Pending) -> SleepReport:
+        t0 = time.perf_counter()
+        plan, target = p.plan, self._target
+        aborted = 0
+        if plan.mode in ("abort", "wait"):
+            aborted = target.abort_all()
+        elif p.discard:
+            # mode=keep: KV is about to go (or was computed by weights about to go), so every running
+            # sequence recomputes it after wake.
+            target.preempt_all()
+        if plan.level == 0:
+            self._paused = True
+            if self._level is None:  # a pause on top of a sleep keeps the sleep's level
+                self._level = 0
+            if plan.clear_cache:
+                target.reset_prefix_cache()
+            return SleepReport("pause", changed=True, level=0, aborted=aborted, seconds=time.perf_counter() - t0)
+        if KV_CACHE in p.discard:
+            target.reset_prefix_cache()  # the KV those hashes point to is about to vanish
+        if WEIGHTS in p.discard:
+            self.weights_valid = False
+            self.reloaded = set()
+            self.weight_session = None  # what a transfer session wrote is gone with the memory
+        report = self._pool.sleep(offload_tags=list(p.offload), discard_tags=list(p.discard))  # type: ignore
+        self._level = max(self._level or 0, plan.level)
+        return SleepReport("sleep", changed=True, level=plan.level, aborted=aborted,
+                           offloaded=tuple(t for t in p.offload if t in USER_TAGS),
+                           discarded=tuple(t for t in p.discard if t in USER_TAGS),
+                           bytes_offloaded=report.bytes_offloaded, bytes_discarded=report.bytes_discarded,
+                           seconds=time.perf_counter() - t0)
+
+    def sleep(self, level: int, tags: str | Iterable[str] | None = None, mode: str = "abort",
+              clear_cache: bool = False, step: Callable[[], object] | None = None) -> SleepReport:
+        """The whole sleep for a synchronous driver (the in-process LLM): begin, drain with `step`, apply."""
+        report = self.begin_sleep(level, tags, mode, clear_cache)
+        if report is not None:
+            return report
+        while not self.ready and step is not None:
+            step()
+        return self.finish_sleep()
+
+    # -- wake and resume ---------------------------------------------------------------------------
+
+    def _refuse_while_pending(self, what: str) -> None:
+        if self._pending is not None:
+            raise ConflictError(f"a sleep is in progress (draining requests); {what} after it completes")
+
+    def wake_up(self, tags: str | Iterable[str] | None = None) -> SleepReport:
+        """Wake the tags asked (all by default; a full wake also ends a pause). The internal tags wake
+        with whatever wake leaves no user tag asleep, so the engine can always run after the last wake."""
+        self._refuse_while_pending("wake")
+        chosen = parse_tags(tags)
+        asleep = self.state.asleep
+        targets = [t for t in (chosen or USER_TAGS) if t in asleep]
+        if not any(t in asleep and t not in targets for t in USER_TAGS):
+            targets += [t for t in INTERNAL_TAGS if t in asleep]
+        unpause = chosen is None and self._paused
+        if not targets and not unpause:
+            return SleepReport("wake_up", changed=False, level=self._level)
+        t0 = time.perf_counter()
+        from_level = self._level
+        restored = self._pool.wake_up(targets).bytes_restored if targets else 0  # type: ignore[attr-defined]
+        if unpause:
+            self._paused = False
+        self._settle_level()
+        return SleepReport("wake_up", changed=True, level=from_level,
+                           woke=tuple(t for t in targets if t in USER_TAGS), bytes_restored=restored,
+                           seconds=time.perf_counter() - t0)
+
+    def resume(self) -> SleepReport:
+        """End a pause. Tags that sleep keep sleeping (wake them with wake_up)."""
+        self._refuse_while_pending("resume")
+        if not self._paused:
+            return SleepReport("resume", changed=False, level=self._level)
+        self._paused = False
+        self._settle_level()
+        return SleepReport("resume", changed=True, level=0)
+
+    def _settle_level(self) -> None:
+        if not self._pool.sleeping_tags() and not self._paused:  # type: ignore[attr-defined]
+            self._level = None
+        self.publish()
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def check_weight_update(self) -> None:
+        """Weights may change in place when they are awake and nothing would step on them meanwhile."""
+        st = self.state
+        if self.transfer_active:
+            raise ConflictError("a weight transfer is already in progress; wait for it to finish")
+        if st.draining:
+            raise ConflictError("the server is draining requests before a sleep; update the weights after it")
+        if st.tag_states.get(WEIGHTS, AWAKE) != AWAKE:
+            raise ConflictError("the weights are asleep; wake them first with POST /wake_up?tags=weights")
+        if self._target.has_unfinished and st.can_run:
+            raise ConflictError("requests are running; pause the server (POST /pause?mode=keep keeps them) or "
+                                "sleep it before updating weights")
+
+    def weights_loaded(self, loaded: set[str], all_names: set[str], version: str | None,
+                       set_version: bool) -> None:
+        """After an in-place load: the weights are whole again once every parameter has been loaded
+        since the level-2 sleep that discarded them."""
+        if not self.weights_valid:
+            self.reloaded |= loaded
+            if not all_names - self.reloaded:
+                self.weights_valid = True
+        if set_version:
+            self.weight_version = version
+        self.publish()
+
+
+__all__ = ["SleepController", "SleepTarget", "SleepState", "SleepReport"]
