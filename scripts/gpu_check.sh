@@ -2,7 +2,8 @@
 # `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
 # Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
 # goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile sleepwake e2e weights rlloop
-# structured (default: all of these) and weights-nccl (two GPUs: run it on the 2-GPU host, by name).
+# structured flows (default: all of these) and weights-nccl (two GPUs: run it on the 2-GPU host, by name).
+# flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-stages=${*:-tests pool throughput profile sleepwake e2e weights rlloop structured}
+stages=${*:-tests pool throughput profile sleepwake e2e weights rlloop structured flows}
 failed=()
 
 run() {  # run NAME CMD...: log everything, print the tail, remember failures
@@ -50,6 +51,7 @@ for stage in $stages; do
     rlloop)     run rlloop $PY examples/rl_colocated.py --device cuda --model llama-1b --iterations 3 --prompts 8 \
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
     structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
+    flows)      run flows $PY bench/readme_flows.py --out "$RESULTS" ;;
     *) echo "unknown stage $stage"; failed+=("$stage") ;;
   esac
 done
@@ -58,5 +60,6 @@ tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
 grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs)" "$LOG" || true
 grep -h -E "^iter [0-9]+:" "$LOG" || true
+grep -h -A30 -E "^README sleep flows" "$LOG" || true
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi
 echo "gpu-check: all stages passed"
