@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Iterable, Protocol
 
+from allocator import MemoryPool
 from server.engine.errors import ConflictError
 from server.engine.sleep_plan import DISCARDED, INTERNAL_ACTIONS, OFFLOADED, SleepPlan
 from server.engine.sleep_state import AWAKE, SleepReport, SleepState
@@ -24,7 +25,7 @@ Done = Callable[["SleepReport | None", "BaseException | None"], None]
 class SleepTarget(Protocol):
     """What the controller needs from the engine it puts to sleep (EngineCore; a fake in unit tests)."""
 
-    pool: object  # allocator.MemoryPool: sleep, wake_up, tag_state, sleeping_tags, stats
+    pool: MemoryPool
 
     @property
     def has_unfinished(self) -> bool: ...
@@ -68,7 +69,7 @@ class SleepController:
     # -- the published state ---------------------------------------------------------------------
 
     def _snapshot(self) -> SleepState:
-        tag_states = {t: self._pool.tag_state(t) for t in ALL_TAGS}  # type: ignore[attr-defined]
+        tag_states = {t: self._pool.tag_state(t) for t in ALL_TAGS}
         return SleepState(level=self._level, tag_states=MappingProxyType(tag_states), paused=self._paused,
                           draining=self._pending is not None and self._pending.plan.mode == "wait",
                           weights_valid=self.weights_valid, weight_version=self.weight_version,
@@ -111,8 +112,8 @@ class SleepController:
     def _diff(self, plan: SleepPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The tags to offload and to discard so that every tag is as the plan wants. A tag asleep in
         another way than asked cannot be changed in place: 409 (wake it first)."""
-        held = set(self._pool.stats().tags)  # type: ignore[attr-defined]  # only tags holding memory sleep
-        now = {t: self._pool.tag_state(t) for t in held}  # type: ignore[attr-defined]
+        held = set(self._pool.stats().tags)  # only tags holding memory sleep
+        now = {t: self._pool.tag_state(t) for t in held}
         want = {t: a for t, a in plan.want.items() if t in held}
         clashes = [f"{t} is {now[t]}, level {plan.level} would have it {a}"
                    for t, a in want.items() if now[t] not in (AWAKE, a)]
@@ -178,7 +179,7 @@ class SleepController:
             self.weights_valid = False
             self.reloaded = set()
             self.weight_session = None  # what a transfer session wrote is gone with the memory
-        report = self._pool.sleep(offload_tags=list(p.offload), discard_tags=list(p.discard))  # type: ignore
+        report = self._pool.sleep(offload_tags=list(p.offload), discard_tags=list(p.discard))
         self._level = max(self._level or 0, plan.level)
         return SleepReport("sleep", changed=True, level=plan.level, aborted=aborted,
                            offloaded=tuple(t for t in p.offload if t in USER_TAGS),
@@ -216,7 +217,7 @@ class SleepController:
             return SleepReport("wake_up", changed=False, level=self._level)
         t0 = time.perf_counter()
         from_level = self._level
-        restored = self._pool.wake_up(targets).bytes_restored if targets else 0  # type: ignore[attr-defined]
+        restored = self._pool.wake_up(targets).bytes_restored if targets else 0
         if unpause:
             self._paused = False
         self._settle_level()
@@ -234,7 +235,7 @@ class SleepController:
         return SleepReport("resume", changed=True, level=0)
 
     def _settle_level(self) -> None:
-        if not self._pool.sleeping_tags() and not self._paused:  # type: ignore[attr-defined]
+        if not self._pool.sleeping_tags() and not self._paused:
             self._level = None
         self.publish()
 
