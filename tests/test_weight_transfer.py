@@ -79,7 +79,8 @@ def test_pickles_may_name_only_handle_types():
 # -- end to end through the server ----------------------------------------------------------------
 
 def start(backend: str) -> ServerProcess:
-    return ServerProcess([*BASE_ARGS, "--max-model-len", "256", "--weight-transfer-config",
+    # --while-asleep reject: generation on invalid weights answers 503 at once (held otherwise).
+    return ServerProcess([*BASE_ARGS, "--max-model-len", "256", "--while-asleep", "reject", "--weight-transfer-config",
                           json.dumps({"backend": backend})],
                          env={"SLEEPSERVE_DEV_MODE": "1", "SLEEPSERVE_ADMIN_API_KEY": ADMIN}).start()
 
