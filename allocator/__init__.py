@@ -7,7 +7,7 @@
     pool.sleep(offload_tags=["weights"], discard_tags=["kv_cache"])
     pool.wake_up()
 
-See MemoryPool for the full interface and DESIGN.md for the invariants it keeps.
+See MemoryPool for the full interface and docs/architecture.md for the invariants it keeps.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from .types import PoolError
 
@@ -22,12 +22,28 @@ if TYPE_CHECKING:  # the CUDA side imports cuda-python, which CPU-only users nee
 # allocation is not one monolithic copy.
 DEFAULT_CHUNK_BYTES = 64 << 20
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Segment:
     ptr: int  # device address of the allocation
     size: int
     offset: int  # where its bytes sit in the backup
+
+
+def groups(items: Sequence[T], group_bytes: int, size: Callable[[T], int]) -> Iterator[list[T]]:
+    """Consecutive runs of whole items of about group_bytes each (one run when 0)."""
+    group: list[T] = []
+    pending = 0
+    for item in items:
+        group.append(item)
+        pending += size(item)
+        if group_bytes and pending >= group_bytes:
+            yield group
+            group, pending = [], 0
+    if group:
+        yield group
 
 
 def plan(allocations: Iterable[tuple[int, int]]) -> list[Segment]:
@@ -47,6 +63,10 @@ class PinnedBackup:
         self.ptr = 0
         self.capacity = 0
         self.layout: list[Segment] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity
 
     def prepare(self, allocations: Iterable[tuple[int, int]]) -> list[Segment]:
         """Lay out the allocations, growing the buffer when they no longer fit. Reuses the
@@ -104,12 +124,8 @@ class Copier:
         for start in range(0, seg.size, self.chunk_bytes):
             yield seg.ptr + start, seg.offset + start, min(self.chunk_bytes, seg.size - start)
 
-    def save(self, backup: PinnedBackup) -> int:
-        """Enqueue device-to-host copies of backup.layout; returns the bytes enqueued."""
-        return sum(seg.size for _, group in self.save_marked([backup], 0) for seg in group)
-
     def save_marked(self, backups: Sequence[PinnedBackup],
-                    group_bytes: int) -> list[tuple["Event | None", list[Segment]]]:
+                    group_bytes: int) -> list[tuple["Event", list[Segment]]]:
         """Enqueue device-to-host copies of every backup's layout, and after each group of
         whole allocations of about group_bytes (0: a single group) record an event. Returns
         [(event, segments whose copies are complete once it fires)] in stream order, so a caller
@@ -117,27 +133,16 @@ class Copier:
         from . import driver
 
         stream = self._get_stream()
-        marks: list[tuple["Event | None", list[Segment]]] = []
-        group: list[Segment] = []
-        pending = 0
+        marks: list[tuple["Event", list[Segment]]] = []
+        pairs = [(backup, seg) for backup in backups for seg in backup.layout]
         with self._ctx.current():
-            for backup in backups:
-                for seg in backup.layout:
+            for i, group in enumerate(groups(pairs, group_bytes, lambda pair: pair[1].size)):
+                for backup, seg in group:
                     for dev, off, n in self._chunks(seg):
                         driver.copy_to_host_async(backup.ptr + off, dev, n, stream)
-                    group.append(seg)
-                    pending += seg.size
-                    if group_bytes and pending >= group_bytes:
-                        event = self._event(len(marks))
-                        event.record(stream)
-                        marks.append((event, group))
-                        group, pending = [], 0
-            if group:
-                event = None
-                if group_bytes:
-                    event = self._event(len(marks))
-                    event.record(stream)
-                marks.append((event, group))
+                event = self._event(i)
+                event.record(stream)
+                marks.append((event, [seg for _, seg in group]))
         return marks
 
     def restore(self, backup: PinnedBackup, segments: Sequence[Segment]) -> int:

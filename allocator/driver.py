@@ -30,10 +30,6 @@ def check(result: Any, what: str) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def is_out_of_memory(err: PoolError) -> bool:
-    return "CUDA_ERROR_OUT_OF_MEMORY" in str(err)
-
-
 class DeviceContext:
     """The primary context of one device, retained for this object's lifetime."""
 

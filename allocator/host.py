@@ -72,7 +72,7 @@ class HostBackend:
         self._dir = Path(backup_dir) if backup_dir is not None else default_backup_dir()
         self._prefix = f"sleepserve-{os.getpid()}-{next(_serial)}"
         self._arenas: dict[str, list[_Arena]] = {}
-        self._backups: dict[str, FileBackup] = {}
+        self.backups: dict[str, FileBackup] = {}  # released by MemoryPool
 
     def _live(self, tag: str) -> list[tuple[_Arena, mmap.mmap]]:
         """The tag's arenas still viewed by some tensor (dead ones are dropped)."""
@@ -128,9 +128,9 @@ class HostBackend:
     # ------------------------------------------------------------------ sleep and wake
 
     def _backup(self, tag: str) -> FileBackup:
-        if tag not in self._backups:
-            self._backups[tag] = FileBackup(self._dir / f"{self._prefix}-{tag}.bin")
-        return self._backups[tag]
+        if tag not in self.backups:
+            self.backups[tag] = FileBackup(self._dir / f"{self._prefix}-{tag}.bin")
+        return self.backups[tag]
 
     def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost:
         start = time.perf_counter()
@@ -179,19 +179,7 @@ class HostBackend:
             raise
         return WakeCost(restored, mapped, copy_seconds)
 
-    # ------------------------------------------------------------------ backups and lifetime
-
-    def release_backups(self, tags: Sequence[str]) -> None:
-        for tag in tags:
-            backup = self._backups.pop(tag, None)
-            if backup is not None:
-                backup.release()
-
-    def backup_tags(self) -> list[str]:
-        return list(self._backups)
-
-    def backup_bytes(self) -> int:
-        return sum(b.nbytes for b in self._backups.values())
+    # ------------------------------------------------------------------ lifetime
 
     def memory_info(self) -> tuple[int, int]:
         return meminfo()
@@ -201,4 +189,3 @@ class HostBackend:
             for arena, _ in self._live(tag):
                 arena.release_pages()
         self._arenas.clear()
-        self.release_backups(list(self._backups))

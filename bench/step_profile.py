@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import table, write_json  # noqa: E402
-from bench.models import model_folder  # noqa: E402
+from tests.models import model_folder  # noqa: E402
 
 
 def profile(llm, batch: int, steps: int) -> dict:
