@@ -710,44 +710,52 @@ static sa_entry **collect_ptrs(const uint64_t *ptrs, int64_t count, int mapped, 
   return items;
 }
 
-/* Unmaps and releases items after synchronizing their devices (unless synchronize == 0). Returns
- * the bytes released, or -1 (with the first error) when any of them could not be unmapped. */
-static int64_t unmap_all(sa_entry **items, size_t n, const unsigned char devices[SA_MAX_DEVICES],
-                         int synchronize) {
-  if (synchronize && sync_devices(devices) != 0) return -1;
-  return run_batch(BATCH_UNMAP, items, n) == 0 ? total_size(items, n, 0) : -1;
+/* What a batch acts on: every allocation of some tags (tags != NULL), or listed addresses. */
+typedef struct {
+  const char *const *tags;
+  int ntags;
+  const uint64_t *ptrs;
+  int64_t count;
+} sa_selection;
+
+/* Unmaps and releases the selected allocations that are mapped, after one synchronization of
+ * their devices unless synchronize == 0 (BATCH_UNMAP), or re-creates and maps those that are
+ * not, all or nothing (BATCH_MAP). Returns the bytes released or mapped, or -1 with the error. */
+static int64_t apply(int op, const sa_selection *sel, int synchronize) {
+  if (load_driver() != 0) return -1;
+  unsigned char devices[SA_MAX_DEVICES] = {0};
+  size_t n = 0;
+  int64_t bytes = -1;
+  int mapped = op == BATCH_UNMAP; /* the state of the allocations the batch changes */
+  pthread_mutex_lock(&reg_lock);
+  sa_entry **items = sel->tags ? collect_tags(sel->tags, sel->ntags, mapped, &n, devices)
+                               : collect_ptrs(sel->ptrs, sel->count, mapped, &n, devices,
+                                              op == BATCH_MAP ? "map" : "unmap");
+  if (items && op == BATCH_MAP)
+    bytes = map_all(items, n);
+  else if (items && (!synchronize || sync_devices(devices) == 0))
+    bytes = run_batch(BATCH_UNMAP, items, n) == 0 ? total_size(items, n, 0) : -1;
+  pthread_mutex_unlock(&reg_lock);
+  free(items);
+  return bytes;
 }
 
 /* Unmaps and releases every mapped allocation of the listed tags after one synchronization of
  * their devices. Keeps going past a failure so as much as possible is released; returns the
  * bytes released, or -1 (with the first error) when any allocation could not be unmapped. */
 SA_EXPORT int64_t sa_unmap_tags(const char *const *tags, int ntags) {
-  if (!tags || ntags < 0 || load_driver() != 0) return -1;
-  unsigned char devices[SA_MAX_DEVICES] = {0};
-  size_t n = 0;
-  int64_t released = -1;
-  pthread_mutex_lock(&reg_lock);
-  sa_entry **items = collect_tags(tags, ntags, 1, &n, devices);
-  if (items) released = unmap_all(items, n, devices, 1);
-  pthread_mutex_unlock(&reg_lock);
-  free(items);
-  return released;
+  if (!tags || ntags < 0) return -1;
+  sa_selection sel = {tags, ntags, NULL, 0};
+  return apply(BATCH_UNMAP, &sel, 1);
 }
 
 /* Re-creates and maps every unmapped allocation of the listed tags, all or nothing: on failure
  * the ones mapped by this call are released again and -1 is returned with the error of the
  * failing one. */
 SA_EXPORT int64_t sa_map_tags(const char *const *tags, int ntags) {
-  if (!tags || ntags < 0 || load_driver() != 0) return -1;
-  unsigned char devices[SA_MAX_DEVICES] = {0};
-  size_t n = 0;
-  int64_t mapped = -1;
-  pthread_mutex_lock(&reg_lock);
-  sa_entry **items = collect_tags(tags, ntags, 0, &n, devices);
-  if (items) mapped = map_all(items, n);
-  pthread_mutex_unlock(&reg_lock);
-  free(items);
-  return mapped;
+  if (!tags || ntags < 0) return -1;
+  sa_selection sel = {tags, ntags, NULL, 0};
+  return apply(BATCH_MAP, &sel, 0);
 }
 
 /* Unmaps and releases the listed allocations (those still mapped). With synchronize == 0 the
@@ -756,16 +764,9 @@ SA_EXPORT int64_t sa_map_tags(const char *const *tags, int ntags) {
  * copies of the others still run. Returns the bytes released or -1 with the first error; an
  * address that is not an allocation of this pool fails the call before anything is unmapped. */
 SA_EXPORT int64_t sa_unmap_ptrs(const uint64_t *ptrs, int64_t count, int synchronize) {
-  if ((!ptrs && count > 0) || count < 0 || load_driver() != 0) return -1;
-  unsigned char devices[SA_MAX_DEVICES] = {0};
-  size_t n = 0;
-  int64_t released = -1;
-  pthread_mutex_lock(&reg_lock);
-  sa_entry **items = collect_ptrs(ptrs, count, 1, &n, devices, "unmap");
-  if (items) released = unmap_all(items, n, devices, synchronize);
-  pthread_mutex_unlock(&reg_lock);
-  free(items);
-  return released;
+  if ((!ptrs && count > 0) || count < 0) return -1;
+  sa_selection sel = {NULL, 0, ptrs, count};
+  return apply(BATCH_UNMAP, &sel, synchronize);
 }
 
 /* Re-creates and maps the listed allocations (those still unmapped), all or nothing like
@@ -773,14 +774,7 @@ SA_EXPORT int64_t sa_unmap_ptrs(const uint64_t *ptrs, int64_t count, int synchro
  * the bytes mapped or -1; an address that is not an allocation of this pool fails the call before
  * anything is mapped. */
 SA_EXPORT int64_t sa_map_ptrs(const uint64_t *ptrs, int64_t count) {
-  if ((!ptrs && count > 0) || count < 0 || load_driver() != 0) return -1;
-  unsigned char devices[SA_MAX_DEVICES] = {0};
-  size_t n = 0;
-  int64_t mapped = -1;
-  pthread_mutex_lock(&reg_lock);
-  sa_entry **items = collect_ptrs(ptrs, count, 0, &n, devices, "map");
-  if (items) mapped = map_all(items, n);
-  pthread_mutex_unlock(&reg_lock);
-  free(items);
-  return mapped;
+  if ((!ptrs && count > 0) || count < 0) return -1;
+  sa_selection sel = {NULL, 0, ptrs, count};
+  return apply(BATCH_MAP, &sel, 0);
 }

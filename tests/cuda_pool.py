@@ -23,20 +23,28 @@ def free_bytes(index: int | None = None) -> int:
     return torch.cuda.mem_get_info(index)[0]
 
 
-def capture(pool: Any, fn: Callable[[torch.Tensor], torch.Tensor],
-            static_input: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """The recipe of MemoryPool.graph_pool's docstring: warm up inside pool.use() on a side
-    stream, capture outside it into pool.graph_pool(). pool=None captures the same kernels the
-    same way without a pool (the reference process of tests/footprint.py)."""
+def capture(pool: Any, fn: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...],
+            dtype: torch.dtype = torch.bfloat16) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """A CUDA graph of fn over a random static input of `shape`, with the recipe of
+    MemoryPool.graph_pool's docstring (warm up inside pool.use() on a side stream, capture outside
+    it into pool.graph_pool()), replayed once. pool=None runs the same kernels the same way without
+    a pool (the reference process of tests/footprint.py). Returns (graph, input, output)."""
+    if pool is not None:
+        static_input = pool.empty(shape, dtype, "cuda_graph")
+    else:
+        static_input = torch.empty(shape, dtype=dtype, device="cuda")
+    static_input.copy_(torch.randn(shape, device="cuda").to(dtype))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with pool.use("cuda_graph") if pool is not None else nullcontext(), torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(static_input)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    graph_pool = pool.graph_pool("cuda_graph") if pool is not None else None
-    with torch.cuda.graph(graph, pool=graph_pool, stream=stream):
-        static_output = fn(static_input)
+    with torch.no_grad():
+        with pool.use("cuda_graph") if pool is not None else nullcontext(), torch.cuda.stream(stream):
+            for _ in range(3):
+                fn(static_input)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        graph_pool = pool.graph_pool("cuda_graph") if pool is not None else None
+        with torch.cuda.graph(graph, pool=graph_pool, stream=stream):
+            static_output = fn(static_input)
+        graph.replay()
     torch.cuda.synchronize()
-    return graph, static_output
+    return graph, static_input, static_output

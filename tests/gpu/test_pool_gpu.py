@@ -142,14 +142,8 @@ def test_cuda_graph_memory_lives_in_the_pool_and_replays_after_wake(pool):
     model = MLP().cuda().to(torch.bfloat16).eval()
     pool.adopt(model, "weights")
     host_weights = {n: p.detach().cpu() for n, p in model.named_parameters()}
-    static_x = pool.empty((16, 1024), torch.bfloat16, "cuda_graph")
-    static_x.copy_(torch.randn(16, 1024, device="cuda").to(torch.bfloat16))
-
-    with torch.no_grad():
-        graph, static_y = capture(pool, model, static_x)
-        graph.replay()
-        torch.cuda.synchronize()
-        reference = static_y.clone()
+    graph, static_x, static_y = capture(pool, model, (16, 1024))
+    reference = static_y.clone()
     assert pool.tag_of(static_y) == "cuda_graph"
     assert pool.stats().tags["cuda_graph"].bytes > static_x.numel() * 2
     pool._backend.verify(["weights", "cuda_graph"])  # the capture's segments are all recorded as ours
@@ -339,11 +333,9 @@ def reference_kernels(index: int):
     """scenario_footprint's kernels without a pool (for footprint.reference_process_used)."""
     torch.manual_seed(0)
     model = MLP(2048, 8192).cuda(index).to(torch.bfloat16).eval()
-    static_x = torch.empty((32, 2048), dtype=torch.bfloat16, device=f"cuda:{index}")
     with torch.no_grad():
         model(torch.randn(64, 2048, device=f"cuda:{index}", dtype=torch.bfloat16))
-        graph, _ = capture(None, model, static_x)
-        graph.replay()
+    graph, _, _ = capture(None, model, (32, 2048))
     return graph
 
 
@@ -361,10 +353,9 @@ def scenario_footprint() -> dict:
     with pool.use("weights"):
         big = torch.empty((GiB,), dtype=torch.uint8, device="cuda")
     kv = pool.empty((2 * GiB,), torch.uint8, "kv_cache")
-    static_x = pool.empty((32, 2048), torch.bfloat16, "cuda_graph")
     with torch.no_grad():
         eager = model(torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16))  # cuBLAS, default pool
-        graph, _ = capture(pool, model, static_x)
+    graph, _, _ = capture(pool, model, (32, 2048))
     del eager
     torch.cuda.synchronize()
     awake_free = torch.cuda.mem_get_info(index)[0]
@@ -386,13 +377,8 @@ def scenario_expandable() -> dict:
     w = pool.empty((512 * MiB,), torch.uint8, "weights")
     w.copy_(torch.randint(0, 256, w.shape, device="cuda", dtype=torch.uint8))
     expected = raw(w)
-    static_x = pool.empty((16, 1024), torch.float32, "cuda_graph")
-    static_x.normal_()
-    with torch.no_grad():
-        graph, static_y = capture(pool, model, static_x)
-        graph.replay()
-        torch.cuda.synchronize()
-        reference = static_y.clone()
+    graph, _, static_y = capture(pool, model, (16, 1024), torch.float32)
+    reference = static_y.clone()
     tags = sorted(t for t, s in pool.stats().tags.items() if s.bytes > 0)
     pooled = sum(s.bytes for s in pool.stats().tags.values())
     free0 = free_bytes()
