@@ -53,10 +53,6 @@ class DeviceContext:
             free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
 
-    def synchronize(self) -> None:
-        with self.current():
-            check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-
     def stack_size(self) -> int:
         """The per-thread stack size (CU_LIMIT_STACK_SIZE). The driver raises it, and with it
         the local memory it keeps for every resident thread of the device, whenever a kernel

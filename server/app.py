@@ -68,7 +68,7 @@ def startup_lines(engine: AsyncEngine, settings: ServerSettings) -> list[str]:
         f"sleepserve {__version__}: model {core.served_model_name!r} from {core.model_path}",
         f"device {core.device}, dtype {dtype}, weights loaded in {core.load_seconds:.1f} s "
         f"(weight_version {core.weight_version!r})",
-        f"KV cache: {plan.num_blocks - 1} blocks of {plan.block_size} tokens = {plan.bytes / 2**30:.2f} GiB "
+        f"KV cache: {plan.usable_blocks} blocks of {plan.block_size} tokens = {plan.bytes / 2**30:.2f} GiB "
         f"({plan.capacity_tokens} tokens); max model len {core.max_model_len}, "
         f"max num seqs {core.config.max_num_seqs}, prefix caching "
         f"{'on' if core.config.enable_prefix_caching else 'off'}",

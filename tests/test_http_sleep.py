@@ -1,4 +1,4 @@
-"""Sleep mode end to end through the real server's dev routes (DESIGN.md, "Sleep semantics")."""
+"""Sleep mode end to end through the real server's dev routes (docs/architecture.md, "Sleep semantics")."""
 from __future__ import annotations
 
 import asyncio

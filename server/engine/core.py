@@ -16,12 +16,12 @@ import torch
 from allocator import create_pool
 from server.config import EngineConfig
 from server.engine.errors import ConflictError, EngineUnavailableError, InvalidRequestError
-from server.engine.kv_cache import BlockManager
+from server.engine.kv_cache import BlockManager, usable_blocks
 from server.engine.memory_plan import plan_kv_cache
 from server.engine.outputs import RequestOutput
 from server.engine.params import SamplingParams
-from server.engine.runner import ModelRunner
-from server.engine.scheduler import Scheduler
+from server.engine.runner import ModelRunner, Sampled
+from server.engine.scheduler import ScheduledBatch, Scheduler
 from server.engine.sequence import Request, Sequence
 from server.engine.structured import GrammarCompiler
 from server.engine.sleep_plan import TAGS, SleepPlan, check_tags, refusal
@@ -229,9 +229,13 @@ class EngineCore:
         if not batch:
             return []
         sampled, scored = self.runner.execute(batch, self.eos_ids, self.tokenizer)
-        for seq, n in batch.items:
-            seq.num_computed += n
-            self.blocks.commit(seq)
+        return self.postprocess(batch, sampled, scored)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sampled],
+                    scored: Iterable[tuple[Request, list]] = ()) -> list[RequestOutput]:
+        """Record what a step computed: the KV progress (the scheduler's), prompt log-probs, the
+        sampled tokens, the requests that finished. Returns an output for each request advanced."""
+        self.scheduler.advance(batch)
         for req, entries in scored:
             req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         now = time.monotonic()
@@ -241,7 +245,6 @@ class EngineCore:
             seq.append(token, logprobs, self.eos_ids, self.max_model_len, self.tokenizer)
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.last_token_time = now
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             touched[req.request_id] = req
@@ -256,7 +259,7 @@ class EngineCore:
         s = self.blocks.stats
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            kv_blocks_total=self.blocks.num_blocks - 1, kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=usable_blocks(self.blocks.num_blocks), kv_blocks_used=self.blocks.num_used,
             prefix_cache_queried_tokens=s.queried_tokens, prefix_cache_hit_tokens=s.hit_tokens,
             preemptions=self.scheduler.num_preemptions)
 

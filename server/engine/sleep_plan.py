@@ -1,4 +1,4 @@
-"""What a sleep call means, decided before anything is touched (DESIGN.md, "Sleep semantics")."""
+"""What a sleep call means, decided before anything is touched (docs/architecture.md, "Sleep semantics")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
