@@ -411,6 +411,9 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ lifetime
 
+    def check_backup_space(self, nbytes: int) -> None:
+        """Backups are pinned host memory, allocated at the first sleep: nothing to check on disk."""
+
     def close(self) -> None:
         """After MemoryPool released the backups."""
         with torch.cuda.device(self.device):

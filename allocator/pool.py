@@ -297,6 +297,14 @@ class MemoryPool:
             self._check_open()
             return self._backend.tag_of(tensor.data_ptr())
 
+    def check_backup_space(self, tags: str | Iterable[str]) -> None:
+        """PoolError now when the backups of these tags (as allocated today) would not fit, so a
+        server fails at start-up instead of at its first sleep."""
+        with self._lock:
+            self._check_open()
+            usage = self._backend.usage()
+            self._backend.check_backup_space(sum(usage[t].bytes for t in _tag_list(tags) if t in usage))
+
     def tag_state(self, tag: str) -> str:
         """'awake', 'offloaded' or 'discarded'; a tag never allocated is 'awake'."""
         check_tag(tag)

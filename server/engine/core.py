@@ -30,7 +30,7 @@ from server.model.config import ModelConfig
 from server.model.loader import (WeightLoadError, build_model, check_checkpoint, checkpoint_shapes, copy_weights,
                                  describe, init_dummy_weights, iter_checkpoint, load_checkpoint, parameter_names,
                                  resolve_model, safetensors_files)
-from server.model.tokenizer import load_tokenizer
+from server.model.tokenizer import load_tokenizer, render_chat
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -78,6 +78,8 @@ class EngineCore:
             load_checkpoint(self.model, self.model_path)
             self.weight_version = "initial"
         self.load_seconds = time.perf_counter() - t0
+        if config.enable_sleep_mode:
+            self.pool.check_backup_space(["weights"])  # level 1 offloads them: say now if they cannot fit
 
         plan = plan_kv_cache(config, self.model, self.pool, self.dtype)
         self.max_model_len = min(positions, plan.capacity_tokens)
@@ -115,15 +117,7 @@ class EngineCore:
         return self.tokenizer(self.chat_prompt(messages, **kwargs), add_special_tokens=False).input_ids
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if not getattr(self.tokenizer, "chat_template", None) and not kwargs.get("chat_template"):
-            raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
-                                      param="messages")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **kwargs)
-        except Exception as e:  # template errors are the client's messages not fitting the template
-            raise InvalidRequestError(f"the chat template could not render these messages: {e}",
-                                      param="messages") from None
+        return render_chat(self.tokenizer, messages, add_generation_prompt, **kwargs)
 
     def check_can_serve(self) -> None:
         """Raise EngineUnavailableError unless new generation can be accepted now."""
@@ -367,9 +361,12 @@ class EngineCore:
 
     def update_weights(self, path: str | None = None,
                        named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
-                       weight_version: str | None = None) -> dict:
+                       weight_version: str | None = None, read_from: str | None = None,
+                       served: bool = False) -> dict:
         """Load weights into the existing tensors, in place: addresses and CUDA graphs stay valid.
-        Everything is checked before the first byte is copied."""
+        Everything is checked before the first byte is copied. read_from: named_tensors were read
+        from this checkpoint (the HTTP route reads files off the engine thread), `served` when it is
+        the served one; they are then checked and reported as a path would be."""
         if self.pool.tag_state("weights") != "awake":
             raise ConflictError("the weights are asleep; wake them first with POST /wake_up?tags=weights")
         if self.scheduler.running and self.weights_valid:
@@ -379,9 +376,10 @@ class EngineCore:
         t0 = time.perf_counter()
         if named_tensors is not None:
             named = dict(named_tensors)
-            check_checkpoint(self.model, describe(named), require_all=False)
+            whole = read_from is not None and (not self.weights_valid or served)
+            check_checkpoint(self.model, describe(named), require_all=whole)
             loaded = copy_weights(self.model, named.items())
-            source = "tensors"
+            source = read_from or "tensors"
         elif path is None and self.config.load_format == "dummy":
             # "Reload the served checkpoint" of a dummy model: the same seeded random weights.
             init_dummy_weights(self.model, self.config.seed)
@@ -404,7 +402,7 @@ class EngineCore:
         self.blocks.reset_prefix_cache()
         if weight_version is not None:
             self.weight_version = weight_version
-        elif named_tensors is not None or path:
+        elif (named_tensors is not None and not served) or path:
             self.weight_version = None
         return {"source": source, "tensors": len(loaded), "weights_valid": self.weights_valid,
                 "weight_version": self.weight_version, "seconds": time.perf_counter() - t0}
