@@ -280,3 +280,14 @@ def test_dev_openapi_declares_dev_routes():
     doc = httpx.get(server.url + "/openapi.json", headers=server.headers()).json()
     assert "requestBody" in doc["paths"]["/update_weights"]["post"]
     assert {"400", "401", "409"} <= set(doc["paths"]["/sleep"]["post"]["responses"])
+
+
+def test_with_an_admin_key_container_names_work_but_foreign_origins_do_not():
+    server = dev_server()
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = httpx.get(server.url + "/is_sleeping", headers={**auth, "Host": f"sleepserve:{server.port}"})
+    assert r.status_code == 200, r.text  # the key guards; a compose service name needs no allow-list
+    r = httpx.get(server.url + "/is_sleeping", headers={**auth, "Origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+    r = httpx.post(server.url + "/reset_prefix_cache", headers={**auth, "Content-Type": "text/plain"})
+    assert r.status_code == 415, r.text

@@ -88,27 +88,38 @@ def decode_json(body: bytes, allow_empty: bool = False) -> dict[str, Any]:
 
 
 async def read_json(request: Request, allow_empty: bool = False) -> dict[str, Any]:
-    # The BodyLimit middleware (limits.py) already refused a body over MAX_BODY_BYTES while it streamed in.
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes; send a smaller body")
-    if len(body) > THREAD_PARSE_BYTES:  # keep the event loop free for everyone else
-        return await asyncio.to_thread(decode_json, body, allow_empty)
-    return decode_json(body, allow_empty)
+    return await _read(request, None, allow_empty)
 
 
 async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
-    data = await read_json(request, allow_empty)
+    body: M = await _read(request, model, allow_empty)
+    if body.model_extra:
+        log.debug("%s %s: ignoring unknown fields %s", request.method, request.url.path, sorted(body.model_extra))
+    return body
+
+
+async def _read(request: Request, model: type[BaseModel] | None, allow_empty: bool) -> Any:
+    """The body as a dict (model None) or validated as `model`."""
+    # The BodyLimit middleware (middleware.py) already refused a body over MAX_BODY_BYTES as it streamed in.
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes; send a smaller body")
+    if len(raw) > THREAD_PARSE_BYTES:  # parsing 32 MiB takes ~0.3 s: keep the event loop free meanwhile
+        return await asyncio.to_thread(_decode_and_validate, raw, model, allow_empty)
+    return _decode_and_validate(raw, model, allow_empty)
+
+
+def _decode_and_validate(raw: bytes, model: type[BaseModel] | None, allow_empty: bool) -> Any:
+    data = decode_json(raw, allow_empty)
+    if model is None:
+        return data
     try:
-        body = model.model_validate(data)
+        return model.model_validate(data)
     except RecursionError:
         raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels; flatten it") from None
     except ValidationError as e:
         message, param = describe_validation_error(e.errors(include_url=False))
         raise APIError(400, message, param) from None
-    if body.model_extra:
-        log.debug("%s %s: ignoring unknown fields %s", request.method, request.url.path, sorted(body.model_extra))
-    return body
 
 
 # Pydantic names the member of a union that failed inside `loc` ("str", "list[str]"): noise for the

@@ -99,6 +99,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = generation.check_model(request, body.model)
     params = body.to_params()
+    request.app.state.tokens.check_count(len(body.messages), "messages")  # every message costs tokens
     messages = body.template_messages()
     kwargs = _template_kwargs(body)
     generation.check_available(request)

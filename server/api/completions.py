@@ -149,6 +149,9 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     model = generation.check_model(request, body.model)
     params = body.to_params()
+    tokens = request.app.state.tokens
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
+        tokens.check_ids(body.prompt)  # bound a token-id prompt before walking it
     prompts = body.prompts()
     generation.check_available(request)
     params = await generation.compile_grammar(request, params, body.structured()[1])

@@ -3,8 +3,8 @@
 With no admin key on the default loopback set-up, a page on any site could POST text/plain to
 /sleep?level=2, and a DNS-rebound name reached every route. A browser request always says where it
 comes from, so three checks close both doors:
-- Host: a name this server answers to: loopback names, the bound address, an IP literal when bound
-  to every interface, and --allowed-hosts. A rebound attacker's name is refused (403).
+- Host (when no admin key is set): a name this server answers to: loopback names, the bound address,
+  an IP literal when bound to every interface, and --allowed-hosts. A rebound name is refused (403).
 - Origin: when present (browsers send it on every cross-origin POST), its host must pass the same
   test; "null" (sandboxed pages, file://) never does (403).
 - Content-Type on POST: application/json, which no page can send cross-site without a CORS
@@ -66,7 +66,9 @@ def host_allowed(hostport: str, settings: ServerSettings) -> bool:
 async def check_dev_request(request: Request) -> None:
     settings: ServerSettings = request.app.state.settings
     host = request.headers.get("host", "")
-    if not host_allowed(host, settings):
+    # With an admin key the key is the guard (a browser never attaches a Bearer key by itself), so
+    # container names and proxies need no --allowed-hosts; Origin and Content-Type are still checked.
+    if not settings.effective_admin_key and not host_allowed(host, settings):
         raise APIError(403, f"the Host header {host[:100]!r} is not a name this server answers to; "
                             "dev routes accept loopback names and the bound address (add names with "
                             "--allowed-hosts)", None, "host_not_allowed")

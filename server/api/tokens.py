@@ -57,10 +57,14 @@ class Tokens:
                 f"never hold more than {self.max_chars} characters ({MAX_CHARS_PER_TOKEN} per token); "
                 "shorten the prompt", param=param, code="context_length_exceeded")
 
-    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
-        if len(ids) >= self.max_model_len:
+    def check_ids(self, ids: list, param: str = "prompt") -> None:
+        self.check_count(len(ids), param, "tokens")
+
+    def check_count(self, n: int, param: str, what: str = "messages") -> None:
+        """n tokens (or n messages, each at least a token) must leave room for one generated token."""
+        if n >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, but this model's context is {self.max_model_len} tokens "
+                f"the prompt has {n} {what}, but this model's context is {self.max_model_len} tokens "
                 "(prompt plus at least one generated token); shorten the prompt", param=param,
                 code="context_length_exceeded")
 
