@@ -5,8 +5,6 @@ InvalidRequestError, ConflictError and WeightLoadError become 400, 409 and 400 i
 """
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -14,9 +12,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from server.api.auth import require_admin_key
 from server.api import weight_transfer
 from server.api.body import parse_body, read_json
+from server.api.disk_weights import load_from_disk
 from server.api.schemas import UpdateWeightsRequest
-from server.engine.errors import ConflictError
-from server.model.checkpoint_read import read_checkpoint
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], tags=["dev mode"])
 
@@ -81,17 +78,5 @@ async def update_weights(request: Request) -> dict[str, Any]:
     if "update_info" in data:
         return await weight_transfer.update_weights_from_body(request, data)
     body = await parse_body(request, UpdateWeightsRequest, allow_empty=True)
-    engine = request.app.state.engine
-    core = engine.core
-    if body.path is None and core.config.load_format == "dummy":  # no file to read: seeded random weights
-        report = await engine.call(lambda c: c.update_weights(weight_version=body.weight_version))
-        return {**report, "state": engine.state}
-    if engine.state.get("tag_states", {}).get("weights", "awake") != "awake":
-        raise ConflictError("the weights are asleep; wake them first with POST /wake_up?tags=weights")
-    # File I/O on a worker thread (checkpoint_read.py): a file that blocks holds up this request only.
-    folder = Path(body.path).expanduser() if body.path else core.model_path
-    named = await asyncio.to_thread(read_checkpoint, folder)
-    report = await engine.call(lambda c: c.update_weights(
-        named_tensors=named.items(), weight_version=body.weight_version, read_from=str(folder),
-        served=not body.path))
-    return {**report, "state": engine.state}
+    report = await load_from_disk(request, body.path, body.weight_version)
+    return {**report, "state": request.app.state.engine.state}
