@@ -17,6 +17,8 @@ from pydantic import BaseModel
 
 from server.api.schemas import ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
 from server.api.tokenize import DetokenizeRequest, TokenizeRequest
+from server.api.weight_transfer import (FinishRequest, InitRequest, SglInitGroup, SglMemory, SglUpdateDisk,
+                                        SglUpdateDistributed, SglUpdateTensor)
 
 ERROR = {
     "type": "object", "required": ["error"], "title": "Error",
@@ -61,6 +63,16 @@ OPERATIONS: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, tuple[int,
     ("/resume", "post"): (None, False, DEV_POST, False),
     ("/reset_prefix_cache", "post"): (None, False, DEV_POST, False),
     ("/update_weights", "post"): (UpdateWeightsRequest, False, DEV_POST, False),
+    ("/init_weight_transfer_engine", "post"): (InitRequest, False, DEV_POST, False),
+    ("/start_weight_update", "post"): (None, False, DEV_POST, False),
+    ("/finish_weight_update", "post"): (FinishRequest, False, DEV_POST, False),
+    ("/init_weights_update_group", "post"): (SglInitGroup, True, DEV_POST, False),
+    ("/update_weights_from_distributed", "post"): (SglUpdateDistributed, True, DEV_POST, False),
+    ("/update_weights_from_tensor", "post"): (SglUpdateTensor, True, DEV_POST, False),
+    ("/update_weights_from_disk", "post"): (SglUpdateDisk, True, DEV_POST, False),
+    ("/release_memory_occupation", "post"): (SglMemory, False, DEV_POST, False),
+    ("/resume_memory_occupation", "post"): (SglMemory, False, DEV_POST, False),
+    ("/get_weight_version", "get"): (None, False, (401, 403), False),
     ("/is_sleeping", "get"): (None, False, (401, 403), False),
     ("/memory", "get"): (None, False, (401, 403, 503), False),
 }
