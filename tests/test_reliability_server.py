@@ -214,7 +214,8 @@ def test_sigterm_ends_streams_properly_and_exits_0(tmp_path):
         time.sleep(0.5)
         short_t = threading.Thread(target=_stream, args=(s.url, key, short, out, "short"))
         short_t.start()
-        time.sleep(0.3)
+        # Only once its response has started: a request not yet received when SIGTERM lands is refused.
+        wait_for(lambda: out.get("short:status"), timeout=60, what="the short stream to start")
         s.proc.send_signal(signal.SIGTERM)
         for t in [*threads, short_t]:
             t.join(60)
