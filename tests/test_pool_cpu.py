@@ -139,7 +139,7 @@ def test_backups_have_no_name_and_survive_a_cleaned_folder(pool, tmp_path):
     # Nothing in the folder to find, follow or delete; a temp cleaner removes the folder itself.
     backups = tmp_path / "backups"
     assert not list(backups.iterdir())
-    held = [os.readlink(f"/proc/self/fd/{b.fd}") for b in pool._backend._backups.values()]
+    held = [os.readlink(f"/proc/self/fd/{b.fd}") for b in pool._backend.backups.values()]
     assert len(held) == 2 and all(t.startswith(str(backups)) and "(deleted)" in t for t in held), held
     backups.rmdir()
     pool.wake_up()
@@ -153,7 +153,7 @@ def test_failure_half_way_releases_the_tags_already_restored(pool, tmp_path):
     a_bytes, b_bytes = raw(a), raw(b)
     pool.sleep(offload_tags=["weights", "lora"])
 
-    lora_file = Path(f"/proc/self/fd/{pool._backend._backups['lora'].fd}")  # the unlinked backup file
+    lora_file = Path(f"/proc/self/fd/{pool._backend.backups['lora'].fd}")  # the unlinked backup file
     saved = lora_file.read_bytes()
     os.truncate(lora_file, len(saved) // 2)  # truncated behind our back
     gc.collect()
@@ -328,7 +328,7 @@ def test_close_releases_everything(tmp_path):
     t = pool.empty((32 * MiB,), torch.uint8, "weights")
     t.fill_(3)
     pool.sleep(offload_tags=["weights"])
-    backup_fd = pool._backend._backups["weights"].fd
+    backup_fd = pool._backend.backups["weights"].fd
     assert os.readlink(f"/proc/self/fd/{backup_fd}").startswith(str(tmp_path))
     pool.close()
     assert not Path(f"/proc/self/fd/{backup_fd}").exists() or not os.readlink(
