@@ -11,7 +11,7 @@ DEV_STAMP := $(VENV)/.dev-installed
 TRL    ?= trl==1.16.0
 ARGS   ?=
 
-.PHONY: install serve test bench gpu-check lint-docker docker-smoke clean
+.PHONY: install serve test bench soak gpu-check lint-docker docker-smoke clean
 
 $(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: $(DEV_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(ARGS)
+
+# The long reliability run on CPU servers (10-20 min on 2 cores): >= 5,000 fuzzed requests,
+# 200 sleep cycles, kill -9 while asleep, SIGTERM under load; prints its figures as JSON.
+soak: $(STAMP)
+	$(BIN)/python scripts/soak.py $(ARGS)
 
 # Runs on a CUDA host (the device machine): builds csrc there, runs the -m gpu tests and the
 # end-to-end GPU checks, and prints the tables that go into the README.

@@ -3,15 +3,17 @@
 CUDA: one pinned host buffer per tag, allocated on the first sleep and reused afterwards (pinning
 8 GiB costs about 2.8 s on an H200 host against 0.16 s to copy it), filled and drained by chunked
 asynchronous copies on a stream of our own, which run near the pinned-copy bandwidth.
-CPU: one file per tag in a backup folder, so the process's resident memory really drops.
+CPU: one unlinked file per tag (open_unlinked), so the process's resident memory really drops and
+nothing is left on disk when the process ends, however it ends.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from .types import PoolError
 
@@ -22,12 +24,28 @@ if TYPE_CHECKING:  # the CUDA side imports cuda-python, which CPU-only users nee
 # allocation is not one monolithic copy.
 DEFAULT_CHUNK_BYTES = 64 << 20
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Segment:
     ptr: int  # device address of the allocation
     size: int
     offset: int  # where its bytes sit in the backup
+
+
+def groups(items: Sequence[T], group_bytes: int, size: Callable[[T], int]) -> Iterator[list[T]]:
+    """Consecutive runs of whole items of about group_bytes each (one run when 0)."""
+    group: list[T] = []
+    pending = 0
+    for item in items:
+        group.append(item)
+        pending += size(item)
+        if group_bytes and pending >= group_bytes:
+            yield group
+            group, pending = [], 0
+    if group:
+        yield group
 
 
 def plan(allocations: Iterable[tuple[int, int]]) -> list[Segment]:
@@ -47,6 +65,10 @@ class PinnedBackup:
         self.ptr = 0
         self.capacity = 0
         self.layout: list[Segment] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity
 
     def prepare(self, allocations: Iterable[tuple[int, int]]) -> list[Segment]:
         """Lay out the allocations, growing the buffer when they no longer fit. Reuses the
@@ -104,12 +126,8 @@ class Copier:
         for start in range(0, seg.size, self.chunk_bytes):
             yield seg.ptr + start, seg.offset + start, min(self.chunk_bytes, seg.size - start)
 
-    def save(self, backup: PinnedBackup) -> int:
-        """Enqueue device-to-host copies of backup.layout; returns the bytes enqueued."""
-        return sum(seg.size for _, group in self.save_marked([backup], 0) for seg in group)
-
     def save_marked(self, backups: Sequence[PinnedBackup],
-                    group_bytes: int) -> list[tuple["Event | None", list[Segment]]]:
+                    group_bytes: int) -> list[tuple["Event", list[Segment]]]:
         """Enqueue device-to-host copies of every backup's layout, and after each group of
         whole allocations of about group_bytes (0: a single group) record an event. Returns
         [(event, segments whose copies are complete once it fires)] in stream order, so a caller
@@ -117,27 +135,16 @@ class Copier:
         from . import driver
 
         stream = self._get_stream()
-        marks: list[tuple["Event | None", list[Segment]]] = []
-        group: list[Segment] = []
-        pending = 0
+        marks: list[tuple["Event", list[Segment]]] = []
+        pairs = [(backup, seg) for backup in backups for seg in backup.layout]
         with self._ctx.current():
-            for backup in backups:
-                for seg in backup.layout:
+            for i, group in enumerate(groups(pairs, group_bytes, lambda pair: pair[1].size)):
+                for backup, seg in group:
                     for dev, off, n in self._chunks(seg):
                         driver.copy_to_host_async(backup.ptr + off, dev, n, stream)
-                    group.append(seg)
-                    pending += seg.size
-                    if group_bytes and pending >= group_bytes:
-                        event = self._event(len(marks))
-                        event.record(stream)
-                        marks.append((event, group))
-                        group, pending = [], 0
-            if group:
-                event = None
-                if group_bytes:
-                    event = self._event(len(marks))
-                    event.record(stream)
-                marks.append((event, group))
+                event = self._event(i)
+                event.record(stream)
+                marks.append((event, [seg for _, seg in group]))
         return marks
 
     def restore(self, backup: PinnedBackup, segments: Sequence[Segment]) -> int:
@@ -165,18 +172,40 @@ class Copier:
             self._stream = None
 
 
-class FileBackup:
-    """One tag's backup file. Rewritten in place on every sleep; deleted by release()."""
+def open_unlinked(folder: Path) -> int:
+    """A new read-write file with no name anywhere: nothing else can open it, and it vanishes with
+    the process, kill -9 included (a named file used to outlive it: 542 MB left per crash).
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    It is made in a fresh private folder (mkdtemp: mode 0700, a random name) inside `folder`, as an
+    O_TMPFILE (never linked; O_EXCL forbids linking it later), or where the file system lacks
+    O_TMPFILE, created O_EXCL|O_NOFOLLOW with mode 0600 and unlinked at once; the private folder is
+    removed right away. A planted symlink is never followed and a temp cleaner finds nothing to delete."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private = tempfile.mkdtemp(prefix=".sleepserve-", dir=folder)
+    try:
+        try:
+            return os.open(private, os.O_TMPFILE | os.O_RDWR | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except (OSError, AttributeError):  # no O_TMPFILE on this file system (or platform)
+            name = os.path.join(private, "backup")
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            os.unlink(name)
+            return fd
+    finally:
+        os.rmdir(private)
+
+
+class FileBackup:
+    """One tag's backup: an unlinked file (open_unlinked), rewritten in place on every sleep and
+    closed by release(), which frees its disk space."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._fd: int | None = None
+        self.nbytes = 0
 
     @property
-    def nbytes(self) -> int:
-        try:
-            return self.path.stat().st_size
-        except FileNotFoundError:
-            return 0
+    def fd(self) -> int | None:
+        return self._fd
 
     def write(self, buffers: Sequence[memoryview]) -> list[int]:
         """Write the buffers end to end; returns the offset of each."""
@@ -185,49 +214,40 @@ class FileBackup:
             offsets.append(total)
             total += buf.nbytes
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.ftruncate(fd, total)
-                for buf, offset in zip(buffers, offsets):
-                    done = 0
-                    while done < buf.nbytes:
-                        done += os.pwrite(fd, buf[done:], offset + done)
-            finally:
-                os.close(fd)
+            if self._fd is None:
+                self._fd = open_unlinked(self.folder)
+            os.ftruncate(self._fd, total)
+            for buf, offset in zip(buffers, offsets):
+                done = 0
+                while done < buf.nbytes:
+                    done += os.pwrite(self._fd, buf[done:], offset + done)
         except OSError as err:
             raise PoolError(
-                f"writing backup {self.path} ({total / 2**20:.1f} MiB) failed: {err}; "
-                "free disk space or pass another backup_dir to create_pool()"
+                f"writing a backup of {total / 2**20:.1f} MiB in {self.folder} failed: {err}; "
+                "free disk space or choose another offload folder (--offload-dir)"
             ) from err
+        self.nbytes = total
         return offsets
 
     def read_into(self, buf: memoryview, offset: int) -> None:
         """Fill buf from the file at offset, entirely or not at all (PoolError)."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as err:
-            raise PoolError(
-                f"cannot open backup {self.path}: {err}; the backup folder must stay readable "
-                "while the tag sleeps"
-            ) from err
+        if self._fd is None:
+            raise PoolError("this tag has no backup to restore from")
         try:
             done = 0
             while done < buf.nbytes:
-                n = os.preadv(fd, [buf[done:]], offset + done)
+                n = os.preadv(self._fd, [buf[done:]], offset + done)
                 if n == 0:
                     raise PoolError(
-                        f"backup {self.path} ends {buf.nbytes - done} bytes early (truncated "
-                        "while the tag slept?); the tag's content cannot be restored from it"
+                        f"the backup ends {buf.nbytes - done} bytes early (truncated while the tag "
+                        "slept?); the tag's content cannot be restored from it"
                     )
                 done += n
         except OSError as err:
-            raise PoolError(f"reading backup {self.path} failed: {err}") from err
-        finally:
-            os.close(fd)
+            raise PoolError(f"reading the backup failed: {err}") from err
 
     def release(self) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.nbytes = 0

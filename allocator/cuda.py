@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from . import cumem
-from .backup import Copier, PinnedBackup, Segment
+from .backup import Copier, PinnedBackup, groups
 from .driver import DeviceContext
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
@@ -70,20 +70,6 @@ class _ExpandableSegmentsOff:
 _expandable_off = _ExpandableSegmentsOff()
 
 
-def _groups(segments: Sequence[Segment], group_bytes: int) -> Iterator[list[Segment]]:
-    """Consecutive runs of whole segments of about group_bytes each (one run when 0)."""
-    group: list[Segment] = []
-    pending = 0
-    for seg in segments:
-        group.append(seg)
-        pending += seg.size
-        if group_bytes and pending >= group_bytes:
-            yield group
-            group, pending = [], 0
-    if group:
-        yield group
-
-
 class _Clock:
     """Where a sleep or wake spends its time: wall-clock phases and the driver calls' totals
     (bench/pool_diag.py reads backend.last_timings)."""
@@ -113,19 +99,11 @@ class _Clock:
 class CudaBackend:
     name = "cuda-vmm"
 
-    # How sleep and wake order their work; bench/pool_diag.py measures the alternatives.
-    # sleep "pipelined": the discarded tags are released while the backup copies run, and each
-    # group of group_bytes of an offloaded tag as soon as its copies are done. "legacy" (the
-    # first version): copies, then a device synchronization (which waits for every copy) before
-    # releasing the discarded tags, then the offloaded ones.
-    sleep_order = "pipelined"
+    # Sleep releases the discarded tags while the backup copies run, and each group of about
+    # group_bytes of an offloaded tag as soon as its copies are done; wake maps the discarded tags
+    # first, then the offloaded ones group by group, each group's copies starting as soon as it is
+    # mapped. Every other order measured slower on an H200 (docs/results/pool-findings.md).
     group_bytes = 512 << 20
-    # wake "pipelined": the discarded tags are mapped first, then the offloaded ones group by
-    # group, each group's copies starting as soon as it is mapped. "map_first": every tag mapped
-    # before the first copy. "interleave" (the first version): each offloaded tag mapped whole
-    # and its copies started, then the discarded tags mapped while the copies run.
-    wake_order = "pipelined"
-    reset_stack: bool | str = True  # give back the driver's grown local memory while asleep
 
     def __init__(self, device: torch.device) -> None:
         if not torch.cuda.is_available():
@@ -141,7 +119,7 @@ class CudaBackend:
         self._ctx = DeviceContext(index)
         self._copier = Copier(self._ctx)
         self._mempools: dict[str, Any] = {}
-        self._backups: dict[str, PinnedBackup] = {}
+        self.backups: dict[str, PinnedBackup] = {}  # released by MemoryPool
         self._expandable = expandable_segments_requested()
         self._local = threading.local()
         self.last_timings: dict[str, Any] = {}
@@ -307,38 +285,36 @@ class CudaBackend:
         # leaves every byte where it was.
         backups = []
         for tag in offload:
-            backup = self._backups.setdefault(tag, PinnedBackup(self._ctx))
+            backup = self.backups.setdefault(tag, PinnedBackup(self._ctx))
             backup.prepare((a.ptr, a.size) for a in self._allocations(tag) if a.mapped)
             backups.append(backup)
         clock.mark("prepare")
         errors: list[str] = []
         copy_start = time.perf_counter()
-        group = self.group_bytes if self.sleep_order == "pipelined" else 0
         try:
-            marks = self._copier.save_marked(backups, group)
+            marks = self._copier.save_marked(backups, self.group_bytes)
         except PoolError:
             self._copier.wait()
             raise
         offloaded = sum(seg.size for _, segs in marks for seg in segs)
         clock.mark("enqueue")
         # Released while the copies run (they never touch these tags), without a device
-        # synchronization: that would wait for every copy and serialize the two ("legacy").
-        discarded = self._unmap(discard, errors, synchronize=self.sleep_order == "legacy")
+        # synchronization: that would wait for every copy and serialize the two (level 1 of
+        # 8 + 40 GiB: 212 ms so, 164 ms overlapped).
+        discarded = self._unmap(discard, errors, synchronize=False)
         clock.mark("discard")
-        if group:
-            # Each group's memory goes as soon as its copies are done, so what is left to
-            # release after the last copy is one group, not the whole tag.
-            for event, segs in marks:
-                if event is not None:
-                    event.synchronize()
-                try:
-                    self._lib.unmap_ptrs([seg.ptr for seg in segs], synchronize=False)
-                except PoolError as err:
-                    errors.append(str(err))
+        # Each group's memory goes as soon as its copies are done, so what is left to release
+        # after the last copy is one group, not the whole tag.
+        for event, segs in marks:
+            event.synchronize()
+            try:
+                self._lib.unmap_ptrs([seg.ptr for seg in segs], synchronize=False)
+            except PoolError as err:
+                errors.append(str(err))
         self._copier.wait()
         copy_seconds = time.perf_counter() - copy_start
         clock.mark("copies")
-        self._unmap(offload, errors)  # whatever is still mapped ("legacy": everything)
+        self._unmap(offload, errors)  # whatever is still mapped (a group whose release failed)
         clock.mark("unmap_offloaded")
         self._release_torch_caches()
         clock.mark("torch_caches")
@@ -375,14 +351,11 @@ class CudaBackend:
         it keeps stack_size bytes for every thread the device can hold (hundreds of MiB on an
         H200) and never shrinks it by itself. Wake restores the size, so graphs and kernels
         find what they had."""
-        if not self.reset_stack:
-            return
         try:
             current = self._ctx.stack_size()
-            if current > self._stack_base or self.reset_stack == "always":
+            if current > self._stack_base:
                 self._ctx.set_stack_size(self._stack_base)
-                if current > self._stack_base:
-                    self._stack_restore = max(self._stack_restore or 0, current)
+                self._stack_restore = max(self._stack_restore or 0, current)
         except PoolError:
             pass  # an optimization of the footprint only; the pool's memory is already free
 
@@ -396,37 +369,30 @@ class CudaBackend:
         tags = [*restore, *remap]
         restored = mapped = 0
         copy_start: float | None = None
-        missing = [t for t in restore if t not in self._backups]
+        missing = [t for t in restore if t not in self.backups]
         if missing:
             raise PoolError(f"tags {missing} are offloaded but have no host backup")
         try:
             # Discarded tags first (nothing to copy into them): re-creating memory the sleep
             # just released is what varies most (5 to 70 ms for 48 GiB on an H200), and an
-            # out-of-memory failure then costs no copy. "map_first" maps the restored tags too.
-            first = tags if self.wake_order == "map_first" else remap if self.wake_order == "pipelined" else []
-            mapped = self._lib.map_tags([self._ns + t for t in first])
+            # out-of-memory failure then costs no copy.
+            mapped = self._lib.map_tags([self._ns + t for t in remap])
             clock.mark("map")
             for tag in restore:
-                backup = self._backups[tag]
-                if self.wake_order == "interleave":
-                    mapped += self._lib.map_tag(self._ns + tag)
-                    clock.mark("map")
+                backup = self.backups[tag]
                 # Allocations freed while the tag slept are gone from the registry: skip them.
                 live = {(a.ptr, a.size) for a in self._allocations(tag)}
                 segments = [s for s in backup.layout if (s.ptr, s.size) in live]
                 copy_start = copy_start or time.perf_counter()
-                if self.wake_order == "pipelined":
-                    # Map a group, start its copies, map the next while they run: the copies
-                    # start after one group's mapping instead of the whole tag's.
-                    for group in _groups(segments, self.group_bytes):
-                        mapped += self._lib.map_ptrs([s.ptr for s in group])
-                        restored += self._copier.restore(backup, group)
-                else:
-                    restored += self._copier.restore(backup, segments)
+                # Map a group, start its copies, map the next while they run: the copies start
+                # after one group's mapping instead of the whole tag's.
+                for group in groups(segments, self.group_bytes, lambda seg: seg.size):
+                    mapped += self._lib.map_ptrs([s.ptr for s in group])
+                    restored += self._copier.restore(backup, group)
                 clock.mark("enqueue")
-            # Whatever is still unmapped ("interleave": the discarded tags; otherwise anything of
-            # the restored tags that had no backup), while the copies run.
-            mapped += self._lib.map_tags([self._ns + t for t in tags])
+            # Whatever of the restored tags had no backup (unmapped before the sleep), while the
+            # copies run.
+            mapped += self._lib.map_tags([self._ns + t for t in restore])
             clock.mark("map_rest")
             self._copier.wait()
             clock.mark("copies")
@@ -443,26 +409,17 @@ class CudaBackend:
         self.last_timings = clock.report()
         return WakeCost(restored, mapped, copy_seconds)
 
-    # ------------------------------------------------------------------ backups and lifetime
+    # ------------------------------------------------------------------ lifetime
 
-    def release_backups(self, tags: Sequence[str]) -> None:
-        for tag in tags:
-            backup = self._backups.pop(tag, None)
-            if backup is not None:
-                backup.release()
-
-    def backup_tags(self) -> list[str]:
-        return list(self._backups)
-
-    def backup_bytes(self) -> int:
-        return sum(b.capacity for b in self._backups.values())
+    def check_backup_space(self, nbytes: int) -> None:
+        """Backups are pinned host memory, allocated at the first sleep: nothing to check on disk."""
 
     def close(self) -> None:
+        """After MemoryPool released the backups."""
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
         errors: list[str] = []
         self._unmap(sorted({a.tag[len(self._ns):] for a in self._lib.list(self._ns)}), errors)
-        self.release_backups(list(self._backups))
         self._copier.close()
         # Dropping the MemPools lets torch hand back every segment no live tensor uses; those
         # still referenced stay reserved (unmapped) until their tensors die.

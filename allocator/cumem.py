@@ -14,7 +14,7 @@ from typing import Sequence
 
 from .types import PoolError
 
-ABI_VERSION = 2  # must match SA_ABI_VERSION in csrc/sleep_alloc.c
+ABI_VERSION = 3  # must match SA_ABI_VERSION in csrc/sleep_alloc.c
 TAG_MAX = 96  # must match SA_TAG_MAX
 # The timed driver calls, in the order sa_stats reports them.
 STAT_OPS = ("reserve", "create", "map", "access", "unmap", "release", "sync", "address_free")
@@ -64,22 +64,15 @@ class CuMemLibrary:
             "sa_tag_max": ([], ctypes.c_int),
             "sa_last_error": ([], ctypes.c_char_p),
             "sa_init": ([], ctypes.c_int),
-            "sa_granularity": ([ctypes.c_int], ctypes.c_int64),
             "sa_set_thread_tag": ([ctypes.c_char_p], ctypes.c_int),
             "sa_thread_tag": ([], ctypes.c_char_p),
             "sa_set_capture_tag": ([ctypes.c_char_p], ctypes.c_int),
             "sa_list": ([ctypes.c_char_p, ctypes.POINTER(_Info), ctypes.c_int64], ctypes.c_int64),
             "sa_lookup": ([ctypes.c_uint64, ctypes.POINTER(_Info)], ctypes.c_int),
-            "sa_retag": ([ctypes.c_uint64, ctypes.c_char_p], ctypes.c_int),
-            "sa_unmap_tag": ([ctypes.c_char_p], ctypes.c_int64),
-            "sa_map_tag": ([ctypes.c_char_p], ctypes.c_int64),
             "sa_unmap_tags": ([ctypes.POINTER(ctypes.c_char_p), ctypes.c_int], ctypes.c_int64),
             "sa_map_tags": ([ctypes.POINTER(ctypes.c_char_p), ctypes.c_int], ctypes.c_int64),
             "sa_unmap_ptrs": ([ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64, ctypes.c_int], ctypes.c_int64),
             "sa_map_ptrs": ([ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64], ctypes.c_int64),
-            "sa_unmap": ([ctypes.c_uint64], ctypes.c_int),
-            "sa_map": ([ctypes.c_uint64], ctypes.c_int),
-            "sa_set_workers": ([ctypes.c_int], ctypes.c_int),
             "sa_stats": ([ctypes.POINTER(ctypes.c_uint64), ctypes.c_int], ctypes.c_int),
             "sa_stats_reset_max": ([], None),
         }
@@ -101,12 +94,6 @@ class CuMemLibrary:
         """Load libcuda and resolve its entry points (PoolError when there is no driver)."""
         if self._lib.sa_init() != 0:
             raise self._error("the CUDA pool library cannot start")
-
-    def granularity(self, device: int) -> int:
-        g = self._lib.sa_granularity(device)
-        if g < 0:
-            raise self._error(f"allocation granularity of device {device}")
-        return int(g)
 
     def set_thread_tag(self, tag: str | None) -> None:
         if self._lib.sa_set_thread_tag(tag.encode() if tag else None) != 0:
@@ -133,22 +120,6 @@ class CuMemLibrary:
     def lookup(self, addr: int) -> Allocation | None:
         info = _Info()
         return _allocation(info) if self._lib.sa_lookup(addr, ctypes.byref(info)) else None
-
-    def retag(self, ptr: int, tag: str) -> None:
-        if self._lib.sa_retag(ptr, tag.encode()) != 0:
-            raise self._error("retag")
-
-    def unmap_tag(self, tag: str) -> int:
-        n = self._lib.sa_unmap_tag(tag.encode())
-        if n < 0:
-            raise self._error(f"releasing the memory of tag '{_shown(tag)}'")
-        return int(n)
-
-    def map_tag(self, tag: str) -> int:
-        n = self._lib.sa_map_tag(tag.encode())
-        if n < 0:
-            raise self._error(f"re-creating the memory of tag '{_shown(tag)}'")
-        return int(n)
 
     def unmap_tags(self, tags: Sequence[str]) -> int:
         """Release the physical memory of every mapped allocation of the tags: one device
@@ -191,10 +162,6 @@ class CuMemLibrary:
             raise self._error(f"re-creating {len(ptrs)} allocation(s)")
         return int(n)
 
-    def set_workers(self, n: int) -> int:
-        """Threads that map/unmap one batch (1: the calling thread). Returns the value taken."""
-        return int(self._lib.sa_set_workers(int(n)))
-
     def driver_stats(self, reset_max: bool = False) -> dict[str, tuple[int, int, int, int]]:
         """{call: (calls, nanoseconds, bytes, longest call's nanoseconds)} of the timed driver
         calls: cumulative, except the longest call, which counts since the last reset_max."""
@@ -203,14 +170,6 @@ class CuMemLibrary:
         if reset_max:
             self._lib.sa_stats_reset_max()
         return {op: tuple(int(buf[4 * i + k]) for k in range(4)) for i, op in enumerate(STAT_OPS)}  # type: ignore[misc]
-
-    def unmap(self, ptr: int) -> None:
-        if self._lib.sa_unmap(ptr) != 0:
-            raise self._error(f"unmapping 0x{ptr:x}")
-
-    def map(self, ptr: int) -> None:
-        if self._lib.sa_map(ptr) != 0:
-            raise self._error(f"mapping 0x{ptr:x}")
 
 
 _lock = threading.Lock()

@@ -30,10 +30,6 @@ def check(result: Any, what: str) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def is_out_of_memory(err: PoolError) -> bool:
-    return "CUDA_ERROR_OUT_OF_MEMORY" in str(err)
-
-
 class DeviceContext:
     """The primary context of one device, retained for this object's lifetime."""
 
@@ -56,10 +52,6 @@ class DeviceContext:
         with self.current():
             free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
-
-    def synchronize(self) -> None:
-        with self.current():
-            check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def stack_size(self) -> int:
         """The per-thread stack size (CU_LIMIT_STACK_SIZE). The driver raises it, and with it

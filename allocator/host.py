@@ -3,8 +3,8 @@
 Sleep releases the arena's pages with madvise(MADV_DONTNEED), so the process's RSS really drops,
 while the mapping (and so every tensor's address) stays. The mapping must be MAP_PRIVATE: on a
 shared mapping MADV_DONTNEED drops only this process's page-table entries, not the memory.
-Offloaded tags are first written to a backup file and read back bit-exact on wake; discarded tags
-come back as zero pages.
+Offloaded tags are first written to an unlinked backup file (backup.open_unlinked: no name on disk,
+gone with the process) and read back bit-exact on wake; discarded tags come back as zero pages.
 
 An arena lives as long as some tensor views it (torch.frombuffer keeps the mmap alive): the pool
 holds only weak references, so a dropped tensor returns its memory to the OS at once.
@@ -19,7 +19,6 @@ import tempfile
 import time
 import weakref
 from contextlib import nullcontext
-from itertools import count
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,7 +28,6 @@ from .backup import FileBackup
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
 PAGE = mmap.PAGESIZE
-_serial = count()
 
 
 class _Arena:
@@ -70,9 +68,8 @@ class HostBackend:
     def __init__(self, backup_dir: str | os.PathLike[str] | None = None) -> None:
         self.device = torch.device("cpu")
         self._dir = Path(backup_dir) if backup_dir is not None else default_backup_dir()
-        self._prefix = f"sleepserve-{os.getpid()}-{next(_serial)}"
         self._arenas: dict[str, list[_Arena]] = {}
-        self._backups: dict[str, FileBackup] = {}
+        self.backups: dict[str, FileBackup] = {}  # released by MemoryPool
 
     def _live(self, tag: str) -> list[tuple[_Arena, mmap.mmap]]:
         """The tag's arenas still viewed by some tensor (dead ones are dropped)."""
@@ -128,9 +125,9 @@ class HostBackend:
     # ------------------------------------------------------------------ sleep and wake
 
     def _backup(self, tag: str) -> FileBackup:
-        if tag not in self._backups:
-            self._backups[tag] = FileBackup(self._dir / f"{self._prefix}-{tag}.bin")
-        return self._backups[tag]
+        if tag not in self.backups:
+            self.backups[tag] = FileBackup(self._dir)
+        return self.backups[tag]
 
     def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost:
         start = time.perf_counter()
@@ -179,19 +176,22 @@ class HostBackend:
             raise
         return WakeCost(restored, mapped, copy_seconds)
 
-    # ------------------------------------------------------------------ backups and lifetime
+    # ------------------------------------------------------------------ lifetime
 
-    def release_backups(self, tags: Sequence[str]) -> None:
-        for tag in tags:
-            backup = self._backups.pop(tag, None)
-            if backup is not None:
-                backup.release()
-
-    def backup_tags(self) -> list[str]:
-        return list(self._backups)
-
-    def backup_bytes(self) -> int:
-        return sum(b.nbytes for b in self._backups.values())
+    def check_backup_space(self, nbytes: int) -> None:
+        """Fail now, not at the first sleep, when the offload folder cannot hold nbytes."""
+        try:
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.statvfs(self._dir)
+        except OSError as err:
+            raise PoolError(f"the offload folder {self._dir} is not usable: {err}; choose another one "
+                            "(--offload-dir or SLEEPSERVE_OFFLOAD_DIR)") from err
+        free = st.f_bavail * st.f_frsize
+        if free < nbytes:
+            raise PoolError(
+                f"the offload folder {self._dir} has {free / 2**20:.0f} MiB of free space, less than the "
+                f"{nbytes / 2**20:.0f} MiB the weights take while asleep at level 1; free disk space or "
+                "choose a bigger folder (--offload-dir or SLEEPSERVE_OFFLOAD_DIR)")
 
     def memory_info(self) -> tuple[int, int]:
         return meminfo()
@@ -201,4 +201,3 @@ class HostBackend:
             for arena, _ in self._live(tag):
                 arena.release_pages()
         self._arenas.clear()
-        self.release_backups(list(self._backups))

@@ -71,10 +71,6 @@ class MemoryPool:
     def device(self) -> torch.device:
         return self._backend.device
 
-    @property
-    def backend_name(self) -> str:
-        return self._backend.name
-
     def _use_stack(self) -> list[str]:
         stack = getattr(self._local, "tags", None)
         if stack is None:
@@ -277,7 +273,7 @@ class MemoryPool:
             for tag in targets:
                 del self._sleeping[tag]
             if not self._keep_backups and restore:
-                self._backend.release_backups(restore)
+                self._release_backups(restore)
         return WakeReport(cost.bytes_restored, cost.bytes_mapped,
                           time.perf_counter() - start, cost.copy_seconds)
 
@@ -300,6 +296,14 @@ class MemoryPool:
         with self._lock:
             self._check_open()
             return self._backend.tag_of(tensor.data_ptr())
+
+    def check_backup_space(self, tags: str | Iterable[str]) -> None:
+        """PoolError now when the backups of these tags (as allocated today) would not fit, so a
+        server fails at start-up instead of at its first sleep."""
+        with self._lock:
+            self._check_open()
+            usage = self._backend.usage()
+            self._backend.check_backup_space(sum(usage[t].bytes for t in _tag_list(tags) if t in usage))
 
     def tag_state(self, tag: str) -> str:
         """'awake', 'offloaded' or 'discarded'; a tag never allocated is 'awake'."""
@@ -325,19 +329,24 @@ class MemoryPool:
                 backend=self._backend.name,
                 device=str(self.device),
                 tags=tags,
-                host_backup_bytes=self._backend.backup_bytes(),
+                host_backup_bytes=sum(b.nbytes for b in self._backend.backups.values()),
                 device_free=free,
                 device_total=total,
             )
 
-    # ------------------------------------------------------------------ lifetime
+    # ------------------------------------------------------------------ backups and lifetime
 
     def release_backups(self) -> None:
         """Free the host backups of awake tags (kept by default so the next sleep reuses them)."""
         with self._lock:
             self._check_open()
-            awake = [t for t in self._backend.backup_tags() if t not in self._sleeping]
-            self._backend.release_backups(sorted(awake))
+            self._release_backups([t for t in self._backend.backups if t not in self._sleeping])
+
+    def _release_backups(self, tags: Iterable[str]) -> None:
+        for tag in list(tags):
+            backup = self._backend.backups.pop(tag, None)
+            if backup is not None:
+                backup.release()
 
     def close(self) -> None:
         """Release every byte the pool holds. Pool tensors must not be used afterwards."""
@@ -346,6 +355,9 @@ class MemoryPool:
                 return
             self._closed = True
             self._sleeping.clear()
+            # Backups first: no copy is in flight between calls, and the CUDA backend's close
+            # gives up the context that frees pinned memory.
+            self._release_backups(self._backend.backups)
             self._backend.close()
 
     def __enter__(self) -> "MemoryPool":

@@ -92,6 +92,15 @@ class WakeCost:
     copy_seconds: float
 
 
+class Backup(Protocol):
+    """A tag's host copy: kept across cycles (pinning is slow) until the pool releases it."""
+
+    @property
+    def nbytes(self) -> int: ...  # host bytes held (pinned buffer, or file on disk)
+
+    def release(self) -> None: ...
+
+
 class Backend(Protocol):
     """What a memory backend does for MemoryPool, which owns the per-tag state and its rules.
 
@@ -102,6 +111,7 @@ class Backend(Protocol):
 
     name: str
     device: torch.device
+    backups: dict[str, Backup]  # by tag; created by sleep(), released by the pool
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor: ...
 
@@ -119,11 +129,7 @@ class Backend(Protocol):
 
     def wake(self, restore: Sequence[str], remap: Sequence[str]) -> WakeCost: ...
 
-    def release_backups(self, tags: Sequence[str]) -> None: ...
-
-    def backup_tags(self) -> list[str]: ...
-
-    def backup_bytes(self) -> int: ...
+    def check_backup_space(self, nbytes: int) -> None: ...
 
     def memory_info(self) -> tuple[int, int]: ...
 

@@ -3,10 +3,9 @@
     python bench/pool_diag.py --out DIR [--parts perf,footprint] [--weights-gib 8 --kv-gib 40]
 
 perf: the pool table's layout (32 MiB weight tensors, 1 GiB KV tensors, a CUDA graph), then
-  sleep/wake cycles under each ordering the CUDA backend offers (legacy = the first version),
-  with the wall-clock phases and the driver calls' counts and milliseconds of each call
-  (backend.last_timings), worker threads for map/unmap, discard-only and map-only cycles
-  (per-handle costs), and a pause before re-mapping (does the driver still scrub?).
+  sleep/wake cycles with the wall-clock phases and the driver calls' counts and milliseconds of
+  each call (backend.last_timings): group sizes of the pipelined copies, discard-only and
+  copy-only cycles (per-handle costs), and a pause before re-mapping (does the driver still scrub?).
 footprint: fresh processes that record device memory in use against a bare process after each
   first use of a kernel family (elementwise, casts, RNG, cuBLAS handle, GEMMs, a graph), with
   module loading lazy (torch's default) and eager (all of torch's code loaded at once: how big
@@ -14,23 +13,8 @@ footprint: fresh processes that record device memory in use against a bare proce
   the device memory its GPU mapping costs, the time to allocate it, copy bandwidth.
 Everything goes to DIR/diag.json (rewritten after each part) and a summary is printed.
 
-What it found on an H200 (driver 580.159.04, torch 2.11, three device runs):
-- Level-1 sleep (legacy 212 ms): releasing the discarded KV began with cuCtxSynchronize, which
-  waited for every backup copy (sync 2x = 159 ms), so the 40 GiB release ran after the copies.
-  Releasing it while the copies run, and each 512 MiB group of weights once its copy event
-  fires: 164 ms = 98% of raw. Worker threads for map/unmap only slowed every driver call.
-- Level-1 wake (legacy 250-290 ms when it follows the sleep at once, 185 ms 0.2 s later): the
-  copies run ~20 ms slower right after a sleep released memory, probably the driver scrubbing
-  it; mapping the discarded tags first and the weights group by group: 182 ms (88%) at once,
-  169-172 ms (94%) 0.5 s after the sleep.
-- Level 2: unmap+release of 48 GiB in 301 handles is 25-45 ms (release ~0.4 ms/GiB, per call
-  ~45 us). Re-creating it at once is bimodal in every order: 15 ms, or 60-90 ms when the driver
-  hands back pages it must first clear (cuMemCreate ~1.6 ms/GiB; gone with a pause).
-- Footprint: the stack limit never moved (1024). A process that ran the same kernels without any
-  pool keeps +232 MiB over a bare context after freeing everything (first kernel launch +92 MiB
-  of lazily loaded code, cuBLAS handle +66, cuBLAS on a second stream +70): eager module loading
-  makes the bare context itself 732 MiB larger. The pool's own share is 18 MiB, 16 of them GPU
-  page tables for 8.25 GiB of pinned backups (2 MiB per GiB; cuMemCreate host memory: 14).
+What it found on H200s (the orders, worker threads and group sizes it compared, since removed
+from the library): docs/results/pool-findings.md.
 """
 
 from __future__ import annotations
@@ -64,7 +48,8 @@ def perf(args: argparse.Namespace, out: Path) -> None:
     import torch
 
     from allocator import create_pool
-    from bench.pool_table import Model, capture, raw_pinned_bandwidth
+    from bench.pool_table import Model, raw_pinned_bandwidth
+    from tests.cuda_pool import capture
 
     index = 0
     torch.cuda.set_device(index)
@@ -74,7 +59,7 @@ def perf(args: argparse.Namespace, out: Path) -> None:
     print(f"raw pinned: D2H {raw_d2h:.1f} H2D {raw_h2d:.1f} GB/s", flush=True)
 
     pool = create_pool(f"cuda:{index}")
-    be, lib = pool._backend, pool._backend._lib
+    be = pool._backend
     weights, kv = [], []
     chunk = 32 * MiB
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -87,14 +72,10 @@ def perf(args: argparse.Namespace, out: Path) -> None:
     torch.manual_seed(0)
     model = Model().cuda().to(torch.bfloat16).eval()
     pool.adopt(model, "weights")
-    static_x = pool.empty((8, 4096), torch.bfloat16, "cuda_graph")
-    static_x.copy_(torch.randn(8, 4096, device="cuda").to(torch.bfloat16))
     with torch.no_grad():
         model(torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16))
-        graph, static_y = capture(pool, model, static_x)
-        graph.replay()
-        torch.cuda.synchronize()
-        graph_ref = static_y.clone()
+    graph, _, static_y = capture(pool, model, (8, 4096))
+    graph_ref = static_y.clone()
     reference = [t.cpu() for t in weights[:: max(1, len(weights) // 16)]]
     sampled = weights[:: max(1, len(weights) // 16)]
     usage = be.usage()
@@ -106,13 +87,11 @@ def perf(args: argparse.Namespace, out: Path) -> None:
             t.fill_(1)
         torch.cuda.synchronize()
 
-    defaults = dict(sleep_order=be.sleep_order, wake_order=be.wake_order, group_bytes=be.group_bytes)
+    default_group = be.group_bytes
 
-    def cycle(label: str, offload: list[str], discard: list[str], n: int = 2, workers: int = 1,
-              pause: float = 0.0, wake_tags=None, **attrs) -> None:
-        for k, v in {**defaults, **attrs}.items():
-            setattr(be, k, v)
-        lib.set_workers(workers)
+    def cycle(label: str, offload: list[str], discard: list[str], n: int = 2, pause: float = 0.0,
+              wake_tags=None, group_bytes: int = default_group) -> None:
+        be.group_bytes = group_bytes
         runs = []
         for _ in range(n):
             try:
@@ -163,24 +142,15 @@ def perf(args: argparse.Namespace, out: Path) -> None:
     # pause: seconds between a sleep's return and the wake (the pool table uses none).
     cycle("first (pins backups)", *L1, n=1)
     if args.experiments == "full":
-        cycle("L1 legacy/interleave p0", *L1, n=3, sleep_order="legacy", wake_order="interleave")
-        cycle("L1 pipelined/pipelined p0", *L1, n=3)
-        cycle("L1 pipelined/interleave p0", *L1, n=3, wake_order="interleave")
-        cycle("L1 pipelined/map_first p0", *L1, n=3, wake_order="map_first")
-        cycle("L1 pipelined/pipelined p0.2", *L1, n=2, pause=0.2)
-        cycle("L1 legacy/interleave p0.2", *L1, n=2, pause=0.2, sleep_order="legacy", wake_order="interleave")
+        cycle("L1 p0", *L1, n=3)
+        cycle("L1 p0.2", *L1, n=2, pause=0.2)
         cycle("L1 group128 p0", *L1, n=2, group_bytes=128 * MiB)
         cycle("L1 group2048 p0", *L1, n=2, group_bytes=2048 * MiB)
-        cycle("copy-only pipelined p0", ["weights", "cuda_graph"], [], n=2)
+        cycle("copy-only p0", ["weights", "cuda_graph"], [], n=2)
     else:
-        cycle("L1 pipelined/pipelined p0", *L1, n=4)
-        cycle("L1 pipelined/map_first p0", *L1, n=3, wake_order="map_first")
-        cycle("L1 legacy/interleave p0", *L1, n=2, sleep_order="legacy", wake_order="interleave")
-        cycle("L1 pipelined/pipelined p0.5", *L1, n=2, pause=0.5)
-        cycle("L1 pipelined/map_first p0.5", *L1, n=2, pause=0.5, wake_order="map_first")
-    for k, v in defaults.items():
-        setattr(be, k, v)
-    lib.set_workers(1)
+        cycle("L1 p0", *L1, n=4)
+        cycle("L1 p0.5", *L1, n=2, pause=0.5)
+    be.group_bytes = default_group
     # Level-1 cycles restore the weights: check them and the graph before level 2 discards them.
     res["bit_exact_sampled"] = all(torch.equal(t.cpu(), r) for t, r in zip(sampled, reference))
     static_y.zero_()
@@ -192,21 +162,13 @@ def perf(args: argparse.Namespace, out: Path) -> None:
           f"{res['graph_equal_after_l1']}, stack {res['stack']}", flush=True)
     save(out)
     if args.experiments == "full":
-        cycle("L2 legacy p0", *L2, n=3, sleep_order="legacy", wake_order="interleave")
-        cycle("L2 pipelined p0", *L2, n=4)
-        cycle("L2 pipelined p0.2", *L2, n=2, pause=0.2)
-        cycle("L2 map_first p0", *L2, n=2, wake_order="map_first")
+        cycle("L2 p0", *L2, n=4)
+        cycle("L2 p0.2", *L2, n=2, pause=0.2)
         cycle("kv only p0", [], ["kv_cache"], n=2)
         cycle("weights discard only p0", [], ["weights"], n=2)
     else:
-        cycle("L2 pipelined p0", *L2, n=5)
-        cycle("L2 map_first p0", *L2, n=4, wake_order="map_first")
-        cycle("L2 interleave p0", *L2, n=4, wake_order="interleave")
-        cycle("L2 legacy/interleave p0", *L2, n=2, sleep_order="legacy", wake_order="interleave")
-        cycle("L2 pipelined p0.5", *L2, n=2, pause=0.5)
-    for k, v in defaults.items():
-        setattr(be, k, v)
-    lib.set_workers(1)
+        cycle("L2 p0", *L2, n=5)
+        cycle("L2 p0.5", *L2, n=2, pause=0.5)
     pool.close()
     save(out)
 
@@ -228,8 +190,8 @@ import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 mode = sys.argv[2]
 import torch
-from allocator import probe
-bare = probe.bare_process_used(0)
+from tests.footprint import bare_process_used
+bare = bare_process_used(0)
 steps = []
 torch.cuda.init(); torch.cuda.set_device(0)
 from allocator import driver
@@ -348,8 +310,8 @@ def main() -> int:
     ap.add_argument("--weights-gib", type=float, default=8.0)
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--experiments", choices=["full", "final"], default="final",
-                    help="full: every ordering and group size (the second device run); final: the "
-                         "chosen orders against their alternatives, with and without a pause")
+                    help="full: group sizes, pauses, discard-only and copy-only cycles; final: "
+                         "levels 1 and 2 with and without a pause")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

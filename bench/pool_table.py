@@ -5,7 +5,7 @@
 Measures, in one run and against references taken in that same run:
   - device free memory before sleep, after sleep and after wake;
   - device memory in use after a full sleep against a bare CUDA process, and against a process
-    that ran the same kernels without a pool (allocator/probe.py);
+    that ran the same kernels without a pool (tests/footprint.py);
   - sleep and wake seconds for level 1 (offload weights + graph, discard KV) and level 2 (discard
     weights and KV, offload graph), cycle 1 and the median of cycles >= 2;
   - level-1 effective GB/s (offloaded bytes / whole call) beside the raw pinned copy GB/s;
@@ -31,25 +31,14 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from allocator import MemoryPool, create_pool, probe  # noqa: E402
+from allocator import MemoryPool, create_pool  # noqa: E402
+from tests import footprint as probe  # noqa: E402
+from tests.cuda_pool import capture, free_bytes, host_rss  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 TARGET_BANDWIDTH_FRACTION = 0.85
 TARGET_LEVEL2_SECONDS = 0.050
 TARGET_OVERHEAD_BYTES = 64 * MiB
-
-
-def host_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def free_bytes(index: int) -> int:
-    torch.cuda.synchronize(index)
-    return torch.cuda.mem_get_info(index)[0]
 
 
 def raw_pinned_bandwidth(index: int, nbytes: int, repeats: int = 5) -> tuple[float, float]:
@@ -104,38 +93,12 @@ def reference_workload(index: int):
     w.copy_(torch.randint(0, 256, (32 * MiB,), generator=gen, device=dev, dtype=torch.uint8))
     torch.manual_seed(0)
     model = Model().to(dev).to(torch.bfloat16).eval()
-    static_x = torch.empty((8, 4096), dtype=torch.bfloat16, device=dev)
-    static_x.copy_(torch.randn(8, 4096, device=dev).to(torch.bfloat16))
     with torch.no_grad():
         model(torch.randn(64, 4096, device=dev, dtype=torch.bfloat16))
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                model(static_x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = model(static_x)
-        graph.replay()
-        torch.equal(out, out.clone())
+    graph, _, out = capture(None, model, (8, 4096))
+    torch.equal(out, out.clone())
     w.cpu()
     return graph
-
-
-def capture(pool: MemoryPool, fn, static_input: torch.Tensor):
-    """The recipe of MemoryPool.graph_pool."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with pool.use("cuda_graph"), torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(static_input)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool.graph_pool("cuda_graph"), stream=stream):
-        out = fn(static_input)
-    torch.cuda.synchronize()
-    return graph, out
 
 
 @dataclass
@@ -184,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=int, default=5, help="cycles per level (cycle 1 + median of the rest)")
     ap.add_argument("--leak-cycles", type=int, default=50)
     ap.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
-    ap.add_argument("--sleep-order", help="CudaBackend.sleep_order to measure instead of the default")
-    ap.add_argument("--wake-order", help="CudaBackend.wake_order to measure instead of the default")
     args = ap.parse_args(argv)
     index = args.device
     args.out.mkdir(parents=True, exist_ok=True)
@@ -200,10 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"raw pinned copy: D2H {raw_d2h:.1f} GB/s, H2D {raw_h2d:.1f} GB/s", flush=True)
 
     pool = create_pool(f"cuda:{index}")
-    if args.sleep_order:
-        pool._backend.sleep_order = args.sleep_order
-    if args.wake_order:
-        pool._backend.wake_order = args.wake_order
     weights, kv = [], []
     chunk = 32 * MiB  # 256 tensors for 8 GiB: the shape of a real checkpoint's layers
     gen = torch.Generator(device=f"cuda:{index}").manual_seed(0)
@@ -221,14 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     model = Model().cuda().to(torch.bfloat16).eval()
     pool.adopt(model, "weights")
     model_host = {n: p.detach().cpu() for n, p in model.named_parameters()}
-    static_x = pool.empty((8, 4096), torch.bfloat16, "cuda_graph")
-    static_x.copy_(torch.randn(8, 4096, device="cuda").to(torch.bfloat16))
     with torch.no_grad():
         model(torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16))  # eager cuBLAS: cached outside the pool
-        graph, static_y = capture(pool, model, static_x)
-        graph.replay()
-        torch.cuda.synchronize()
-        graph_reference = static_y.clone()
+    graph, _, static_y = capture(pool, model, (8, 4096))
+    graph_reference = static_y.clone()
     weight_bytes = pool.stats().tags["weights"].bytes
 
     def touch_kv() -> None:
@@ -315,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": torch.cuda.get_device_name(index),
         "torch": torch.__version__,
-        "orders": {"sleep": pool._backend.sleep_order, "wake": pool._backend.wake_order},
+        "group_bytes": pool._backend.group_bytes,
         "weights_bytes": weight_bytes,
         "kv_bytes": len(kv) * layer_kv,
         "raw_pinned_gbps": {"d2h": raw_d2h, "h2d": raw_h2d},
@@ -392,8 +345,8 @@ def render(r: dict) -> str:
          f"none: {ok('no_device_leak')} / {ok('no_host_leak')}"),
     ]
     head = (f"Sleepable pool on {r['device']} (torch {r['torch']}): {gib(r['weights_bytes'])} `weights` + "
-            f"{gib(r['kv_bytes'])} `kv_cache` + a CUDA graph; sleep order `{r['orders']['sleep']}`, wake order "
-            f"`{r['orders']['wake']}`\n\n| measure | value | target |\n| --- | --- | --- |")
+            f"{gib(r['kv_bytes'])} `kv_cache` + a CUDA graph; copies pipelined in groups of "
+            f"{r['group_bytes'] / MiB:.0f} MiB\n\n| measure | value | target |\n| --- | --- | --- |")
     return head + "\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
 
 

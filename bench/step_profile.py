@@ -1,5 +1,7 @@
 """Where a decode step's time goes (CUDA): GPU time of the graph replay against the host-side work
-around it (input preparation, sampling, bookkeeping), at batch 1 and 64.
+around it (input preparation, sampling, bookkeeping), at batch 1 and 64. The parts are the
+engine's own step functions (EngineCore.step = scheduler.schedule -> runner.prepare ->
+runner.logits -> runner.sample -> EngineCore.postprocess), called one by one and synchronized.
 
     python bench/step_profile.py --out $OUT
 """
@@ -16,12 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import table, write_json  # noqa: E402
-from bench.models import model_folder  # noqa: E402
+from tests.models import model_folder  # noqa: E402
 
 
 def profile(llm, batch: int, steps: int) -> dict:
     from server import SamplingParams
-    from server.engine.sampler import sample
 
     core, runner = llm.engine, llm.engine.runner
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
@@ -53,15 +54,9 @@ def profile(llm, batch: int, steps: int) -> dict:
         end.record()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        tokens, lps = sample(logits, inputs.sample_seqs, core.eos_ids, core.tokenizer)
+        sampled = runner.sample(inputs, logits, core.eos_ids, core.tokenizer)
         t4 = time.perf_counter()
-        for seq, k in batch_.items:
-            seq.num_computed += k
-            core.blocks.commit(seq)
-        for seq, tok, lp in zip(inputs.sample_seqs, tokens, lps):
-            seq.append(tok, lp, core.eos_ids, core.max_model_len, core.tokenizer)
-        for req in core.requests.values():
-            req.output()
+        core.postprocess(batch_, sampled)
         t5 = time.perf_counter()
         gpu += start.elapsed_time(end) / 1e3
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 from bench.common import hardware, now_iso, sync, table, write_json
-from bench.models import model_folder
+from tests.models import model_folder
 
 SCHEMA = {"type": "array", "minItems": 1000, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -53,7 +53,7 @@ def decode_rate(llm, batch: int, new_tokens: int, structured, device: torch.devi
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", default=None, help="a bench/models.py shape with random weights (default: the "
+    ap.add_argument("--model", default=None, help="a tests/models.py shape with random weights (default: the "
                                                    "embedded SmolLM2-135M)")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on CPU, 256 on CUDA")

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import now_iso, table, write_json  # noqa: E402
-from bench.models import model_folder  # noqa: E402
+from tests.models import model_folder  # noqa: E402
 from server.weight_transfer import rendezvous  # noqa: E402
 from server.weight_transfer.group import open_group  # noqa: E402
 from server.weight_transfer.protocol import plan_buckets  # noqa: E402

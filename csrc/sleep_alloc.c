@@ -8,15 +8,15 @@
  *
  * Two audiences:
  *   - torch, through CUDAPluggableAllocator: sleep_malloc / sleep_free. They never call into
- *     Python (DESIGN invariant 6); each allocation is recorded in a C registry under the tag the
+ *     Python (docs/architecture.md, invariant 6); each allocation is recorded in a C registry under the tag the
  *     calling thread set beforehand.
  *   - allocator/cumem.py, through ctypes: set the tag, list allocations, unmap/re-map listed
  *     allocations or whole tags in batches (re-mapping all or nothing), and read how long each
  *     kind of driver call took (sa_stats). A batch synchronizes the device once, not per
  *     allocation; sa_unmap_ptrs can skip even that when the caller knows the memory is idle (a
  *     sleep releases each allocation as soon as the event after its backup copy fired).
- *     Batches may run on worker threads (sa_set_workers); on an H200 with driver 580 more threads
- *     made every call slower (the driver serializes them), so the default is the calling thread.
+ *     Batches run in the calling thread: worker threads were measured on an H200 (driver 580)
+ *     and made every driver call slower, the driver serializing them (docs/results/pool-findings.md).
  *
  * libcuda is opened with dlopen so this file builds where only the CUDA headers exist; the entry
  * points are resolved with cuGetProcAddress at pinned ABI versions, so the prototypes we call
@@ -40,8 +40,7 @@
 #include <time.h>
 
 #define SA_EXPORT __attribute__((visibility("default")))
-#define SA_ABI_VERSION 2
-#define SA_MAX_WORKERS 16
+#define SA_ABI_VERSION 3
 #define SA_TAG_MAX 96
 #define SA_MAX_DEVICES 64
 
@@ -356,7 +355,7 @@ typedef struct {
   CUmemGenericAllocationHandle handle; /* meaningful only while mapped */
   int device;
   int mapped;
-  int mapped_by_this_call; /* scratch for sa_map_tag's rollback */
+  int mapped_by_this_call; /* scratch for map_all's rollback */
   char tag[SA_TAG_MAX];
 } sa_entry;
 
@@ -506,12 +505,6 @@ SA_EXPORT const char *sa_last_error(void) { return tl_error; }
 /* 0 when libcuda loaded and every entry point resolved; -1 and an error otherwise. */
 SA_EXPORT int sa_init(void) { return load_driver(); }
 
-SA_EXPORT int64_t sa_granularity(int device) {
-  size_t g;
-  if (load_driver() != 0 || granularity(device, &g) != 0) return -1;
-  return (int64_t)g;
-}
-
 SA_EXPORT int sa_set_thread_tag(const char *tag) {
   if (tag && strlen(tag) >= SA_TAG_MAX) {
     set_error("tag '%s' is longer than %d bytes", tag, SA_TAG_MAX - 1);
@@ -564,23 +557,6 @@ SA_EXPORT int sa_lookup(uint64_t addr, sa_info *out) {
   return found;
 }
 
-/* Re-tags one allocation (used to attribute segments that reached the pool untagged). */
-SA_EXPORT int sa_retag(uint64_t ptr, const char *tag) {
-  if (!tag || strlen(tag) >= SA_TAG_MAX) {
-    set_error("retag: tag missing or longer than %d bytes", SA_TAG_MAX - 1);
-    return -1;
-  }
-  pthread_mutex_lock(&reg_lock);
-  long i = reg_find((CUdeviceptr)ptr);
-  if (i >= 0) copy_tag(reg[i].tag, tag);
-  pthread_mutex_unlock(&reg_lock);
-  if (i < 0) {
-    set_error("retag: 0x%llx is not an allocation of this pool", (unsigned long long)ptr);
-    return -1;
-  }
-  return 0;
-}
-
 /* ------------------------------------------------------------------ timing, for Python */
 
 /* Fills out[4*op + {0,1,2,3}] with the calls, nanoseconds, bytes and longest call of each timed
@@ -604,137 +580,67 @@ SA_EXPORT void sa_stats_reset_max(void) {
 
 /* ------------------------------------------------------------------ batches */
 
-/* Threads that map or unmap the allocations of one batch. 1 (the default) runs the batch in the
- * calling thread; more lets the driver overlap calls where its own locking allows (measured on an
- * H200, driver 580: it does not; 4 threads made unmapping 48 GiB slower, not faster). */
-static int n_workers = 1;
+enum { BATCH_UNMAP, BATCH_MAP };
 
-SA_EXPORT int sa_set_workers(int n) {
-  if (n < 1) n = 1;
-  if (n > SA_MAX_WORKERS) n = SA_MAX_WORKERS;
-  __atomic_store_n(&n_workers, n, __ATOMIC_RELAXED);
-  return n;
-}
-
-enum { JOB_UNMAP, JOB_MAP };
-
-typedef struct {
-  sa_entry **items;
-  size_t n;
-  int op;
-  size_t next;  /* the next item to take, shared by the workers */
-  int failed;   /* set once, with error, by the first failing item */
-  char error[sizeof tl_error];
-  pthread_mutex_t lock;
-} sa_job;
-
-static void job_fail(sa_job *j) {
-  pthread_mutex_lock(&j->lock);
-  if (!j->failed) {
-    memcpy(j->error, tl_error, sizeof j->error);
-    __atomic_store_n(&j->failed, 1, __ATOMIC_RELEASE);
-  }
-  pthread_mutex_unlock(&j->lock);
-}
-
-/* One worker: takes items until none is left. Unmapping keeps going past a failure so as much
- * as possible is released; mapping stops at the first one (the caller rolls back). Each item is
- * touched by one worker only; the caller holds reg_lock throughout. */
-static void *job_run(void *arg) {
-  sa_job *j = arg;
+/* Maps or unmaps items in the calling thread, pushing each one's device context. Unmapping keeps
+ * going past a failure so as much as possible is released; mapping stops at the first one (the
+ * caller rolls back). Returns 0, or -1 with the first error. The caller holds reg_lock. */
+static int run_batch(int op, sa_entry **items, size_t n) {
+  char first_error[sizeof tl_error];
+  int failed = 0, device = -1;
   CUstreamCaptureMode mode = capture_mode_relax();
-  int device = -1;
-  for (;;) {
-    size_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-    if (i >= j->n) break;
-    if (j->op == JOB_MAP && __atomic_load_n(&j->failed, __ATOMIC_ACQUIRE)) break;
-    sa_entry *e = j->items[i];
+  for (size_t i = 0; i < n && !(failed && op == BATCH_MAP); i++) {
+    sa_entry *e = items[i];
+    int rc = 0;
     if (e->device != device) {
       if (device >= 0) ctx_pop();
-      device = -1;
-      if (ctx_push(e->device) != 0) {
-        job_fail(j);
-        continue;
-      }
-      device = e->device;
+      device = ctx_push(e->device) == 0 ? e->device : -1;
+      rc = device < 0 ? -1 : 0;
     }
-    if (j->op == JOB_MAP) {
-      if (map_physical(e->device, e->ptr, e->size, &e->handle) == 0) {
-        e->mapped = 1;
-        e->mapped_by_this_call = 1;
-      } else {
-        job_fail(j);
-      }
-    } else if (unmap_physical(e->ptr, e->size, e->handle) == 0) {
-      e->mapped = 0;
-    } else {
-      job_fail(j);
+    if (rc == 0 && op == BATCH_MAP) {
+      rc = map_physical(e->device, e->ptr, e->size, &e->handle);
+      if (rc == 0) e->mapped = e->mapped_by_this_call = 1;
+    } else if (rc == 0) {
+      rc = unmap_physical(e->ptr, e->size, e->handle);
+      if (rc == 0) e->mapped = 0;
+    }
+    if (rc != 0 && !failed) {
+      memcpy(first_error, tl_error, sizeof first_error);
+      failed = 1;
     }
   }
   if (device >= 0) ctx_pop();
   capture_mode_restore(mode);
-  return NULL;
+  if (failed) memcpy(tl_error, first_error, sizeof tl_error);
+  return failed ? -1 : 0;
 }
 
-static int larger_first(const void *a, const void *b) {
-  size_t x = (*(sa_entry *const *)a)->size, y = (*(sa_entry *const *)b)->size;
-  return x < y ? 1 : x > y ? -1 : 0;
+static int64_t total_size(sa_entry **items, size_t n, int mapped) {
+  int64_t sum = 0;
+  for (size_t i = 0; i < n; i++)
+    if (items[i]->mapped == mapped) sum += (int64_t)items[i]->size;
+  return sum;
 }
 
-/* Maps or unmaps items on up to n_workers threads. Returns 0, or -1 with the first error. */
-static int run_job(int op, sa_entry **items, size_t n) {
-  if (n == 0) return 0;
-  sa_job j;
-  memset(&j, 0, sizeof j);
-  j.items = items;
-  j.n = n;
-  j.op = op;
-  pthread_mutex_init(&j.lock, NULL);
-  size_t workers = (size_t)__atomic_load_n(&n_workers, __ATOMIC_RELAXED);
-  if (workers > n) workers = n;
-  if (workers <= 1) {
-    job_run(&j);
+/* Maps every item (all unmapped), all or nothing: on failure the ones this call mapped are
+ * released again (nothing ran on them yet: no synchronization needed) and -1 is returned with the
+ * error of the failing one. Returns the bytes mapped otherwise. The caller holds reg_lock. */
+static int64_t map_all(sa_entry **items, size_t n) {
+  int64_t mapped = -1;
+  for (size_t i = 0; i < n; i++) items[i]->mapped_by_this_call = 0;
+  if (run_batch(BATCH_MAP, items, n) == 0) {
+    mapped = total_size(items, n, 1);
   } else {
-    qsort(items, n, sizeof *items, larger_first); /* big ones first: the workers finish together */
-    pthread_t threads[SA_MAX_WORKERS];
-    size_t started = 0;
-    for (size_t k = 1; k < workers; k++)
-      if (pthread_create(&threads[started], NULL, job_run, &j) == 0) started++;
-    job_run(&j);
-    for (size_t k = 0; k < started; k++) pthread_join(threads[k], NULL);
+    char error[sizeof tl_error];
+    memcpy(error, tl_error, sizeof error);
+    size_t undo = 0;
+    for (size_t i = 0; i < n; i++)
+      if (items[i]->mapped_by_this_call) items[undo++] = items[i];
+    run_batch(BATCH_UNMAP, items, undo);
+    memcpy(tl_error, error, sizeof tl_error);
   }
-  pthread_mutex_destroy(&j.lock);
-  if (j.failed) {
-    memcpy(tl_error, j.error, sizeof tl_error);
-    return -1;
-  }
-  return 0;
-}
-
-static int tag_listed(const char *tag, const char *const *tags, int ntags) {
-  for (int k = 0; k < ntags; k++)
-    if (tags[k] && strcmp(tag, tags[k]) == 0) return 1;
-  return 0;
-}
-
-/* The registry entries of the listed tags whose mapped state is `mapped`, and the devices they
- * live on. Caller holds reg_lock and frees the array. NULL (with an error) when out of memory. */
-static sa_entry **collect_tags(const char *const *tags, int ntags, int mapped, size_t *n_out,
-                               unsigned char devices[SA_MAX_DEVICES]) {
-  sa_entry **items = malloc((reg_len ? reg_len : 1) * sizeof *items);
-  if (!items) {
-    set_error("out of host memory listing %zu allocations", reg_len);
-    return NULL;
-  }
-  size_t n = 0;
-  for (size_t i = 0; i < reg_len; i++) {
-    sa_entry *e = &reg[i];
-    if (e->mapped != mapped || !tag_listed(e->tag, tags, ntags)) continue;
-    items[n++] = e;
-    devices[e->device] = 1;
-  }
-  *n_out = n;
-  return items;
+  for (size_t i = 0; i < n; i++) items[i]->mapped_by_this_call = 0;
+  return mapped;
 }
 
 /* One cuCtxSynchronize per device that is marked. */
@@ -751,70 +657,105 @@ static int sync_devices(const unsigned char devices[SA_MAX_DEVICES]) {
   return 0;
 }
 
-static int64_t total_size(sa_entry **items, size_t n, int mapped) {
-  int64_t sum = 0;
-  for (size_t i = 0; i < n; i++)
-    if (items[i]->mapped == mapped) sum += (int64_t)items[i]->size;
-  return sum;
+/* Room for n entry pointers (at least one), or NULL with an error. */
+static sa_entry **new_items(size_t n) {
+  sa_entry **items = malloc((n ? n : 1) * sizeof *items);
+  if (!items) set_error("out of host memory listing %zu allocations", n);
+  return items;
+}
+
+static int tag_listed(const char *tag, const char *const *tags, int ntags) {
+  for (int k = 0; k < ntags; k++)
+    if (tags[k] && strcmp(tag, tags[k]) == 0) return 1;
+  return 0;
+}
+
+/* The registry entries of the listed tags whose mapped state is `mapped`, and the devices they
+ * live on. Caller holds reg_lock and frees the array. NULL (with an error) when out of memory. */
+static sa_entry **collect_tags(const char *const *tags, int ntags, int mapped, size_t *n_out,
+                               unsigned char devices[SA_MAX_DEVICES]) {
+  sa_entry **items = new_items(reg_len);
+  if (!items) return NULL;
+  size_t n = 0;
+  for (size_t i = 0; i < reg_len; i++) {
+    sa_entry *e = &reg[i];
+    if (e->mapped != mapped || !tag_listed(e->tag, tags, ntags)) continue;
+    items[n++] = e;
+    devices[e->device] = 1;
+  }
+  *n_out = n;
+  return items;
+}
+
+/* The registry entries of the listed addresses whose mapped state is `mapped` (the others are
+ * skipped), and the devices they live on. Caller holds reg_lock and frees the array. NULL with an
+ * error, before anything is touched, when an address is not an allocation of this pool. */
+static sa_entry **collect_ptrs(const uint64_t *ptrs, int64_t count, int mapped, size_t *n_out,
+                               unsigned char devices[SA_MAX_DEVICES], const char *what) {
+  sa_entry **items = new_items((size_t)count);
+  if (!items) return NULL;
+  size_t n = 0;
+  for (int64_t k = 0; k < count; k++) {
+    long i = reg_find((CUdeviceptr)ptrs[k]);
+    if (i < 0) {
+      set_error("%s: 0x%llx is not an allocation of this pool", what, (unsigned long long)ptrs[k]);
+      free(items);
+      return NULL;
+    }
+    if (reg[i].mapped != mapped) continue;
+    items[n++] = &reg[i];
+    devices[reg[i].device] = 1;
+  }
+  *n_out = n;
+  return items;
+}
+
+/* What a batch acts on: every allocation of some tags (tags != NULL), or listed addresses. */
+typedef struct {
+  const char *const *tags;
+  int ntags;
+  const uint64_t *ptrs;
+  int64_t count;
+} sa_selection;
+
+/* Unmaps and releases the selected allocations that are mapped, after one synchronization of
+ * their devices unless synchronize == 0 (BATCH_UNMAP), or re-creates and maps those that are
+ * not, all or nothing (BATCH_MAP). Returns the bytes released or mapped, or -1 with the error. */
+static int64_t apply(int op, const sa_selection *sel, int synchronize) {
+  if (load_driver() != 0) return -1;
+  unsigned char devices[SA_MAX_DEVICES] = {0};
+  size_t n = 0;
+  int64_t bytes = -1;
+  int mapped = op == BATCH_UNMAP; /* the state of the allocations the batch changes */
+  pthread_mutex_lock(&reg_lock);
+  sa_entry **items = sel->tags ? collect_tags(sel->tags, sel->ntags, mapped, &n, devices)
+                               : collect_ptrs(sel->ptrs, sel->count, mapped, &n, devices,
+                                              op == BATCH_MAP ? "map" : "unmap");
+  if (items && op == BATCH_MAP)
+    bytes = map_all(items, n);
+  else if (items && (!synchronize || sync_devices(devices) == 0))
+    bytes = run_batch(BATCH_UNMAP, items, n) == 0 ? total_size(items, n, 0) : -1;
+  pthread_mutex_unlock(&reg_lock);
+  free(items);
+  return bytes;
 }
 
 /* Unmaps and releases every mapped allocation of the listed tags after one synchronization of
  * their devices. Keeps going past a failure so as much as possible is released; returns the
  * bytes released, or -1 (with the first error) when any allocation could not be unmapped. */
 SA_EXPORT int64_t sa_unmap_tags(const char *const *tags, int ntags) {
-  if (!tags || ntags < 0 || load_driver() != 0) return -1;
-  unsigned char devices[SA_MAX_DEVICES] = {0};
-  size_t n = 0;
-  int64_t released = -1;
-  pthread_mutex_lock(&reg_lock);
-  sa_entry **items = collect_tags(tags, ntags, 1, &n, devices);
-  if (items && sync_devices(devices) == 0) {
-    int rc = run_job(JOB_UNMAP, items, n);
-    released = rc == 0 ? total_size(items, n, 0) : -1;
-  }
-  pthread_mutex_unlock(&reg_lock);
-  free(items);
-  return released;
+  if (!tags || ntags < 0) return -1;
+  sa_selection sel = {tags, ntags, NULL, 0};
+  return apply(BATCH_UNMAP, &sel, 1);
 }
 
 /* Re-creates and maps every unmapped allocation of the listed tags, all or nothing: on failure
  * the ones mapped by this call are released again and -1 is returned with the error of the
  * failing one. */
 SA_EXPORT int64_t sa_map_tags(const char *const *tags, int ntags) {
-  if (!tags || ntags < 0 || load_driver() != 0) return -1;
-  unsigned char devices[SA_MAX_DEVICES] = {0};
-  size_t n = 0;
-  int64_t mapped = -1;
-  pthread_mutex_lock(&reg_lock);
-  sa_entry **items = collect_tags(tags, ntags, 0, &n, devices);
-  if (items) {
-    for (size_t i = 0; i < n; i++) items[i]->mapped_by_this_call = 0;
-    if (run_job(JOB_MAP, items, n) == 0) {
-      mapped = total_size(items, n, 1);
-    } else {
-      char error[sizeof tl_error];
-      memcpy(error, tl_error, sizeof error);
-      size_t undo = 0;
-      for (size_t i = 0; i < n; i++)
-        if (items[i]->mapped_by_this_call) items[undo++] = items[i];
-      run_job(JOB_UNMAP, items, undo); /* nothing ran on them yet: no synchronization needed */
-      memcpy(tl_error, error, sizeof tl_error);
-    }
-    for (size_t i = 0; i < n; i++) items[i]->mapped_by_this_call = 0;
-  }
-  pthread_mutex_unlock(&reg_lock);
-  free(items);
-  return mapped;
-}
-
-SA_EXPORT int64_t sa_unmap_tag(const char *tag) {
-  if (!tag) return -1;
-  return sa_unmap_tags(&tag, 1);
-}
-
-SA_EXPORT int64_t sa_map_tag(const char *tag) {
-  if (!tag) return -1;
-  return sa_map_tags(&tag, 1);
+  if (!tags || ntags < 0) return -1;
+  sa_selection sel = {tags, ntags, NULL, 0};
+  return apply(BATCH_MAP, &sel, 0);
 }
 
 /* Unmaps and releases the listed allocations (those still mapped). With synchronize == 0 the
@@ -823,35 +764,9 @@ SA_EXPORT int64_t sa_map_tag(const char *tag) {
  * copies of the others still run. Returns the bytes released or -1 with the first error; an
  * address that is not an allocation of this pool fails the call before anything is unmapped. */
 SA_EXPORT int64_t sa_unmap_ptrs(const uint64_t *ptrs, int64_t count, int synchronize) {
-  if ((!ptrs && count > 0) || count < 0 || load_driver() != 0) return -1;
-  unsigned char devices[SA_MAX_DEVICES] = {0};
-  int64_t released = -1;
-  sa_entry **items = malloc((size_t)(count ? count : 1) * sizeof *items);
-  if (!items) {
-    set_error("out of host memory listing %lld allocations", (long long)count);
-    return -1;
-  }
-  size_t n = 0;
-  int missing = 0;
-  pthread_mutex_lock(&reg_lock);
-  for (int64_t k = 0; k < count; k++) {
-    long i = reg_find((CUdeviceptr)ptrs[k]);
-    if (i < 0) {
-      set_error("unmap: 0x%llx is not an allocation of this pool", (unsigned long long)ptrs[k]);
-      missing = 1;
-      break;
-    }
-    if (!reg[i].mapped) continue;
-    items[n++] = &reg[i];
-    devices[reg[i].device] = 1;
-  }
-  if (!missing && (!synchronize || sync_devices(devices) == 0)) {
-    int rc = run_job(JOB_UNMAP, items, n);
-    released = rc == 0 ? total_size(items, n, 0) : -1;
-  }
-  pthread_mutex_unlock(&reg_lock);
-  free(items);
-  return released;
+  if ((!ptrs && count > 0) || count < 0) return -1;
+  sa_selection sel = {NULL, 0, ptrs, count};
+  return apply(BATCH_UNMAP, &sel, synchronize);
 }
 
 /* Re-creates and maps the listed allocations (those still unmapped), all or nothing like
@@ -859,61 +774,7 @@ SA_EXPORT int64_t sa_unmap_ptrs(const uint64_t *ptrs, int64_t count, int synchro
  * the bytes mapped or -1; an address that is not an allocation of this pool fails the call before
  * anything is mapped. */
 SA_EXPORT int64_t sa_map_ptrs(const uint64_t *ptrs, int64_t count) {
-  if ((!ptrs && count > 0) || count < 0 || load_driver() != 0) return -1;
-  int64_t mapped = -1;
-  sa_entry **items = malloc((size_t)(count ? count : 1) * sizeof *items);
-  if (!items) {
-    set_error("out of host memory listing %lld allocations", (long long)count);
-    return -1;
-  }
-  size_t n = 0;
-  int missing = 0;
-  pthread_mutex_lock(&reg_lock);
-  for (int64_t k = 0; k < count; k++) {
-    long i = reg_find((CUdeviceptr)ptrs[k]);
-    if (i < 0) {
-      set_error("map: 0x%llx is not an allocation of this pool", (unsigned long long)ptrs[k]);
-      missing = 1;
-      break;
-    }
-    if (reg[i].mapped) continue;
-    reg[i].mapped_by_this_call = 0;
-    items[n++] = &reg[i];
-  }
-  if (!missing) {
-    if (run_job(JOB_MAP, items, n) == 0) {
-      mapped = total_size(items, n, 1);
-    } else {
-      char error[sizeof tl_error];
-      memcpy(error, tl_error, sizeof error);
-      size_t undo = 0;
-      for (size_t i = 0; i < n; i++)
-        if (items[i]->mapped_by_this_call) items[undo++] = items[i];
-      run_job(JOB_UNMAP, items, undo);
-      memcpy(tl_error, error, sizeof tl_error);
-    }
-    for (size_t i = 0; i < n; i++) items[i]->mapped_by_this_call = 0;
-  }
-  pthread_mutex_unlock(&reg_lock);
-  free(items);
-  return mapped;
-}
-
-/* Single-allocation versions. */
-SA_EXPORT int sa_unmap(uint64_t ptr) { return sa_unmap_ptrs(&ptr, 1, 1) < 0 ? -1 : 0; }
-
-SA_EXPORT int sa_map(uint64_t ptr) {
-  if (load_driver() != 0) return -1;
-  pthread_mutex_lock(&reg_lock);
-  long i = reg_find((CUdeviceptr)ptr);
-  int rc = -1;
-  if (i < 0) {
-    set_error("map: 0x%llx is not an allocation of this pool", (unsigned long long)ptr);
-  } else {
-    sa_entry *item = &reg[i];
-    rc = item->mapped ? 0 : run_job(JOB_MAP, &item, 1);
-    item->mapped_by_this_call = 0;
-  }
-  pthread_mutex_unlock(&reg_lock);
-  return rc;
+  if ((!ptrs && count > 0) || count < 0) return -1;
+  sa_selection sel = {NULL, 0, ptrs, count};
+  return apply(BATCH_MAP, &sel, 0);
 }

@@ -120,7 +120,7 @@ def main() -> int:
 
     dummy = args.model in ("llama-1b", "llama-8b", "llama-tiny")
     if dummy:
-        from bench.models import model_folder
+        from tests.models import model_folder
         folder = str(model_folder(args.model, Path(args.out) / "models"))
     elif args.model:
         folder = args.model

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Prepares what a GPU run carries (both folders are git-ignored): the wheels the device image lacks
-# (.whl, via shared/tools/device-wheels.sh) and a small tokenizer for dummy-weight models (.gpu_assets).
+# Prepares what a GPU run carries (both folders are git-ignored): a small tokenizer for dummy-weight
+# models (.gpu_assets) and the wheels the device image lacks (.whl), built by the script that
+# $SLEEPSERVE_WHEELS_SCRIPT names, when set (it belongs to the machine that lends the GPU, not to this repo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu_assets/tokenizer
@@ -9,5 +10,5 @@ for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
   [ -f "$src/$f" ] && cp "$src/$f" .gpu_assets/tokenizer/
 done
 # llguidance: structured outputs (abi3 wheel, no dependencies); the image lacks it.
-if [ -x ../shared/tools/device-wheels.sh ]; then bash ../shared/tools/device-wheels.sh llguidance > /dev/null; fi
+if [ -n "${SLEEPSERVE_WHEELS_SCRIPT:-}" ]; then bash "$SLEEPSERVE_WHEELS_SCRIPT" llguidance > /dev/null; fi
 du -sh .gpu_assets .whl 2>/dev/null || true

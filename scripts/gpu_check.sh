@@ -14,7 +14,7 @@ LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1
 export SLEEPSERVE_TOKENIZER_DIR=${SLEEPSERVE_TOKENIZER_DIR:-$PWD/.gpu_assets/tokenizer}
 export SLEEPSERVE_CACHE=${SLEEPSERVE_CACHE:-/tmp/sleepserve-cache}
-# The device image lacks the web stack: carried wheels (shared/tools/device-wheels.sh) fill it in.
+# The device image lacks the web stack: carried wheels (.whl/, see scripts/gpu_assets.sh) fill it in.
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }

@@ -11,12 +11,16 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from server import __version__
-from server.api import admin, health, openai, weight_transfer
+from server.api import admin, docs, health, openai, weight_transfer
 from server.api.errors import install_error_handlers
+from server.api.guard import check_dev_request
+from server.api.middleware import BodyLimit, ContainErrors
+from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
+from server.api.tokens import Tokens
 from server.config import EngineConfig
 from server.engine.engine import AsyncEngine
 from server.logging_setup import AccessLogMiddleware, configure_logging
@@ -36,13 +40,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             if app.state.weight_transfer is not None:
                 await asyncio.to_thread(app.state.weight_transfer.shutdown)
             await asyncio.to_thread(engine.shutdown)
+            app.state.tokens.close()
             app.state.shut_down = True
 
-    app = FastAPI(title="sleepserve", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible inference server whose memory can sleep and wake.")
+    # The docs routes are our own (docs.py): behind the key, or off with --no-docs.
+    app = FastAPI(title="sleepserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, description="OpenAI-compatible inference server whose memory can sleep and wake.")
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = ServerMetrics(engine, engine.core.served_model_name)
+    app.state.tokens = Tokens(engine.core.model_path, engine.core.max_model_len)
     app.state.served_model_name = engine.core.served_model_name
     app.state.started_at = int(time.time())
     app.state.shut_down = False
@@ -51,10 +58,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(openai.router)
     app.state.weight_transfer = None
     if settings.dev_mode:
-        app.include_router(admin.router)
-        app.include_router(weight_transfer.router)
+        app.include_router(admin.router, dependencies=[Depends(check_dev_request)])
+        app.include_router(weight_transfer.router, dependencies=[Depends(check_dev_request)])
         if settings.weight_transfer_config is not None:
             app.state.weight_transfer = weight_transfer.WeightTransferService(engine, settings.weight_transfer_config)
+    if settings.docs:
+        app.include_router(docs.router)
+    install_openapi(app)
+    # Outermost last: the access log sees every answer, ContainErrors every bug, BodyLimit every body.
+    app.add_middleware(BodyLimit)
+    app.add_middleware(ContainErrors)
     app.add_middleware(AccessLogMiddleware)
     return app
 
@@ -68,7 +81,7 @@ def startup_lines(engine: AsyncEngine, settings: ServerSettings) -> list[str]:
         f"sleepserve {__version__}: model {core.served_model_name!r} from {core.model_path}",
         f"device {core.device}, dtype {dtype}, weights loaded in {core.load_seconds:.1f} s "
         f"(weight_version {core.weight_version!r})",
-        f"KV cache: {plan.num_blocks - 1} blocks of {plan.block_size} tokens = {plan.bytes / 2**30:.2f} GiB "
+        f"KV cache: {plan.usable_blocks} blocks of {plan.block_size} tokens = {plan.bytes / 2**30:.2f} GiB "
         f"({plan.capacity_tokens} tokens); max model len {core.max_model_len}, "
         f"max num seqs {core.config.max_num_seqs}, prefix caching "
         f"{'on' if core.config.enable_prefix_caching else 'off'}",
@@ -81,8 +94,46 @@ def startup_lines(engine: AsyncEngine, settings: ServerSettings) -> list[str]:
     ]
 
 
+class GracefulServer:
+    """uvicorn's Server, with SIGTERM made graceful (built lazily: uvicorn is imported by serve()).
+
+    On SIGTERM (or Ctrl-C) uvicorn stops accepting and waits for the requests in flight; after
+    `grace` seconds every engine request still running is aborted, so each stream ends with
+    finish_reason "abort" and [DONE] and each non-streamed request answers, before uvicorn's own
+    deadline (grace + 5 s) would cancel tasks mid-response. SIGTERM then exits 0: it is the normal
+    way to stop a service (uvicorn re-raises the signal, which made the exit status 143)."""
+
+    @staticmethod
+    def make(config, engine: AsyncEngine, grace: float):
+        import signal
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame) -> None:
+                super().handle_exit(sig, frame)
+                if sig == signal.SIGTERM:
+                    self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+            async def shutdown(self, sockets=None) -> None:
+                async def abort_after_grace() -> None:
+                    await asyncio.sleep(grace)
+                    if engine.dead is None:
+                        n = await engine.call(lambda core: core.abort_all())
+                        if n:
+                            log.info("shutdown: aborted %d request(s) still running after %.0f s", n, grace)
+
+                aborter = asyncio.ensure_future(abort_after_grace())
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    aborter.cancel()
+
+        return Server(config)
+
+
 def serve(settings: ServerSettings, config: EngineConfig) -> int:
-    """Load, then serve until interrupted. Returns the process exit code."""
+    """Load, then serve until interrupted. Returns the process exit code (see README, "Exit codes")."""
     import uvicorn
 
     from allocator import PoolError
@@ -99,10 +150,6 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
         return 130
     for line in startup_lines(engine, settings):
         log.info(line)
-    if settings.dev_mode and not settings.effective_admin_key and settings.host not in ("127.0.0.1", "localhost",
-                                                                                        "::1"):
-        log.warning("dev routes are on, without a key, on %s: anyone who can connect can put the server to "
-                    "sleep; set --admin-api-key", settings.host)
 
     try:
         app = create_app(engine, settings)
@@ -110,9 +157,10 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
         log.error("could not start: %s", e)
         engine.shutdown()
         return 1
-    server = uvicorn.Server(uvicorn.Config(
+    grace = settings.shutdown_grace_period
+    server = GracefulServer.make(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=10, server_header=False))
+        timeout_graceful_shutdown=grace + 5, server_header=False), engine, grace)
     try:
         server.run()
     except KeyboardInterrupt:

@@ -33,6 +33,13 @@ def port_number(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 3600:
+        raise ValueError(f"must be a number of seconds from 0 to 3600, got {text}")
+    return value
+
+
 def boolean(text: str) -> bool:
     low = text.strip().lower()
     if low in _TRUE:
@@ -86,8 +93,17 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            choices=("auto", "dummy")),
     Option("--served-model-name", "the name clients pass as `model` (default: the model folder's name)",
            None, metavar="NAME"),
-    Option("--api-key", "require `Authorization: Bearer KEY` on /v1/*", None, metavar="KEY"),
+    Option("--api-key", "require `Authorization: Bearer KEY` on /v1/* (a flag shows in the process list: "
+           "prefer the environment or --api-key-file)", None, metavar="KEY"),
+    Option("--api-key-file", "read --api-key from this file (surrounding whitespace dropped)", None, metavar="FILE"),
     Option("--admin-api-key", "key for the dev-mode routes (default: --api-key)", None, metavar="KEY"),
+    Option("--admin-api-key-file", "read --admin-api-key from this file", None, metavar="FILE"),
+    Option("--allowed-hosts", "comma-separated Host/Origin names the dev routes accept besides loopback names "
+           "and --host (* for any)", None, metavar="NAMES"),
+    Option("--no-docs", "do not serve /docs, /redoc and /openapi.json (they need the API key when one is set)",
+           False, boolean, negation="--docs"),
+    Option("--shutdown-grace-period", "seconds requests in flight may run on after SIGTERM; then they end "
+           "with finish_reason abort", 10.0, seconds, metavar="S"),
     Option("--dev-mode", "mount the sleep-mode routes (/sleep, /wake_up, /update_weights, ...)", False, boolean,
            negation="--no-dev-mode"),
     Option("--weight-transfer-config", 'weight transfer without disk, as vLLM\'s flag: JSON such as '
@@ -194,10 +210,13 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """(ServerSettings, EngineConfig keyword arguments)."""
     from server.api.settings import ServerSettings
 
-    settings = ServerSettings(host=values["host"], port=values["port"], api_key=values["api_key"] or None,
-                              admin_api_key=values["admin_api_key"] or None, dev_mode=values["dev_mode"],
-                              log_level=values["log_level"],
-                              weight_transfer_config=_weight_transfer(values["weight_transfer_config"]))
+    settings = ServerSettings(
+        host=values["host"], port=values["port"],
+        api_key=_key(values, "api_key"), admin_api_key=_key(values, "admin_api_key"),
+        dev_mode=values["dev_mode"], log_level=values["log_level"],
+        allowed_hosts=tuple(h.strip() for h in (values["allowed_hosts"] or "").split(",") if h.strip()),
+        docs=not values["no_docs"], shutdown_grace_period=values["shutdown_grace_period"],
+        weight_transfer_config=_weight_transfer(values["weight_transfer_config"]))
     engine = {
         "model": values["model"] or None, "device": values["device"], "dtype": values["dtype"],
         "max_model_len": values["max_model_len"], "max_num_seqs": values["max_num_seqs"],
@@ -211,8 +230,39 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return settings, engine
 
 
+def _key(values: dict[str, Any], dest: str) -> str | None:
+    """A key from its flag or its file; never echoed in an error."""
+    path = values.get(dest + "_file")
+    if path and values.get(dest):
+        raise ValueError(f"--{dest.replace('_', '-')} and --{dest.replace('_', '-')}-file are both set; keep one")
+    if not path:
+        return values.get(dest) or None
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read(1 << 16).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the key file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not key:
+        raise ValueError(f"the key file {path} is empty")
+    return key
+
+
+def check_exposure(settings: Any) -> None:
+    """Dev routes on an address others can reach need a key: anyone who connects could sleep the server."""
+    from server.api.guard import is_loopback
+
+    if settings.dev_mode and not settings.effective_admin_key and not is_loopback(settings.host):
+        raise ValueError(f"--dev-mode on {settings.host} (not a loopback address) needs --admin-api-key or "
+                         "--api-key (or their _FILE / SLEEPSERVE_* forms): without one, anyone who can connect "
+                         "could put the server to sleep or load other weights")
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    settings, engine_kwargs = split_options(resolve_options(args, dict(os.environ), parser))
+    try:
+        settings, engine_kwargs = split_options(resolve_options(args, dict(os.environ), parser))
+        check_exposure(settings)
+    except ValueError as e:
+        parser.error(str(e))
     from server.app import serve  # heavy: torch, transformers, FastAPI
     from server.config import EngineConfig
 

@@ -35,8 +35,11 @@ def strict_library(tmp_path_factory) -> Path:
 @needs_toolchain
 def test_strict_build_exports_the_allocator_entry_points(strict_library):
     lib = ctypes.CDLL(str(strict_library))
-    for name in ("sleep_malloc", "sleep_free", "sa_map_tag", "sa_unmap_tag", "sa_list", "sa_lookup"):
+    for name in ("sleep_malloc", "sleep_free", "sa_map_tags", "sa_unmap_tags", "sa_map_ptrs", "sa_unmap_ptrs",
+                 "sa_list", "sa_lookup"):
         assert getattr(lib, name)  # AttributeError when not exported
+    for name in ("sa_set_workers", "sa_retag", "sa_map_tag", "sa_map", "sa_granularity"):  # removed: no caller
+        assert not hasattr(lib, name), name
     nm = subprocess.run(["nm", "-D", "--defined-only", str(strict_library)], capture_output=True, text=True)
     if nm.returncode == 0:  # no Python or torch symbol may leak in or out
         assert "Py" not in nm.stdout and "torch" not in nm.stdout
@@ -53,8 +56,8 @@ def test_registry_works_without_a_driver(strict_library):
     with pytest.raises(PoolError, match="longer than 95 bytes"):
         lib.set_thread_tag("x" * 200)
     assert lib.list() == [] and lib.lookup(0x1000) is None
-    with pytest.raises(PoolError, match="not an allocation of this pool"):
-        lib.retag(0x1000, "pool9/weights")
+    with pytest.raises(PoolError, match="longer than 95 bytes"):
+        lib.set_capture_tag("y" * 96)
 
 
 @needs_toolchain
@@ -64,7 +67,7 @@ def test_missing_driver_is_reported_with_what_to_do(strict_library):
     with pytest.raises(PoolError, match="cannot load libcuda.so.1.*CPU backend"):
         lib.init()
     with pytest.raises(PoolError, match="libcuda"):
-        lib.unmap_tag("pool9/weights")
+        lib.unmap_tags(["pool9/weights"])
 
 
 def test_if_possible_exits_zero_without_a_compiler():
@@ -89,8 +92,8 @@ def test_staleness_follows_the_source(tmp_path):
 
 
 # A stand-in for libcuda.so.1 with just the entry points csrc resolves: physical memory is a
-# counter with a settable capacity, so the registry's batch, worker and rollback logic runs and
-# can be checked here, without a GPU.
+# counter with a settable capacity, so the registry's batch and rollback logic runs and can be
+# checked here, without a GPU.
 FAKE_LIBCUDA = r"""
 #include <cuda.h>
 #include <pthread.h>
@@ -207,46 +210,44 @@ def mapped():
     return {a.ptr for a in lib.list("p/") if a.mapped}
 
 assert state() == (total, 14, 14), state()
-for workers in (1, 4, 16):
-    assert lib.set_workers(workers) == min(workers, 16)
-    assert lib.unmap_tags(tags) == total and state() == (0, 0, 0)
-    assert lib.unmap_tags(tags) == 0  # already released: a no-op
-    assert lib.map_tags(tags) == total and state() == (total, 14, 14)
-    lib.unmap_tags(tags)
-    fake.fake_set_capacity(total - GiB)  # room for all but one KV allocation
-    try:
-        lib.map_tags(tags)
-        raise AssertionError("map_tags should have failed")
-    except PoolError as err:
-        assert "OUT_OF_MEMORY" in str(err) and "p/w" not in str(err).split(":")[0], err
-    assert state() == (0, 0, 0) and mapped() == set(), (state(), mapped())  # rolled back
-    fake.fake_set_capacity(1 << 50)
-    assert lib.map_tags(tags) == total
-    assert lib.unmap_ptrs(w[:3], synchronize=False) == 3 * 32 * MiB
-    assert mapped() == set(w[3:]) | set(kv)
-    try:
-        lib.unmap_ptrs([w[3], 0x1000])
-        raise AssertionError("unmap_ptrs should have failed")
-    except PoolError as err:
-        assert "not an allocation of this pool" in str(err)
-    assert w[3] in mapped()  # nothing was released by the refused call
-    assert lib.map_tag("p/w") == 3 * 32 * MiB and state() == (total, 14, 14)
-    lib.unmap_tags(tags)
-    assert lib.map_ptrs(w[:2]) == 2 * 32 * MiB and mapped() == set(w[:2])
-    try:
-        lib.map_ptrs([w[2], 0x1000])
-        raise AssertionError("map_ptrs should have failed")
-    except PoolError as err:
-        assert "not an allocation of this pool" in str(err)
-    fake.fake_set_capacity(2 * 32 * MiB + GiB + 32 * MiB)  # one KV and one weight fit, not two KV
-    try:
-        lib.map_ptrs([w[2]] + kv[:2])
-        raise AssertionError("map_ptrs should have failed")
-    except PoolError as err:
-        assert "OUT_OF_MEMORY" in str(err)
-    assert mapped() == set(w[:2]) and fake.fake_used() == 2 * 32 * MiB  # this call's maps undone
-    fake.fake_set_capacity(1 << 50)
-    assert lib.map_tags(tags) == total - 2 * 32 * MiB and state() == (total, 14, 14)
+assert lib.unmap_tags(tags) == total and state() == (0, 0, 0)
+assert lib.unmap_tags(tags) == 0  # already released: a no-op
+assert lib.map_tags(tags) == total and state() == (total, 14, 14)
+lib.unmap_tags(tags)
+fake.fake_set_capacity(total - GiB)  # room for all but one KV allocation
+try:
+    lib.map_tags(tags)
+    raise AssertionError("map_tags should have failed")
+except PoolError as err:
+    assert "OUT_OF_MEMORY" in str(err) and "p/w" not in str(err).split(":")[0], err
+assert state() == (0, 0, 0) and mapped() == set(), (state(), mapped())  # rolled back
+fake.fake_set_capacity(1 << 50)
+assert lib.map_tags(tags) == total
+assert lib.unmap_ptrs(w[:3], synchronize=False) == 3 * 32 * MiB
+assert mapped() == set(w[3:]) | set(kv)
+try:
+    lib.unmap_ptrs([w[3], 0x1000])
+    raise AssertionError("unmap_ptrs should have failed")
+except PoolError as err:
+    assert "not an allocation of this pool" in str(err)
+assert w[3] in mapped()  # nothing was released by the refused call
+assert lib.map_tags(["p/w"]) == 3 * 32 * MiB and state() == (total, 14, 14)
+lib.unmap_tags(tags)
+assert lib.map_ptrs(w[:2]) == 2 * 32 * MiB and mapped() == set(w[:2])
+try:
+    lib.map_ptrs([w[2], 0x1000])
+    raise AssertionError("map_ptrs should have failed")
+except PoolError as err:
+    assert "not an allocation of this pool" in str(err)
+fake.fake_set_capacity(2 * 32 * MiB + GiB + 32 * MiB)  # one KV and one weight fit, not two KV
+try:
+    lib.map_ptrs([w[2]] + kv[:2])
+    raise AssertionError("map_ptrs should have failed")
+except PoolError as err:
+    assert "OUT_OF_MEMORY" in str(err)
+assert mapped() == set(w[:2]) and fake.fake_used() == 2 * 32 * MiB  # this call's maps undone
+fake.fake_set_capacity(1 << 50)
+assert lib.map_tags(tags) == total - 2 * 32 * MiB and state() == (total, 14, 14)
 stats = lib.driver_stats(reset_max=True)
 assert stats["create"][0] >= 14 and stats["unmap"][0] == stats["release"][0], stats
 assert stats["sync"][0] > 0 and stats["create"][2] >= total and stats["create"][3] > 0
@@ -260,7 +261,7 @@ print("ok")
 
 @needs_toolchain
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="a CUDA driver is installed here")
-def test_batches_workers_and_rollback_against_a_fake_driver(strict_library, tmp_path):
+def test_batches_and_rollback_against_a_fake_driver(strict_library, tmp_path):
     toolchain = build.find_toolchain()
     source = tmp_path / "fake_libcuda.c"
     source.write_text(FAKE_LIBCUDA)

@@ -5,7 +5,7 @@ import pytest
 
 from server import LLM, SamplingParams
 from server.engine.params import InvalidRequestError
-from server.engine.runner import kv_bytes_per_block
+from server.engine.memory_plan import kv_bytes_per_block
 from tests.conftest import PROMPTS
 
 LONG_PROMPT = ("You are a careful assistant. Read the following notes and answer briefly. " * 6

@@ -1,4 +1,4 @@
-"""Dev-mode routes (README, "Sleep and wake"): mounted only with --dev-mode, behind the admin key.
+"""Dev-mode routes (docs/architecture.md, "Sleep semantics"): mounted only with --dev-mode, behind the admin key.
 
 Each route is one engine call; the engine's SleepController says what is allowed (its
 InvalidRequestError, ConflictError and WeightLoadError become 400, 409 and 400 in errors.py). Every
@@ -16,6 +16,7 @@ from server import __version__
 from server.api import weight_transfer
 from server.api.auth import require_admin_key
 from server.api.body import parse_body, read_json
+from server.api.disk_weights import load_from_disk
 from server.api.schemas import UpdateWeightsRequest
 from server.engine.sleep_state import SleepReport
 
@@ -90,9 +91,9 @@ async def update_weights(request: Request) -> dict[str, Any]:
     if "update_info" in data:
         return await weight_transfer.update_weights_from_body(request, data)
     body = await parse_body(request, UpdateWeightsRequest, allow_empty=True)
-    engine = request.app.state.engine
-    report = await engine.call(lambda core: core.update_weights(path=body.path, weight_version=body.weight_version))
-    return {**report, "state": engine.state.as_dict()}
+    report = await load_from_disk(request, body.path, body.weight_version)
+    return {**report, "state": request.app.state.engine.state.as_dict()}
+
 
 
 @router.get("/server_info")

@@ -5,6 +5,7 @@ are not UTF-8 or JSON are vague; here each failure names the problem and the fie
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, Sequence, TypeVar
@@ -18,16 +19,49 @@ M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("sleepserve.api")
 
 MAX_BODY_BYTES = 32 << 20  # a prompt far beyond any context still fits; a runaway upload does not
+MAX_DEPTH = 64  # JSON nesting: OpenAI's bodies need 6 levels; 1,000 levels made the parsers recurse out
+THREAD_PARSE_BYTES = 1 << 20  # a bigger body is parsed on a worker thread (32 MiB takes ~0.3 s)
 
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number; send a finite number")
 
 
-async def read_json(request: Request, allow_empty: bool = False) -> dict[str, Any]:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+def check_text(data: Any) -> None:
+    """Refuse what json.loads lets through but nothing downstream can use: nesting past MAX_DEPTH
+    and lone UTF-16 surrogates ("\\ud800"), which no tokenizer, file name or UTF-8 encoder takes.
+    Iterative, so the check itself cannot recurse out."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels; flatten it")
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate "
+                                    f"({node[e.start]!a} at character {e.start}); send valid Unicode",
+                               where or None) from None
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str) or not _encodable(key):
+                    raise APIError(400, f"a key in {where or 'the body'} holds a lone UTF-16 surrogate; "
+                                        "send valid Unicode", where or None)
+                stack.append((value, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def decode_json(body: bytes, allow_empty: bool = False) -> dict[str, Any]:
     if not body.strip():
         if allow_empty:
             return {}
@@ -42,24 +76,50 @@ async def read_json(request: Request, allow_empty: bool = False) -> dict[str, An
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                             "send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels; flatten it") from None
     except ValueError as e:  # NaN / Infinity
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}; "
                             'send {"field": value, ...}')
+    check_text(data)
     return data
 
 
+async def read_json(request: Request, allow_empty: bool = False) -> dict[str, Any]:
+    return await _read(request, None, allow_empty)
+
+
 async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
-    data = await read_json(request, allow_empty)
-    try:
-        body = model.model_validate(data)
-    except ValidationError as e:
-        message, param = describe_validation_error(e.errors(include_url=False))
-        raise APIError(400, message, param) from None
+    body: M = await _read(request, model, allow_empty)
     if body.model_extra:
         log.debug("%s %s: ignoring unknown fields %s", request.method, request.url.path, sorted(body.model_extra))
     return body
+
+
+async def _read(request: Request, model: type[BaseModel] | None, allow_empty: bool) -> Any:
+    """The body as a dict (model None) or validated as `model`."""
+    # The BodyLimit middleware (middleware.py) already refused a body over MAX_BODY_BYTES as it streamed in.
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes; send a smaller body")
+    if len(raw) > THREAD_PARSE_BYTES:  # parsing 32 MiB takes ~0.3 s: keep the event loop free meanwhile
+        return await asyncio.to_thread(_decode_and_validate, raw, model, allow_empty)
+    return _decode_and_validate(raw, model, allow_empty)
+
+
+def _decode_and_validate(raw: bytes, model: type[BaseModel] | None, allow_empty: bool) -> Any:
+    data = decode_json(raw, allow_empty)
+    if model is None:
+        return data
+    try:
+        return model.model_validate(data)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels; flatten it") from None
+    except ValidationError as e:
+        message, param = describe_validation_error(e.errors(include_url=False))
+        raise APIError(400, message, param) from None
 
 
 # Pydantic names the member of a union that failed inside `loc` ("str", "list[str]"): noise for the

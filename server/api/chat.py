@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions: the tokenizer's chat template renders the messages (on the engine
-thread, which owns the tokenizer), then it is a completion over those token ids."""
+"""POST /v1/chat/completions: the tokenizer's chat template renders the messages (on the API's
+tokenizer thread, tokens.py), then it is a completion over those token ids."""
 from __future__ import annotations
 
 import time
@@ -99,12 +99,15 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = generation.check_model(request, body.model)
     params = body.to_params()
+    request.app.state.tokens.check_count(len(body.messages), "messages")  # every message costs tokens
     messages = body.template_messages()
     kwargs = _template_kwargs(body)
     generation.check_available(request)
     params = await generation.compile_grammar(request, params, body.structured()[1])
     engine = request.app.state.engine
-    ids = await engine.call(lambda core: core.encode_chat(messages, **kwargs))
+    tokens = request.app.state.tokens
+    ids = await tokens.encode_chat(messages, **kwargs)  # off the engine thread, bounded in characters first
+    tokens.check_ids(ids, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     started = [await generation.start(request, request_id, None, ids, params)]

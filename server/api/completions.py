@@ -125,14 +125,37 @@ class CompletionChunks(CompletionFormat):
         return [envelope(*self.head, [], usage=usage([self.last[i] for i in sorted(self.last)]))]
 
 
+async def _tokenize(request: Request, prompts: list[Prompt]) -> list[Prompt]:
+    """Text prompts tokenized here, off the engine thread, each after a length check in characters;
+    token ids bounded by the context before they travel to the engine. One bad prompt names itself."""
+    tokens = request.app.state.tokens
+    out: list[Prompt] = []
+    for i, (text, ids) in enumerate(prompts):
+        try:
+            if text:  # an empty text keeps no ids: the engine refuses it as an empty prompt
+                ids = await tokens.encode(text)
+            if ids is not None:
+                tokens.check_ids(ids)
+        except InvalidRequestError as e:
+            if len(prompts) > 1:
+                raise InvalidRequestError(f"prompt[{i}]: {e}", e.param, e.code) from None
+            raise
+        out.append((text, ids))
+    return out
+
+
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     model = generation.check_model(request, body.model)
     params = body.to_params()
+    tokens = request.app.state.tokens
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
+        tokens.check_ids(body.prompt)  # bound a token-id prompt before walking it
     prompts = body.prompts()
     generation.check_available(request)
     params = await generation.compile_grammar(request, params, body.structured()[1])
+    prompts = await _tokenize(request, prompts)
     engine = request.app.state.engine
     checked = await engine.call(lambda core: _check_prompts(core, prompts, params, body.echo))
     request_id = f"cmpl-{uuid.uuid4().hex}"

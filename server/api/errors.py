@@ -2,7 +2,7 @@
 
 Engine errors map to statuses here and only here, so routes just raise and never pick a status.
 Nothing a client sends may surface as a 500: anything unexpected is logged with its traceback and
-answered with a message that points at the log.
+answered with a message that points at the log (middleware.ContainErrors).
 """
 from __future__ import annotations
 
@@ -102,17 +102,12 @@ def install_error_handlers(app: FastAPI) -> None:
                                   "method_not_allowed", headers=dict(exc.headers or {}))
         return error_response(exc.status_code, str(exc.detail), None, None, headers=dict(exc.headers or {}))
 
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises after this answer, so uvicorn logs the traceback once; do not log twice.
-        return error_response(500, f"internal error ({type(exc).__name__}: {exc}); see the server log", None,
-                              "internal_error")
-
     for cls in (APIError, InvalidRequestError, WeightLoadError, EngineUnavailableError, ConflictError,
                 EngineDeadError):
         app.add_exception_handler(cls, on_known)
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, on_unexpected)
+    # Anything else is a bug: middleware.ContainErrors answers it (a 500 that closes nothing else).
 
 
 # Paths that exist only in dev mode: a 404 on them says how to turn them on.

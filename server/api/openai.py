@@ -18,7 +18,8 @@ router.include_router(tokenize.router)
 def _model_card(request: Request) -> dict[str, Any]:
     state = request.app.state
     return {"id": state.served_model_name, "object": "model", "created": state.started_at, "owned_by": "sleepserve",
-            "root": str(state.engine.core.model_path), "max_model_len": state.engine.core.max_model_len}
+            # vLLM puts the model's path in `root`; here it is the served name: no filesystem path leaves the server.
+            "root": state.served_model_name, "max_model_len": state.engine.core.max_model_len}
 
 
 @router.get("/v1/models")

@@ -1,6 +1,6 @@
 """POST /tokenize and /detokenize (vLLM's extras): what the server's tokenizer makes of a text.
 
-Run on the engine thread, which owns the tokenizer; they work while the engine sleeps.
+Run on the API's tokenizer thread (tokens.py), never the engine's; they work while the engine sleeps.
 """
 from __future__ import annotations
 
@@ -35,16 +35,16 @@ async def tokenize(request: Request) -> dict[str, Any]:
     body = await parse_body(request, TokenizeRequest)
     generation.check_model(request, body.model)
     engine = request.app.state.engine
+    tokens = request.app.state.tokens
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
     if body.messages is not None:
         if not body.messages:
             raise InvalidRequestError("messages is empty; send at least one message", "messages")
         msgs = [m.template_dict(i) for i, m in enumerate(body.messages)]
-        ids = await engine.call(lambda core: core.encode_chat(msgs, add_generation_prompt=body.add_generation_prompt))
+        ids = await tokens.encode_chat(msgs, add_generation_prompt=body.add_generation_prompt)
     else:
-        text = body.prompt
-        ids = await engine.call(lambda core: core.tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids)
+        ids = await tokens.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
 
 
@@ -56,5 +56,5 @@ async def detokenize(request: Request) -> dict[str, Any]:
     vocab = engine.core.model_config.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise InvalidRequestError(f"token ids must be in [0, {vocab})", "tokens")
-    text = await engine.call(lambda core: core.tokenizer.decode(body.tokens))
+    text = await request.app.state.tokens.decode(body.tokens, skip_special_tokens=False)
     return {"prompt": text}

@@ -24,6 +24,7 @@ from pydantic import Field, ValidationError
 
 from server.api.auth import require_admin_key
 from server.api.body import describe_validation_error, parse_body, read_json
+from server.api.disk_weights import load_from_disk
 from server.api.errors import APIError
 from server.api.schemas import RequestBody
 from server.engine import weight_session
@@ -330,9 +331,7 @@ async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(request: Request) -> dict[str, Any]:
     body = await parse_body(request, SglUpdateDisk)
-    engine = request.app.state.engine
-    report = await engine.call(lambda core: core.update_weights(path=body.model_path,
-                                                                weight_version=body.weight_version))
+    report = await load_from_disk(request, body.model_path, body.weight_version)
     return _sgl(True, f"loaded {report['tensors']} tensors from {body.model_path}", **report)
 
 

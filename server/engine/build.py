@@ -11,6 +11,7 @@ from server.config import EngineConfig
 from server.engine.core import EngineCore
 from server.engine.kv_cache import BlockManager
 from server.engine.memory_plan import plan_kv_cache
+from server.engine.tags import WEIGHTS
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.model.config import ModelConfig
@@ -47,6 +48,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
         load_checkpoint(model, source.folder)
         weight_version = "initial"
     load_seconds = time.perf_counter() - t0
+    if config.enable_sleep_mode:
+        pool.check_backup_space([WEIGHTS])  # level 1 offloads them: say now if they cannot fit
 
     plan = plan_kv_cache(config, model, pool, dtype)
     if config.max_model_len and config.max_model_len > plan.capacity_tokens:

@@ -17,12 +17,12 @@ import torch
 from allocator import MemoryPool
 from server.config import EngineConfig
 from server.engine.errors import EngineUnavailableError, InvalidRequestError
-from server.engine.kv_cache import BlockManager
+from server.engine.kv_cache import BlockManager, usable_blocks
 from server.engine.memory_plan import KVPlan
 from server.engine.outputs import RequestOutput
 from server.engine.params import SamplingParams
-from server.engine.runner import ModelRunner
-from server.engine.scheduler import Scheduler
+from server.engine.runner import ModelRunner, Sampled
+from server.engine.scheduler import ScheduledBatch, Scheduler
 from server.engine.sequence import Request, Sequence
 from server.engine.sleep_controller import SleepController
 from server.engine.sleep_state import SleepState
@@ -30,6 +30,7 @@ from server.engine.structured import GrammarCompiler
 from server.model.config import ModelConfig
 from server.model.loader import (WeightLoadError, check_checkpoint, checkpoint_shapes, copy_weights, describe,
                                  init_dummy_weights, iter_checkpoint, parameter_names, safetensors_files)
+from server.model.tokenizer import render_chat
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -94,15 +95,7 @@ class EngineCore:
         return self.tokenizer(self.chat_prompt(messages, **kwargs), add_special_tokens=False).input_ids
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if not getattr(self.tokenizer, "chat_template", None) and not kwargs.get("chat_template"):
-            raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
-                                      param="messages")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **kwargs)
-        except Exception as e:  # template errors are the client's messages not fitting the template
-            raise InvalidRequestError(f"the chat template could not render these messages: {e}",
-                                      param="messages") from None
+        return render_chat(self.tokenizer, messages, add_generation_prompt, **kwargs)
 
     def check_can_serve(self) -> None:
         """Raise EngineUnavailableError unless new generation can be accepted now."""
@@ -215,10 +208,14 @@ class EngineCore:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = started
         sampled, scored = self.runner.execute(batch, self.eos_ids, self.tokenizer)
-        self.step_tokens = batch.num_tokens
-        for seq, n in batch.items:
-            seq.num_computed += n
-            self.blocks.commit(seq)
+        self.step_tokens = sum(n for _, n in batch.items)
+        return self.postprocess(batch, sampled, scored)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sampled],
+                    scored: Iterable[tuple[Request, list]] = ()) -> list[RequestOutput]:
+        """Record what a step computed: the KV progress (the scheduler's), prompt log-probs, the
+        sampled tokens, the requests that finished. Returns an output for each request advanced."""
+        self.scheduler.advance(batch)
         for req, entries in scored:
             req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         now = time.monotonic()
@@ -243,7 +240,7 @@ class EngineCore:
         s = self.blocks.stats
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            kv_blocks_total=self.blocks.num_blocks - 1, kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=usable_blocks(self.blocks.num_blocks), kv_blocks_used=self.blocks.num_used,
             prefix_cache_queried_tokens=s.queried_tokens, prefix_cache_hit_tokens=s.hit_tokens,
             preemptions=self.scheduler.num_preemptions)
 
@@ -254,17 +251,21 @@ class EngineCore:
 
     def update_weights(self, path: str | None = None,
                        named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
-                       weight_version: str | None = None) -> dict:
+                       weight_version: str | None = None, read_from: str | None = None,
+                       served: bool = False) -> dict:
         """Load weights into the existing tensors, in place: addresses and CUDA graphs stay valid.
-        Everything is checked before the first byte is copied."""
+        Everything is checked before the first byte is copied. read_from: named_tensors were read
+        from this checkpoint (the HTTP route reads files off the engine thread), `served` when it is
+        the served one; they are then checked and reported as a path would be."""
         self.sleep_control.check_weight_update()
         weights_valid = self.sleep_state.weights_valid
         t0 = time.perf_counter()
         if named_tensors is not None:
             named = dict(named_tensors)
-            check_checkpoint(self.model, describe(named), require_all=False)
+            whole = read_from is not None and (not weights_valid or served)
+            check_checkpoint(self.model, describe(named), require_all=whole)
             loaded = copy_weights(self.model, named.items())
-            source = "tensors"
+            source = read_from or "tensors"
         elif path is None and self.config.load_format == "dummy":
             # "Reload the served checkpoint" of a dummy model: the same seeded random weights.
             init_dummy_weights(self.model, self.config.seed)
@@ -282,7 +283,7 @@ class EngineCore:
         # theirs on the new weights, and the prefix-cache index forgets every hash.
         self.preempt_all()
         self.blocks.reset_prefix_cache()
-        set_version = weight_version is not None or named_tensors is not None or bool(path)
+        set_version = weight_version is not None or (named_tensors is not None and not served) or bool(path)
         self.sleep_control.weights_loaded(loaded, parameter_names(self.model), weight_version, set_version)
         state = self.sleep_state
         return {"source": source, "tensors": len(loaded), "weights_valid": state.weights_valid,

@@ -3,7 +3,8 @@
 A block that is full of computed tokens is registered under a hash chained over its tokens and
 all tokens before it, so a later request with the same prefix reuses it instead of recomputing.
 Free blocks keep their hash until they are handed out again, least recently freed first.
-Block 0 is never handed out: padded slots (CUDA-graph batches) write there harmlessly.
+The manager only hands out blocks; the scheduler says how many tokens a sequence holds
+(Sequence.num_computed has one writer: server/engine/scheduler.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from dataclasses import dataclass
 
 from server.engine.sequence import Sequence
 
+# Never handed out: padded rows of a CUDA-graph batch and the padding of block tables point here,
+# so they write and read harmlessly.
 NULL_BLOCK = 0
+
+
+def usable_blocks(num_blocks: int) -> int:
+    """Blocks a cache of num_blocks can hand out: all but NULL_BLOCK."""
+    return num_blocks - 1
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -25,10 +33,6 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
 class PrefixCacheStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 class BlockManager:
@@ -42,7 +46,7 @@ class BlockManager:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.block_of: dict[bytes, int] = {}
         # Insertion order is eviction order: the front is handed out first.
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks) if b != NULL_BLOCK)
         self.stats = PrefixCacheStats()
 
     @property
@@ -51,15 +55,11 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self.free)
+        return usable_blocks(self.num_blocks) - len(self.free)
 
-    @property
-    def capacity_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.block_size
-
-    def blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = -(-(seq.num_computed + num_new) // self.block_size)
-        return max(0, total - len(seq.block_table))
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks seq lacks to hold the KV of num_tokens tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     # -- prefix cache --------------------------------------------------------------------------
 
@@ -109,27 +109,27 @@ class BlockManager:
         self.ref_count[block] = 1
         return block
 
-    def admit(self, seq: Sequence, num_new: int, cached: list[int]) -> bool:
-        """Give a waiting sequence its cached prefix plus room for num_new more tokens."""
+    def admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
+        """Give a waiting sequence its cached prefix blocks plus room for num_tokens tokens in all.
+        False (nothing taken) when the free blocks do not suffice."""
         for b in cached:  # take the hits first, so allocating fresh blocks cannot evict them
             self._take(b)
         seq.block_table = list(cached)
-        seq.num_computed = len(cached) * self.block_size
-        seq.num_cached_tokens = seq.num_computed
-        if self.blocks_needed(seq, num_new) > self.num_free:
+        if self.blocks_needed(seq, num_tokens) > self.num_free:
             self.release(seq)
             return False
-        self.grow(seq, num_new)
+        self.grow(seq, num_tokens)
         if self.enable_prefix_caching:
             self.stats.queried_tokens += seq.num_tokens
-            self.stats.hit_tokens += seq.num_cached_tokens
+            self.stats.hit_tokens += len(cached) * self.block_size
         return True
 
-    def can_grow(self, seq: Sequence, num_new: int) -> bool:
-        return self.blocks_needed(seq, num_new) <= self.num_free
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= self.num_free
 
-    def grow(self, seq: Sequence, num_new: int) -> None:
-        for _ in range(self.blocks_needed(seq, num_new)):
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Add blocks until seq can hold num_tokens tokens."""
+        for _ in range(self.blocks_needed(seq, num_tokens)):
             seq.block_table.append(self._pop_free())
 
     def release(self, seq: Sequence) -> None:
@@ -141,7 +141,6 @@ class BlockManager:
                 self.free[block] = None
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed = 0
 
     def commit(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed tokens, so later requests can hit them."""

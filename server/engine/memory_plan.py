@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from server.config import EngineConfig
-from server.engine.runner import kv_bytes_per_block
+from server.engine.kv_cache import usable_blocks
+from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("sleepserve.engine")
@@ -21,17 +22,26 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 GRAPH_RESERVE_BYTES = 512 << 20
 
 
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for block_size tokens."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
 @dataclass(frozen=True)
 class KVPlan:
-    num_blocks: int          # including the reserved null block
+    num_blocks: int          # including the reserved NULL_BLOCK
     block_size: int
     bytes: int
     bytes_per_block: int
     activation_peak: int = 0
 
     @property
+    def usable_blocks(self) -> int:
+        return usable_blocks(self.num_blocks)
+
+    @property
     def capacity_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.block_size
+        return self.usable_blocks * self.block_size
 
 
 def plan_kv_cache(config: EngineConfig, model: LlamaForCausalLM, pool, dtype: torch.dtype) -> KVPlan:
@@ -56,6 +66,6 @@ def plan_kv_cache(config: EngineConfig, model: LlamaForCausalLM, pool, dtype: to
                 "peak); raise --gpu-memory-utilization or lower --max-num-batched-tokens")
     num_blocks = max(2, budget // per_block + 1)
     plan = KVPlan(num_blocks, config.block_size, (num_blocks) * per_block, per_block, peak)
-    log.debug("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", num_blocks - 1, config.block_size,
+    log.debug("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", plan.usable_blocks, config.block_size,
              plan.bytes / 2**30, plan.capacity_tokens)
     return plan

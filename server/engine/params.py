@@ -11,6 +11,11 @@ INT32_MAX = 2 ** 31 - 1
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 overflows
+# them to inf, and the softmax of infs is NaN, which sampled token id 0 every time.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve as asked; `param` names the offending field."""
 
@@ -81,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(param: str, message: str) -> InvalidRequestError:

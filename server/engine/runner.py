@@ -10,17 +10,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from server.engine.kv_cache import NULL_BLOCK
 from server.engine.outputs import TokenLogprobs
 from server.engine.sampler import prompt_logprobs, sample
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Request, Sequence
 from server.engine.tags import KV_CACHE
 from server.model.attention import AttentionContext, PrefillSpan
-from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
 from server.model.ops import ops_for
 
 log = logging.getLogger("sleepserve.engine")
+
+
+Sampled = tuple[Sequence, int, "TokenLogprobs | None"]  # a sequence, its new token, its logprobs
 
 
 @dataclass
@@ -43,10 +46,6 @@ class HostBatch:
     @property
     def decode_only(self) -> bool:
         return not self.spans
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
 class ModelRunner:
@@ -73,7 +72,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         if not enforce_eager:
-            from server.model.graphs import DecodeGraphs
+            from server.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self, max_num_seqs)
 
@@ -124,7 +123,7 @@ class ModelRunner:
         flat = hb.ids + hb.positions + hb.slots + hb.decode_lens + hb.sample_rows
         for t in hb.decode_tables:
             flat += t
-            flat += [0] * (width - len(t))
+            flat += [NULL_BLOCK] * (width - len(t))
         for _, _, _, t in hb.spans:
             flat += t
         d = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)
@@ -160,7 +159,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer
-                ) -> tuple[list[tuple[Sequence, int, TokenLogprobs | None]], list[tuple[Request, list[TokenLogprobs]]]]:
+                ) -> tuple[list[Sampled], list[tuple[Request, list[TokenLogprobs]]]]:
         """(sampled tokens, new prompt log-prob entries per request), both from this one forward."""
         hb = self.prepare(batch)
         logits, prompt_hidden = self.forward(hb)
@@ -172,7 +171,11 @@ class ModelRunner:
             for req, count in hb.prompt_groups:
                 scored.append((req, entries[at:at + count]))
                 at += count
+        return self.sample(hb, logits, eos_ids, tokenizer), scored
+
+    @torch.inference_mode()
+    def sample(self, hb: HostBatch, logits: torch.Tensor, eos_ids: frozenset[int], tokenizer) -> list[Sampled]:
         if not hb.sample_seqs:
-            return [], scored
+            return []
         tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer)
-        return list(zip(hb.sample_seqs, tokens, logprobs)), scored
+        return list(zip(hb.sample_seqs, tokens, logprobs))

@@ -14,6 +14,8 @@ from server.engine.outputs import Logprob, TokenLogprobs
 from server.engine.sequence import Sequence
 from server.engine.structured import apply_masks
 
+LOGPROB_FLOOR = -9999.0
+
 
 def _apply_history(row: torch.Tensor, seq: Sequence, stop_ids: list[int]) -> None:
     """Edit one row of logits in place with what depends on this sequence's history and params."""
@@ -94,7 +96,10 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], tok
     result: list[TokenLogprobs | None] = [None] * len(seqs)
     if not want:
         return result
+    # Extreme penalties make ±inf logits and NaN log-probs, which JSON cannot carry: report them as
+    # vLLM does, -9999.0 for anything not finite (and for -inf, the log-prob of a masked token).
     rows = logits[want].log_softmax(-1)
+    rows = torch.nan_to_num(rows, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
     for j, i in enumerate(want):
         row = rows[j]
         tok = tokens[i]

@@ -3,7 +3,11 @@
 Each step: running sequences first (a decode is one token; an unfinished prompt continues with a
 chunk), oldest first; if blocks run out, the newest running sequence is preempted (its blocks are
 freed and it waits to be recomputed). Then waiting sequences are admitted while the budget, the
-sequence limit and free blocks allow.
+sequence limit and free blocks allow. After the batch ran, advance() records its progress.
+
+The scheduler is the one writer of Sequence.num_computed (how many tokens have KV in the cache):
+admission sets it to the cached prefix, advance() adds what a step computed, preemption and
+finishing reset it.
 """
 from __future__ import annotations
 
@@ -18,10 +22,6 @@ from server.engine.sequence import Sequence, SeqStatus
 class ScheduledBatch:
     items: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -51,14 +51,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            while not self.blocks.can_grow(seq, n):
+            while not self.blocks.can_grow(seq, seq.num_computed + n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted += 1
                 if victim is seq:
                     break
             else:
-                self.blocks.grow(seq, n)
+                self.blocks.grow(seq, seq.num_computed + n)
                 batch.items.append((seq, n))
                 budget -= n
                 i += 1
@@ -67,9 +67,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.blocks.match_prefix(seq)
-            n = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
-            if not self.blocks.admit(seq, n, cached):
+            start = len(cached) * self.blocks.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.admit(seq, cached, start + n):
                 break
+            seq.num_computed = seq.num_cached_tokens = start
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -77,8 +79,15 @@ class Scheduler:
             budget -= n
         return batch
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The batch ran: its new tokens have KV now, and blocks it filled join the prefix cache."""
+        for seq, n in batch.items:
+            seq.num_computed += n
+            self.blocks.commit(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -90,6 +99,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.blocks.release(seq)
+        seq.num_computed = 0
         seq.status = SeqStatus.FINISHED
 
     def preempt_all(self) -> list[Sequence]:

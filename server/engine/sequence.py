@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,7 +20,8 @@ class SeqStatus(enum.Enum):
 
 class Sequence:
     """One sampled continuation. Its tokens are prompt + output; `num_computed` of them have KV in
-    the cache (held in `block_table`). Preemption resets num_computed: the KV is recomputed later."""
+    the cache (held in `block_table`). Only the scheduler writes num_computed; preemption resets it
+    and the KV is recomputed later."""
 
     def __init__(self, seq_id: int, request: "Request", index: int, generator: torch.Generator | None):
         self.seq_id = seq_id
@@ -147,12 +147,11 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     # Called (on the engine's thread) with each new RequestOutput.
     on_output: Callable[[RequestOutput], None] | None = None
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # time.monotonic() of the first sampled token
     last_token_time: float | None = None
     # params.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it);
     # filled chunk by chunk as the prefill runs (runner.prepare picks the rows).

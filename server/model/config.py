@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,7 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
     torch_dtype: str | None = None
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -74,9 +72,7 @@ class ModelConfig:
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 sliding_window=int(window) if window else None,
                 eos_token_ids=eos_ids,
-                bos_token_id=d.get("bos_token_id"),
                 torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-                raw=dict(d),
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json lacks {e.args[0]!r}, which a Llama-family model needs") from None

@@ -83,23 +83,41 @@ def build_model(cfg: ModelConfig, pool, dtype: torch.dtype, max_positions: int) 
 # Reading checkpoints
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The .safetensors files of a folder (sharded or not) or a single file."""
+    """The .safetensors files of a folder (sharded or not) or a single file. Any path a client may
+    send (too long, not readable, a bad index) fails as WeightLoadError, never as an OSError."""
+    try:
+        return _safetensors_files(path)
+    except WeightLoadError:
+        raise
+    except (OSError, ValueError) as e:  # too long, unreadable, an embedded NUL
+        raise WeightLoadError(f"cannot read the path {_shown(path)}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _shown(path: Path) -> str:
+    text = str(path)
+    return repr(text if len(text) <= 200 else text[:100] + "..." + text[-40:])
+
+
+def _safetensors_files(path: Path) -> list[Path]:
     if path.is_file():
         if path.suffix != ".safetensors":
-            raise WeightLoadError(f"{path} is not a .safetensors file")
+            raise WeightLoadError(f"{_shown(path)} is not a .safetensors file")
         return [path]
     if not path.is_dir():
-        raise WeightLoadError(f"{path} does not exist")
+        raise WeightLoadError(f"{_shown(path)} does not exist")
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise WeightLoadError(f"{index} is not a valid safetensors index: {e}") from None
-        return [path / s for s in shards]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise WeightLoadError(f"{index} is not a valid safetensors index: weight_map must map tensor names "
+                                  "to shard file names")
+        return [path / s for s in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise WeightLoadError(f"{path} holds no .safetensors files")
+        raise WeightLoadError(f"{_shown(path)} holds no .safetensors files")
     return files
 
 

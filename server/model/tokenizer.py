@@ -15,3 +15,18 @@ def load_tokenizer(folder: Path):
         raise ModelNotFoundError(
             f"no usable tokenizer in {folder} ({e}); the folder needs tokenizer.json or the files "
             "of a Hugging Face tokenizer") from None
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    """The chat template's text for these messages; a template error is the client's to fix."""
+    from server.engine.errors import InvalidRequestError
+
+    if not getattr(tokenizer, "chat_template", None) and not kwargs.get("chat_template"):
+        raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
+                                  param="messages")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+    except Exception as e:  # template errors are the client's messages not fitting the template
+        raise InvalidRequestError(f"the chat template could not render these messages: {e}",
+                                  param="messages") from None

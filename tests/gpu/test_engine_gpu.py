@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.models import model_folder
+from tests.models import model_folder
 from server import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -60,11 +60,17 @@ def test_all_engine_memory_is_in_the_pool(tiny):
         for name, p in llm.engine.model.named_parameters():
             assert pool.tag_of(p) == "weights", f"{name} is not in the pool"
         assert pool.tag_of(llm.engine.runner.kv_cache) == "kv_cache"
+        pooled = sum(t.bytes for t in pool.stats().tags.values())
+        torch.cuda.synchronize()
+        free_awake = torch.cuda.mem_get_info()[0]
         llm.sleep(level=1)
-        free, total = torch.cuda.mem_get_info()
+        free_asleep = torch.cuda.mem_get_info()[0]
         tags = pool.stats().as_dict()["tags"]
         assert all(t["state"] != "awake" for name, t in tags.items() if t["bytes"]), tags
+        # Every pooled byte was really given back to the device (the sleep returns once it is).
+        assert free_asleep - free_awake >= 0.95 * pooled, (free_awake, free_asleep, pooled)
         llm.wake_up()
+        assert torch.cuda.mem_get_info()[0] <= free_asleep - 0.95 * pooled  # and re-created on wake
     finally:
         llm.close()
 

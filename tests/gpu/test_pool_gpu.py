@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from allocator import MemoryPool, PoolError, create_pool  # noqa: E402
+from allocator import PoolError, create_pool  # noqa: E402
+from tests.cuda_pool import capture, free_bytes, host_rss  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,24 +36,10 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8).clone()
 
 
-def free_bytes() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
-def host_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 @pytest.fixture
 def pool():
     p = create_pool("cuda")
     yield p
-    p._backend._lib.set_workers(1)  # process-wide: a test that changed it must not leak it
     p.close()
     gc.collect()
     torch.cuda.empty_cache()
@@ -67,21 +54,6 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.down(torch.nn.functional.gelu(self.up(x))) + x)
-
-
-def capture(pool: MemoryPool, fn, static_input: torch.Tensor):
-    """The recipe of MemoryPool.graph_pool's docstring."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with pool.use("cuda_graph"), torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(static_input)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool.graph_pool("cuda_graph"), stream=stream):
-        static_output = fn(static_input)
-    torch.cuda.synchronize()
-    return graph, static_output
 
 
 # ---------------------------------------------------------------------------- in-process tests
@@ -170,14 +142,8 @@ def test_cuda_graph_memory_lives_in_the_pool_and_replays_after_wake(pool):
     model = MLP().cuda().to(torch.bfloat16).eval()
     pool.adopt(model, "weights")
     host_weights = {n: p.detach().cpu() for n, p in model.named_parameters()}
-    static_x = pool.empty((16, 1024), torch.bfloat16, "cuda_graph")
-    static_x.copy_(torch.randn(16, 1024, device="cuda").to(torch.bfloat16))
-
-    with torch.no_grad():
-        graph, static_y = capture(pool, model, static_x)
-        graph.replay()
-        torch.cuda.synchronize()
-        reference = static_y.clone()
+    graph, static_x, static_y = capture(pool, model, (16, 1024))
+    reference = static_y.clone()
     assert pool.tag_of(static_y) == "cuda_graph"
     assert pool.stats().tags["cuda_graph"].bytes > static_x.numel() * 2
     pool._backend.verify(["weights", "cuda_graph"])  # the capture's segments are all recorded as ours
@@ -204,12 +170,9 @@ def test_cuda_graph_memory_lives_in_the_pool_and_replays_after_wake(pool):
     del kv
 
 
-@pytest.mark.parametrize("sleep_order", ["pipelined", "legacy"])
-@pytest.mark.parametrize("wake_order", ["pipelined", "map_first", "interleave"])
-def test_every_sleep_and_wake_order_restores_bit_exact(pool, sleep_order, wake_order):
+def test_pipelined_groups_restore_bit_exact(pool):
     backend = pool._backend
-    backend.sleep_order, backend.wake_order = sleep_order, wake_order
-    backend.group_bytes = 24 * MiB  # several groups released while later copies run
+    backend.group_bytes = 24 * MiB  # several groups released (and mapped) while other copies run
     g = torch.Generator(device="cuda").manual_seed(1)
     weights = [pool.empty((n,), torch.uint8, "weights") for n in [8 * MiB] * 12 + [100 * MiB, 3 * MiB + 5]]
     for t in weights:
@@ -260,9 +223,7 @@ def test_sleep_gives_back_grown_local_memory_and_wake_restores_it(pool):
     ctx.set_stack_size(base)
 
 
-@pytest.mark.parametrize("workers", [1, 4])
-def test_failed_wake_rolls_back_and_a_later_wake_succeeds(pool, workers):
-    pool._backend._lib.set_workers(workers)
+def test_failed_wake_rolls_back_and_a_later_wake_succeeds(pool):
     weights = pool.empty((512 * MiB,), torch.uint8, "weights")
     weights.copy_(torch.randint(0, 256, weights.shape, device="cuda", dtype=torch.uint8))
     expected = raw(weights)
@@ -369,27 +330,17 @@ def test_expandable_segments_env_still_pools_everything():
 
 
 def reference_kernels(index: int):
-    """scenario_footprint's kernels without a pool (for probe.reference_process_used)."""
+    """scenario_footprint's kernels without a pool (for footprint.reference_process_used)."""
     torch.manual_seed(0)
     model = MLP(2048, 8192).cuda(index).to(torch.bfloat16).eval()
-    static_x = torch.empty((32, 2048), dtype=torch.bfloat16, device=f"cuda:{index}")
     with torch.no_grad():
         model(torch.randn(64, 2048, device=f"cuda:{index}", dtype=torch.bfloat16))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                model(static_x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            model(static_x)
-        graph.replay()
+    graph, _, _ = capture(None, model, (32, 2048))
     return graph
 
 
 def scenario_footprint() -> dict:
-    from allocator import probe
+    from tests import footprint as probe
 
     index = 0
     bare_alone = probe.bare_process_used(index)  # before this process touches CUDA
@@ -402,10 +353,9 @@ def scenario_footprint() -> dict:
     with pool.use("weights"):
         big = torch.empty((GiB,), dtype=torch.uint8, device="cuda")
     kv = pool.empty((2 * GiB,), torch.uint8, "kv_cache")
-    static_x = pool.empty((32, 2048), torch.bfloat16, "cuda_graph")
     with torch.no_grad():
         eager = model(torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16))  # cuBLAS, default pool
-        graph, _ = capture(pool, model, static_x)
+    graph, _, _ = capture(pool, model, (32, 2048))
     del eager
     torch.cuda.synchronize()
     awake_free = torch.cuda.mem_get_info(index)[0]
@@ -427,13 +377,8 @@ def scenario_expandable() -> dict:
     w = pool.empty((512 * MiB,), torch.uint8, "weights")
     w.copy_(torch.randint(0, 256, w.shape, device="cuda", dtype=torch.uint8))
     expected = raw(w)
-    static_x = pool.empty((16, 1024), torch.float32, "cuda_graph")
-    static_x.normal_()
-    with torch.no_grad():
-        graph, static_y = capture(pool, model, static_x)
-        graph.replay()
-        torch.cuda.synchronize()
-        reference = static_y.clone()
+    graph, _, static_y = capture(pool, model, (16, 1024), torch.float32)
+    reference = static_y.clone()
     tags = sorted(t for t, s in pool.stats().tags.items() if s.bytes > 0)
     pooled = sum(s.bytes for s in pool.stats().tags.values())
     free0 = free_bytes()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from bench.models import model_folder
+from tests.models import model_folder
 from server.weight_transfer import safe_pickle
 from server.weight_transfer.sender import WeightSender
 from tests.http_server import ServerProcess

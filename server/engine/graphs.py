@@ -1,10 +1,10 @@
 """CUDA graphs for decode steps, captured once at start-up with their memory in the pool.
 
-One graph per batch-size bucket; a decode batch replays the smallest bucket that holds it, padded.
-Padding rows write their K/V into the null block (slot 0) and read one token, so they cost almost
-nothing and touch no sequence's cache. Every buffer a graph reads or writes is pool memory under
-tag `cuda_graph`, so sleep backs it up, wake restores it, and the graphs replay as captured
-(DESIGN.md invariant 2: nothing is re-captured).
+An engine concern beside the runner it replays for: one graph per batch-size bucket; a decode batch
+replays the smallest bucket that holds it, padded. Padding rows write their K/V into NULL_BLOCK and
+read one token, so they cost almost nothing and touch no sequence's cache. Every buffer a graph
+reads or writes is pool memory under tag `cuda_graph`, so sleep backs it up, wake restores it, and
+the graphs replay as captured (docs/architecture.md, invariant 2: nothing is re-captured).
 
 A step's inputs travel in one host-to-device copy from a pinned staging buffer laid out as
 [ids | positions | slots | lengths | block tables, compact]; one device copy then spreads the
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from server.engine.kv_cache import NULL_BLOCK
 from server.engine.tags import CUDA_GRAPH
 from server.model.attention import AttentionContext
 
@@ -44,10 +45,13 @@ class DecodeGraphs:
         # The staging area: the first 4*B entries are the graph's own ids/positions/slots/lengths.
         self.stage = pool.empty((4 * B + B * self.width,), torch.long, CUDA_GRAPH)
         self.tables = pool.empty((B, self.width), torch.long, CUDA_GRAPH)
-        self.stage.zero_()
-        self.tables.zero_()
         self.input_ids, self.positions, self.slots, self.lens = (self.stage[i * B:(i + 1) * B] for i in range(4))
+        self.stage.zero_()
+        self.slots.fill_(NULL_BLOCK * runner.block_size)
+        self.tables.fill_(NULL_BLOCK)
         self.lens.fill_(1)
+        # What a padding row of each of ids, positions, slots, lengths holds.
+        self.padding = (0, 0, NULL_BLOCK * runner.block_size, 1)
         self.host = torch.zeros(self.stage.shape, dtype=torch.long, pin_memory=True)
         self.host_np = self.host.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -94,9 +98,9 @@ class DecodeGraphs:
         w = max(len(t) for t in hb.decode_tables)
         for i, values in enumerate((hb.ids, hb.positions, hb.slots, hb.decode_lens)):
             h[i * B:i * B + n] = values
-            h[i * B + n:i * B + bucket] = 1 if i == 3 else 0
+            h[i * B + n:i * B + bucket] = self.padding[i]
         base = 4 * B
-        h[base:base + bucket * w] = 0
+        h[base:base + bucket * w] = NULL_BLOCK
         for r, t in enumerate(hb.decode_tables):
             h[base + r * w:base + r * w + len(t)] = t
         used = base + bucket * w

@@ -1,5 +1,6 @@
-"""Device-memory probes for invariant 1: after a full sleep, this process should hold no more
-device memory than a bare CUDA process (one that only created a context).
+"""Device-memory probes for invariant 1 (docs/architecture.md): after a full sleep, this process
+should hold no more device memory than a process that ran the same kernels without a pool.
+Measurement tooling, not library code: tests/gpu/test_pool_gpu.py and the GPU benchmarks use it.
 
 A process that has run kernels holds more than a bare one even with every tensor freed: the code
 of each kernel module it loaded (lazily, on first use; loaded code stays until the context dies),

@@ -1,0 +1,83 @@
+"""A bounded schemathesis run against the real server, driven by the server's own OpenAPI document:
+no generated request (bodies included, dev routes included) may get a 500, every status must be one
+the document declares, and the server must still serve afterwards. `make soak` runs the long version
+(scripts/soak.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from http_server import BASE_ARGS, ServerProcess
+
+pytestmark = pytest.mark.timeout(400)
+
+KEY = "sk-fuzz"
+# A short context keeps every generated request cheap on 2 CPU cores: at most ~40 tokens each.
+FUZZ_ARGS = [*BASE_ARGS[:2], "--max-model-len", "48", "--kv-cache-memory", "64MiB", "--log-level", "warning",
+             "--dev-mode", "--api-key", KEY]
+CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance"
+CONFIG = Path(__file__).with_name("schemathesis.toml")
+
+
+def fuzz(server: ServerProcess, out_dir: Path, examples: int, seed: int, timeout: float) -> dict:
+    """Run schemathesis; returns {"exit": code, "requests": n, "statuses": {...}, "output": text}."""
+    ndjson = out_dir / "events.ndjson"
+    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG), "run", f"{server.url}/openapi.json",
+           "-H", f"Authorization: Bearer {KEY}", "--checks", CHECKS, "--max-examples", str(examples),
+           "--seed", str(seed), "--workers", "1", "--phases", "examples,fuzzing", "--no-shrink",
+           "--request-timeout", "120", "--suppress-health-check", "all", "--report", "ndjson",
+           "--report-ndjson-path", str(ndjson), "--warnings", "off"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
+    statuses: dict[str, int] = {}
+    requests = 0
+    if ndjson.exists():
+        for line in ndjson.read_text().splitlines():
+            for status in _statuses(json.loads(line)):
+                statuses[str(status)] = statuses.get(str(status), 0) + 1
+                requests += 1
+    return {"exit": proc.returncode, "requests": requests, "statuses": statuses,
+            "output": proc.stdout[-6000:] + proc.stderr[-3000:]}
+
+
+def _statuses(node) -> list[int]:
+    """Status codes of every response recorded in one ndjson event."""
+    found: list[int] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if "status_code" in n and isinstance(n["status_code"], int) and "elapsed" in n:
+                found.append(n["status_code"])
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return found
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(FUZZ_ARGS, api_key=KEY).start()
+    yield s
+    s.stop()
+
+
+def test_generated_requests_never_get_a_server_error(server, tmp_path):
+    result = fuzz(server, tmp_path, examples=40, seed=17, timeout=360)
+    print(result["output"][-1500:])
+    assert result["exit"] == 0, result["output"]
+    assert result["requests"] >= 200, result
+    assert not any(s.startswith("5") and s != "503" for s in result["statuses"]), result["statuses"]
+    print(f"\nschemathesis: {result['requests']} requests, statuses {result['statuses']}")
+    # Whatever the fuzzer left (asleep, paused), the server wakes and serves.
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    httpx.post(server.url + "/wake_up", headers=headers, timeout=60)
+    httpx.post(server.url + "/resume", headers=headers, timeout=60)
+    httpx.post(server.url + "/update_weights", headers=headers, timeout=120)
+    r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=120,
+                   json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert "Traceback" not in server.log_text(), server.log_tail()
