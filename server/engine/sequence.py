@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -150,8 +151,10 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # Called (on the engine's thread) with each new RequestOutput.
     on_output: Callable[[RequestOutput], None] | None = None
+    # time.monotonic() of arrival, first scheduling, first and last sampled token (vllm: latency metrics)
+    arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None  # time.monotonic() of the first sampled token
+    first_token_time: float | None = None
     last_token_time: float | None = None
     # params.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it);
     # filled chunk by chunk as the prefill runs (runner.prepare picks the rows).
