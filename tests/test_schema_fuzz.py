@@ -16,9 +16,11 @@ from http_server import BASE_ARGS, ServerProcess
 pytestmark = pytest.mark.timeout(400)
 
 KEY = "sk-fuzz"
-# A short context keeps every generated request cheap on 2 CPU cores: at most ~40 tokens each.
+# A short context keeps every generated request cheap on 2 CPU cores: at most ~40 tokens each. The fuzzer
+# also sleeps and pauses the server; a generation request that arrives then is held, and a 1 s hold limit
+# makes it answer its documented 503 soon instead of outwaiting the client's timeout.
 FUZZ_ARGS = [*BASE_ARGS[:2], "--max-model-len", "48", "--kv-cache-memory", "64MiB", "--log-level", "warning",
-             "--dev-mode", "--api-key", KEY]
+             "--dev-mode", "--api-key", KEY, "--held-request-timeout", "1"]
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 
