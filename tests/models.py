@@ -56,3 +56,22 @@ def parameter_count(name: str) -> int:
     from server.model.config import ModelConfig
 
     return ModelConfig.from_dict({"model_type": "llama", **CONFIGS[name]}).num_parameters()
+
+
+def write_trained_checkpoint(source: Path, out: Path, seed: int) -> Path:
+    """A copy of the checkpoint in `source` after a pretend training step (every matrix moves by 2% of its
+    spread, seeded), beside the same config and tokenizer: new weights to load with /update_weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    weights = load_file(str(source / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in weights.items():
+        if t.dim() == 2:
+            weights[name] = t + 0.02 * t.std() * torch.randn(t.shape, generator=g)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

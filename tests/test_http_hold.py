@@ -4,11 +4,11 @@ the async-RL flow pause(keep) -> update_weights -> resume. All through the real 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import httpx
 import pytest
+from tests.models import write_trained_checkpoint
 from http_server import HOLD_LIMIT, HOLD_TIMEOUT_S, hold_server, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -248,22 +248,9 @@ def test_async_rl_pause_keep_update_resume(server, tmp_path, default_model_folde
     the prompt plus the tokens before the pause (its KV was recomputed, none of the old KV was reused)."""
     import json
 
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from server import SamplingParams
 
-    new = tmp_path / "step-1"
-    new.mkdir()
-    for f in default_model_folder.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, new / f.name)
-    weights = load_file(str(default_model_folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    for name, t in weights.items():
-        if t.dim() == 2:
-            weights[name] = t + 0.02 * t.std() * torch.randn(t.shape, generator=g)
-    save_file(weights, str(new / "model.safetensors"), metadata={"format": "pt"})
+    new = write_trained_checkpoint(default_model_folder, tmp_path / "step-1", seed=1)
 
     total = 24
     greedy = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.models import write_trained_checkpoint
 from http_server import ADMIN_KEY, DEV_KEY, dev_server, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -404,24 +405,9 @@ def test_rlhf_update_with_new_weights_serves_what_a_fresh_load_serves(server, cl
                                                                       default_model_folder):
     """sleep level 2 -> wake weights -> update_weights(perturbed checkpoint) -> wake kv_cache: the server
     answers with the new weights, exactly as an engine that loaded them fresh does."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from server import LLM, SamplingParams
 
-    new = tmp_path / "step-1"
-    new.mkdir()
-    for f in default_model_folder.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, new / f.name)
-    weights = load_file(str(default_model_folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    for name, t in weights.items():  # a "training step": every matrix moves a little
-        if t.dim() == 2:
-            weights[name] = t + 0.02 * t.std() * torch.randn(t.shape, generator=g)
-    save_file(weights, str(new / "model.safetensors"), metadata={"format": "pt"})
+    new = write_trained_checkpoint(default_model_folder, tmp_path / "step-1", seed=0)
 
     assert admin(server, "POST", "/sleep?level=2").status_code == 200
     assert admin(server, "POST", "/wake_up?tags=weights").status_code == 200
