@@ -18,12 +18,17 @@ def main() -> int:
                 ["bench/step_profile.py", "--out", out],
                 ["bench/sleep_wake.py", "--device", "cuda", "--out", out],
                 ["bench/e2e_server.py", "--device", "cuda", "--out", out],
-                ["bench/structured_mask.py", "--device", "cuda", "--model", "llama-1b", "--out", out]]
+                ["bench/structured_mask.py", "--device", "cuda", "--model", "llama-1b", "--out", out],
+                ["bench/serve.py", "--device", "cuda", "--model", "llama-1b", "--out", out],
+                ["bench/rollout.py", "--device", "cuda", "--model", "llama-1b", "--out", out],
+                ["bench/rollout.py", "--device", "cuda", "--model", "llama-8b", "--out", out]]
     else:
         runs = [["bench/throughput.py", "--device", "cpu", "--out", out],
                 ["bench/sleep_wake.py", "--device", "cpu", "--out", out],
                 ["bench/e2e_server.py", "--device", "cpu", "--out", out],
-                ["bench/structured_mask.py", "--device", "cpu", "--out", out]]
+                ["bench/structured_mask.py", "--device", "cpu", "--out", out],
+                ["bench/serve.py", "--device", "cpu", "--model", "llama-tiny", "--smoke", "--out", out],
+                ["bench/rollout.py", "--device", "cpu", "--model", "llama-tiny", "--smoke", "--out", out]]
     failed = [r[0] for r in runs if subprocess.run([sys.executable, *r], cwd=ROOT).returncode != 0]
     if failed:
         print("failed:", ", ".join(failed))

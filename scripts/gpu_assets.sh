@@ -9,6 +9,9 @@ src=$(.venv/bin/python -c 'from server.model.loader import resolve_model; print(
 for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
   [ -f "$src/$f" ] && cp "$src/$f" .gpu_assets/tokenizer/
 done
-# llguidance: structured outputs (abi3 wheel, no dependencies); the image lacks it.
-if [ -n "${SLEEPSERVE_WHEELS_SCRIPT:-}" ]; then bash "$SLEEPSERVE_WHEELS_SCRIPT" llguidance > /dev/null; fi
+# llguidance: structured outputs (abi3 wheel, no dependencies); openai (+ distro, jiter): bench/serve.py's
+# client. The image lacks them.
+if [ -n "${SLEEPSERVE_WHEELS_SCRIPT:-}" ]; then
+  bash "$SLEEPSERVE_WHEELS_SCRIPT" llguidance openai distro jiter > /dev/null
+fi
 du -sh .gpu_assets .whl 2>/dev/null || true

@@ -2,7 +2,10 @@
 # `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
 # Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
 # goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile sleepwake e2e weights rlloop
-# structured flows (default: all of these) and weights-nccl (two GPUs: run it on the 2-GPU host, by name).
+# structured flows serve rollout (default: all of these) and weights-nccl (two GPUs: run it on the 2-GPU host, by name).
+# serve: bench/serve.py, Poisson arrivals through HTTP vs in-process (1B shape); rollout: bench/rollout.py,
+# 256 prompts x n=8 x 512 tokens through HTTP as TRL sends them, in-process and transformers (rollout-1b and
+# rollout-8b run one shape each).
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
@@ -22,7 +25,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-stages=${*:-tests pool throughput profile sleepwake e2e weights rlloop structured flows}
+stages=${*:-tests pool throughput profile sleepwake e2e weights rlloop structured flows serve rollout}
 failed=()
 
 run() {  # run NAME CMD...: log everything, print the tail, remember failures
@@ -52,13 +55,18 @@ for stage in $stages; do
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
     structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
     flows)      run flows $PY bench/readme_flows.py --out "$RESULTS" ;;
+    serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
+    rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"
+                run rollout-8b $PY bench/rollout.py --device cuda --model llama-8b --out "$RESULTS" ;;
+    rollout-1b|rollout-8b)
+                run $stage $PY bench/rollout.py --device cuda --model llama-${stage#rollout-} --out "$RESULTS" ;;
     *) echo "unknown stage $stage"; failed+=("$stage") ;;
   esac
 done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs)" "$LOG" || true
+grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs|serve:|rollout \\()" "$LOG" || true
 grep -h -E "^iter [0-9]+:" "$LOG" || true
 grep -h -A30 -E "^README sleep flows" "$LOG" || true
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi

@@ -1,0 +1,287 @@
+"""An RL rollout as GRPO trainers run it: P prompts x n samples (256 x 8 by default), 512 new tokens each,
+temperature 1, sent as TRL's VLLMClient sends them (one batched POST /v1/completions with token-id
+prompts, n, logprobs=0, return_token_ids), then the same rollout through the in-process engine, then
+transformers' batched `generate` on a slice of the same prompts (in its own process: it cannot share
+the device with an engine that took 0.9 of its memory).
+
+Each is compared with a roofline of the steps the in-process engine really took: per step, the larger
+of (weights + KV read) / measured memory bandwidth and FLOPs / measured dense-matmul throughput
+(bench/roofline.py), summed over the run.
+
+    python bench/rollout.py --device cpu --model llama-tiny --smoke
+    python bench/rollout.py --device cuda --model llama-1b --out $OUT
+    python bench/rollout.py --device cuda --model llama-8b --out $OUT
+
+Outputs are forced to their full length (ignore_eos, as TRL's generation_kwargs allow) so every run
+generates the same number of tokens from random weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import hardware, now_iso, table, write_json  # noqa: E402
+from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
+
+SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
+
+
+def make_prompts(num: int, length: int, range_ratio: float, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lo, hi = max(1, int(length * (1 - range_ratio))), max(1, int(length * (1 + range_ratio)))
+    return [rng.integers(min(1000, vocab // 2), min(vocab, 40000), size=int(n)).tolist() for n in rng.integers(lo, hi + 1, size=num)]
+
+
+def trl_payload(model: str, prompts: list[list[int]], n: int, max_tokens: int, temperature: float) -> dict:
+    """What trl.generation.vllm_client.VLLMClient.generate posts (its defaults), plus ignore_eos."""
+    return {"model": model, "prompt": prompts, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "n": n, "repetition_penalty": 1.0, "temperature": temperature, "top_p": 1.0, "top_k": 0,
+            "min_p": 0.0, "max_tokens": max_tokens, "logprobs": 0, "ignore_eos": True}
+
+
+def http_rollout(url: str, api_key: str, model: str, prompts: list[list[int]], n: int, max_tokens: int,
+                 temperature: float, requests: int = 1, timeout: float = 3600.0) -> dict:
+    """The prompts in `requests` batched POSTs at once (1: TRL's main process sends them all in one)."""
+    import asyncio
+
+    import httpx
+
+    parts = [prompts[i::requests] for i in range(requests)]
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout,
+                                     headers={"Authorization": f"Bearer {api_key}"}) as c:
+            async def post(part):
+                r = await c.post("/v1/completions", json=trl_payload(model, part, n, max_tokens, temperature))
+                if r.status_code != 200:
+                    raise RuntimeError(f"/v1/completions answered {r.status_code}: {r.text[:300]}")
+                return r.json()
+            return await asyncio.gather(*(post(p) for p in parts if p))
+
+    t = time.perf_counter()
+    bodies = asyncio.run(run())
+    seconds = time.perf_counter() - t
+    choices = [ch for b in bodies for ch in b["choices"]]
+    tokens = sum(len(ch["token_ids"]) for ch in choices)
+    assert len(choices) == len(prompts) * n, f"{len(choices)} choices for {len(prompts)} prompts x n={n}"
+    assert all(len(ch["logprobs"]["token_logprobs"]) == len(ch["token_ids"]) for ch in choices)
+    return {"seconds": seconds, "sequences": len(choices), "tokens": tokens, "tok_s": tokens / seconds}
+
+
+def engine_rollout(llm, prompts: list[list[int]], n: int, max_tokens: int, temperature: float) -> dict:
+    from server import SamplingParams
+
+    params = SamplingParams(n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, logprobs=0,
+                            ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t
+    seqs = [o for out in outs for o in out.outputs]
+    tokens = sum(len(o.token_ids) for o in seqs)
+    assert all(len(o.logprobs) == len(o.token_ids) for o in seqs)
+    return {"seconds": seconds, "sequences": len(seqs), "tokens": tokens, "tok_s": tokens / seconds}
+
+
+def hf_rollout(folder: str, device: str, prompts: list[list[int]], n: int, max_tokens: int,
+               temperature: float, batch: int, seed: int) -> dict:
+    """transformers' generate, `batch` prompts (x n samples) per call, left-padded, random weights of the
+    same shape (the values do not change the time)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dev = torch.device(device)
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(folder)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+    def generate(part: list[list[int]], new: int) -> None:
+        width = max(map(len, part))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in part], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=dev)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+                           num_return_sequences=n, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+
+    generate(prompts[:min(batch, 2)], 2)  # warm-up
+    part = prompts[:batch]
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    generate(part, max_tokens)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    tokens = len(part) * n * max_tokens
+    return {"seconds": seconds, "sequences": len(part) * n, "tokens": tokens, "tok_s": tokens / seconds}
+
+
+def hf_in_subprocess(args, folder: str, prompts: list[list[int]]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"folder": folder, "device": args.device, "prompts": prompts, "n": args.n,
+                                   "max_tokens": args.max_tokens, "temperature": args.temperature,
+                                   "batch": args.hf_prompts, "seed": args.seed}))
+        subprocess.run([sys.executable, __file__, "--hf-job", str(job)], check=True)
+        return json.loads(job.with_suffix(".out.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default=None, help=f"{', '.join(SHAPES)} (random weights) or a model folder")
+    ap.add_argument("--prompts", type=int, default=None, help="default 256 (smoke: 4)")
+    ap.add_argument("--n", type=int, default=None, help="samples per prompt, default 8 (smoke: 2)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 512 (smoke: 8)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="mean prompt tokens, default 128 (smoke: 16)")
+    ap.add_argument("--range-ratio", type=float, default=0.25)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--requests", type=int, default=1, help="split the prompts over this many concurrent POSTs")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-memory", default=None)
+    ap.add_argument("--hf-prompts", type=int, default=None,
+                    help="prompts (x n) per transformers generate call; default 32 (smoke: all)")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--hf-job", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.hf_job is not None:  # the transformers reference, in its own process
+        job = json.loads(args.hf_job.read_text())
+        res = hf_rollout(**job)
+        args.hf_job.with_suffix(".out.json").write_text(json.dumps(res))
+        return
+
+    smoke = args.smoke
+    args.prompts = args.prompts or (4 if smoke else 256)
+    args.n = args.n or (2 if smoke else 8)
+    args.max_tokens = args.max_tokens or (8 if smoke else 512)
+    args.prompt_len = args.prompt_len or (16 if smoke else 128)
+    args.hf_prompts = args.hf_prompts or (args.prompts if smoke else 32)
+    cuda = args.device == "cuda"
+    if not cuda:
+        # Random weights drive activations into denormals; on the main thread of a CPU process they
+        # cost ~7x (llama-tiny, 99 -> 14 ms a step). CUDA flushes them anyway.
+        torch.set_flush_denormal(True)
+    name = args.model or ("llama-1b" if cuda else "llama-tiny")
+    if name in SHAPES:
+        from tests.models import model_folder
+
+        folder = str(model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072))
+        load = ["--load-format", "dummy"]
+    else:
+        folder, load = name, []
+    kv = args.kv_cache_memory or (None if cuda else "512MiB")
+    flags = [folder, "--device", args.device, *load, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-model-len", str(args.max_model_len), *(["--kv-cache-memory", kv] if kv else [])]
+
+    from server.model.config import ModelConfig
+
+    vocab = ModelConfig.from_folder(Path(folder)).vocab_size
+    prompts = make_prompts(args.prompts, args.prompt_len, args.range_ratio, vocab, args.seed)
+    result: dict = {"date": now_iso(), "model": name, "device": args.device, "prompts": args.prompts, "n": args.n,
+                    "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "temperature": args.temperature,
+                    "requests": args.requests, "engine_flags": flags[1:]}
+
+    # transformers first, then the server, then the in-process engine: each has the device alone.
+    if not args.no_hf:
+        result["hf"] = hf_in_subprocess(args, folder, prompts)
+        result["hf"]["prompts_per_call"] = args.hf_prompts
+    from tests.http_server import ServerProcess
+
+    server = ServerProcess([*flags, "--log-level", "warning"]).start()
+    try:
+        import httpx
+
+        served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        http_rollout(server.url, "EMPTY", served, prompts[:2], 1, 4, args.temperature)  # warm-up
+        result["http"] = http_rollout(server.url, "EMPTY", served, prompts, args.n, args.max_tokens,
+                                      args.temperature, args.requests)
+    finally:
+        server.stop()
+
+    from server import LLM
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    measured = Device.measure(device, dtype)  # before the engine takes the device's memory
+    llm = LLM(model=folder, device=args.device, load_format="dummy" if load else "auto",
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory=kv)
+    engine_rollout(llm, prompts[:2], 1, 4, args.temperature)  # warm-up
+    recorder = StepRecorder(llm.engine)
+    result["engine"] = engine_rollout(llm, prompts, args.n, args.max_tokens, args.temperature)
+    cost = ModelCost.of(llm.engine.model)
+    roof_s = recorder.roofline_seconds(cost, measured)
+    steps = recorder.steps
+    result["hardware"] = hardware(device)
+    llm.close()
+
+    result["roofline"] = {"seconds": roof_s, "tok_s": result["engine"]["tokens"] / roof_s, "steps": len(steps),
+                          "memory_bandwidth_GBs": measured.bandwidth / 1e9, "matmul_TFLOPs": measured.gemm_flops / 1e12,
+                          "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
+                          "largest_batch": max((len(items) for items, _ in steps), default=0)}
+    for key in ("http", "engine"):
+        result[key]["fraction_of_roofline"] = roof_s / result[key]["seconds"]
+        if "hf" in result:
+            result[key]["x_vs_hf"] = result[key]["tok_s"] / result["hf"]["tok_s"]
+    result["http"]["http_over_engine"] = result["http"]["tok_s"] / result["engine"]["tok_s"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out, f"rollout-{name}-{args.device}", result)
+    plot(result, args.out / f"rollout-{name}-{args.device}.png")
+    report(result)
+
+
+def report(r: dict) -> None:
+    roof = r["roofline"]
+    print(f"\nrollout ({r['model']}, {r['device']}, {r['prompts']} prompts x n={r['n']}, {r['max_tokens']} new tokens, "
+          f"temperature {r['temperature']}, {r['date']})")
+    rows = []
+    for key, label in (("http", f"HTTP /v1/completions ({r['requests']} request(s), as TRL)"),
+                       ("engine", "in-process engine"), ("hf", "transformers generate")):
+        if key in r:
+            x = r[key]
+            rows.append([label, x["sequences"], f"{x['seconds']:.2f}", f"{x['tok_s']:.0f}",
+                         f"{100 * x['fraction_of_roofline']:.0f}%" if "fraction_of_roofline" in x else "-",
+                         f"{x['x_vs_hf']:.1f}x" if "x_vs_hf" in x else "-"])
+    rows.append(["roofline (steps the engine took)", "", f"{roof['seconds']:.2f}", f"{roof['tok_s']:.0f}", "100%", ""])
+    print(table(rows, ["path", "sequences", "seconds", "tok/s", "of roofline (target >= 50%)",
+                       "vs transformers (target >= 10x)"]))
+    print(f"roofline: {roof['steps']} steps (largest batch {roof['largest_batch']}), memory "
+          f"{roof['memory_bandwidth_GBs']:.0f} GB/s, matmul {roof['matmul_TFLOPs']:.1f} TFLOP/s, weights "
+          f"{roof['weight_bytes'] / 1e9:.2f} GB, KV {roof['kv_bytes_per_token'] / 1024:.0f} KiB/token; "
+          f"HTTP / in-process {r['http']['http_over_engine']:.2f}")
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ("http", "engine", "hf") if k in r]
+    labels = {"http": "HTTP (TRL batch)", "engine": "in-process", "hf": "transformers"}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([labels[k] for k in keys], [r[k]["tok_s"] for k in keys], color=["C0", "C1", "C2"][:len(keys)])
+    ax.axhline(r["roofline"]["tok_s"], color="k", ls="--", lw=1, label="roofline of the engine's steps")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"rollout {r['prompts']}x{r['n']}, {r['max_tokens']} tokens: {r['model']} on "
+                 f"{r['hardware'].split(',')[0]}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""A per-step roofline for the benchmarks: the least time a step can take on this device, from what
+it must read (weights + the KV of every context token) at the measured memory bandwidth and what it
+must compute (GEMM and attention FLOPs) at the measured dense-matmul throughput, whichever is larger.
+
+Both device figures are measured in the same run (not taken from a datasheet), so the fraction of
+the roofline a run reaches compares like with like.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.common import copy_bandwidth, sync
+
+
+@dataclass(frozen=True)
+class Device:
+    bandwidth: float     # bytes/s, read + write, of a large device-to-device copy
+    gemm_flops: float    # FLOP/s of a large dense matmul in the model's dtype
+
+    @classmethod
+    def measure(cls, device: torch.device, dtype: torch.dtype) -> "Device":
+        return cls(memory_bandwidth(device), matmul_flops(device, dtype))
+
+
+def memory_bandwidth(device: torch.device) -> float:
+    if device.type == "cuda":
+        return copy_bandwidth(device)
+    a = torch.empty(64 << 20, dtype=torch.float32).normal_()  # 256 MiB: well past every CPU cache
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = min(_seconds(lambda: b.copy_(a), device) for _ in range(5))
+    return 2 * a.numel() * a.element_size() / best
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    reps = 10 if device.type == "cuda" else 3
+    best = min(_seconds(lambda: a @ b, device) for _ in range(reps))
+    return 2 * n ** 3 / best
+
+
+def _seconds(fn, device: torch.device) -> float:
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one forward step reads and computes, from the model's shape."""
+    weight_bytes: int          # every parameter once (a tied embedding is read once, by the LM head)
+    matmul_params: int         # parameters multiplied per token (layers' linears), without the LM head
+    head_params: int           # vocab x hidden: multiplied only for rows that are sampled
+    kv_bytes_per_token: int    # K and V of every layer
+    attn_flops_per_pair: int   # FLOPs of one (query token, context token) pair over all layers
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelCost":
+        c = model.config
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        embed = c.vocab_size * c.hidden_size
+        layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+        elem = next(model.parameters()).element_size()
+        return cls(weight_bytes=weight_bytes, matmul_params=layer_params, head_params=embed,
+                   kv_bytes_per_token=2 * c.num_layers * c.num_kv_heads * c.head_dim * elem,
+                   attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim)
+
+    def step(self, items: list[tuple[int, int]], sampled: int) -> tuple[float, float]:
+        """(bytes, FLOPs) of a step over items = (tokens already in the cache, new tokens) per sequence."""
+        tokens = sum(n for _, n in items)
+        kv_read = sum(start + n for start, n in items) * self.kv_bytes_per_token
+        pairs = sum(n * start + n * (n + 1) // 2 for start, n in items)
+        flops = 2 * self.matmul_params * tokens + 2 * self.head_params * sampled + self.attn_flops_per_pair * pairs
+        return self.weight_bytes + kv_read, flops
+
+    def step_seconds(self, items: list[tuple[int, int]], sampled: int, device: Device) -> float:
+        nbytes, flops = self.step(items, sampled)
+        return max(nbytes / device.bandwidth, flops / device.gemm_flops)
+
+
+class StepRecorder:
+    """Records every batch an EngineCore schedules (tokens cached, new tokens per sequence), so the
+    roofline of the steps a run really took can be summed afterwards. Wraps the scheduler's
+    schedule() of that one engine instance; benchmark-only."""
+
+    def __init__(self, core):
+        self.steps: list[tuple[list[tuple[int, int]], int]] = []
+        self._scheduler = core.scheduler
+        schedule = core.scheduler.schedule
+
+        def recording():
+            batch = schedule()
+            if batch:
+                items = [(seq.num_computed, n) for seq, n in batch.items]
+                sampled = sum(1 for seq, n in batch.items if seq.num_computed + n == seq.num_tokens)
+                self.steps.append((items, sampled))
+            return batch
+
+        core.scheduler.schedule = recording
+
+    def roofline_seconds(self, cost: ModelCost, device: Device) -> float:
+        return sum(cost.step_seconds(items, sampled, device) for items, sampled in self.steps)
+
+    def close(self) -> None:
+        """Stop recording: the scheduler's own schedule() again."""
+        del self._scheduler.schedule

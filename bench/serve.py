@@ -1,0 +1,416 @@
+"""Online serving benchmark in the style of `vllm bench serve`: requests arrive as a Poisson process at
+several rates, with prompt and output lengths drawn uniformly around their means, through the real
+HTTP server and the official `openai` client (async, streaming); TTFT, TPOT, ITL (p50/p90/p99),
+output tok/s and request throughput. The same workload then runs through the in-process engine
+(same flags, same arrival times) for the HTTP / in-process ratio. A saturation pass sends C requests
+at once (C = 64 and 256 on CUDA), streamed and not, for the throughput ratio at a fixed concurrency.
+
+    python bench/serve.py --device cpu --model llama-tiny --smoke           # a minute on a laptop
+    python bench/serve.py --device cuda --model llama-1b --out $OUT         # H200: random 1B weights
+    python bench/serve.py --url http://host:8000 --model NAME ...           # a server already running
+
+Results: serve-<device>.json and serve-<device>.png in --out. ITL is measured per streamed chunk, as
+vLLM's benchmark does; a chunk may carry more than one token when the server batches a step's output.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import hardware, now_iso, table, write_json  # noqa: E402
+
+SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    max_tokens: int
+    at: float  # seconds after the start of the run
+
+
+@dataclass
+class Result:
+    sent: float
+    ttft: float = math.nan
+    latency: float = math.nan
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def workload(num: int, input_len: int, output_len: int, range_ratio: float, rate: float, vocab: int,
+             seed: int) -> list[Req]:
+    """vLLM's random dataset: lengths uniform in [len * (1 - r), len * (1 + r)], random token ids
+    (clear of the low special-token ids), Poisson arrivals at `rate` requests/s (inf: all at once)."""
+    rng = np.random.default_rng(seed)
+
+    def lengths(mean: int) -> np.ndarray:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.integers(lo, hi + 1, size=num)
+
+    ins, outs = lengths(input_len), lengths(output_len)
+    gaps = rng.exponential(1.0 / rate, size=num) if math.isfinite(rate) else np.zeros(num)
+    at = np.cumsum(gaps) - gaps[0]
+    hi = min(vocab, 40000)
+    return [Req(rng.integers(min(1000, hi // 2), hi, size=int(i)).tolist(), int(o), float(t)) for i, o, t in zip(ins, outs, at)]
+
+
+# -- HTTP --------------------------------------------------------------------------------------------
+
+async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: bool, temperature: float,
+                   timeout: float) -> tuple[list[Result], float]:
+    import httpx
+    from openai import AsyncOpenAI
+
+    limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=60))
+    client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, http_client=http, max_retries=0)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    async def one(req: Req, start: float) -> Result:
+        await asyncio.sleep(max(0.0, start + req.at - time.perf_counter()))
+        res = Result(sent=time.perf_counter())
+        try:
+            if stream:
+                last = None
+                chunks = await client.completions.create(
+                    model=model, prompt=req.prompt, max_tokens=req.max_tokens, temperature=temperature,
+                    stream=True, stream_options={"include_usage": True}, extra_body=extra)
+                async for chunk in chunks:
+                    now = time.perf_counter()
+                    if chunk.choices:
+                        c = chunk.choices[0]
+                        ids = getattr(c, "token_ids", None)
+                        if ids or c.text:
+                            if last is None:
+                                res.ttft = now - res.sent
+                            else:
+                                res.itl.append(now - last)
+                            last = now
+                    if chunk.usage is not None:
+                        res.output_tokens = chunk.usage.completion_tokens
+                res.latency = time.perf_counter() - res.sent
+            else:
+                r = await client.completions.create(model=model, prompt=req.prompt, max_tokens=req.max_tokens,
+                                                    temperature=temperature, extra_body=extra)
+                res.latency = time.perf_counter() - res.sent
+                res.ttft = res.latency  # the whole answer is the first byte
+                res.output_tokens = r.usage.completion_tokens
+        except Exception as e:  # a failed request is counted and reported, never hidden
+            res.error = f"{type(e).__name__}: {e}"[:300]
+        return res
+
+    try:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(r, start) for r in reqs))
+        duration = time.perf_counter() - start
+    finally:
+        await client.close()
+    return list(results), duration
+
+
+# -- in-process ------------------------------------------------------------------------------------
+
+def run_engine(core, reqs: list[Req], temperature: float, tag: str) -> tuple[list[Result], float]:
+    """The same arrivals through EngineCore directly: a request is added at the first step boundary
+    after its arrival time, and its latencies count from the arrival time (as a queue would)."""
+    from server import SamplingParams
+
+    results = [Result(sent=math.nan) for _ in reqs]
+    last: dict[int, float] = {}
+
+    def on_output(i: int):
+        def record(out) -> None:
+            now = time.perf_counter()
+            res, o = results[i], out.outputs[0]
+            if o.delta_token_ids:
+                if i not in last:
+                    res.ttft = now - res.sent
+                else:
+                    res.itl.append(now - last[i])
+                last[i] = now
+            if out.finished:
+                res.latency, res.output_tokens = now - res.sent, len(o.token_ids)
+        return record
+
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].at)
+    nxt = 0
+    start = time.perf_counter()
+    while nxt < len(order) or core.has_unfinished:
+        now = time.perf_counter()
+        while nxt < len(order) and start + reqs[order[nxt]].at <= now:
+            i = order[nxt]
+            results[i].sent = start + reqs[i].at
+            params = SamplingParams(temperature=temperature, max_tokens=reqs[i].max_tokens, ignore_eos=True)
+            core.add_request(f"{tag}-{i}", prompt_token_ids=reqs[i].prompt, params=params, on_output=on_output(i))
+            nxt += 1
+        if core.has_unfinished:
+            core.step()
+        elif nxt < len(order):
+            time.sleep(max(0.0, start + reqs[order[nxt]].at - time.perf_counter()))
+    return results, time.perf_counter() - start
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    ms = lambda xs: [1e3 * x for x in xs if not math.isnan(x)]  # noqa: E731
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    dists = {"ttft_ms": ms([r.ttft for r in ok]), "tpot_ms": ms(tpot), "itl_ms": ms([x for r in ok for x in r.itl]),
+             "e2el_ms": ms([r.latency for r in ok])}
+    out_tokens = sum(r.output_tokens for r in ok)
+    summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+               "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
+               "request_throughput": len(ok) / duration}
+    for name, xs in dists.items():
+        summary[name] = ({"mean": float(np.mean(xs)), **{f"p{q}": float(np.percentile(xs, q)) for q in (50, 90, 99)}}
+                         if xs else None)
+    errors = sorted({r.error for r in results if r.error})
+    if errors:
+        summary["errors"] = errors[:5]
+    return summary
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def engine_flags(args, folder: str | None) -> tuple[list[str], dict]:
+    """The same engine configuration as server flags and as LLM(**kwargs)."""
+    kw: dict = {"device": args.device, "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+    if args.load_format:
+        kw["load_format"] = args.load_format
+    if args.kv_cache_memory:
+        kw["kv_cache_memory"] = args.kv_cache_memory
+    if args.gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
+    flags = [folder] if folder else []
+    for k, v in kw.items():
+        flags += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return flags, kw
+
+
+def resolve_model(args) -> tuple[str | None, str]:
+    """(folder or None for the embedded default, name to report)."""
+    if args.model in SHAPES:
+        from tests.models import model_folder
+
+        args.load_format = args.load_format or "dummy"
+        return str(model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)), args.model
+    return args.model, args.model or "SmolLM2-135M-Instruct"
+
+
+def parse_rates(text: str) -> list[float]:
+    return [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",") if r.strip()]
+
+
+def run_pass(name: str, args, reqs_of, run) -> list[dict]:
+    rows = []
+    for key, reqs in reqs_of:
+        for stream in ([True, False] if name == "saturation" else [True]):
+            results, duration = run(reqs, stream)
+            rows.append({"pass": name, "key": key, "stream": stream, **summarize(results, duration)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default=None, help=f"{', '.join(SHAPES)} (random weights) or a model folder; "
+                                                  "default: the embedded SmolLM2 (CPU) or llama-1b (CUDA)")
+    ap.add_argument("--load-format", default=None)
+    ap.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
+    ap.add_argument("--api-key", default="EMPTY")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--rates", default=None, help="requests/s, comma-separated; inf = all at once")
+    ap.add_argument("--saturation", default=None, help="concurrencies for the all-at-once pass (default 64,256)")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-memory", default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for development and CI")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench/serve.py measures through the official `openai` client: pip install openai "
+                         "(on the GPU host, scripts/gpu_assets.sh carries its wheels)")
+
+    cuda = args.device == "cuda"
+    if not cuda:
+        import torch
+
+        # Random weights drive activations into denormals; on the main thread of a CPU process they
+        # cost ~7x (llama-tiny, 99 -> 14 ms a step). CUDA flushes them anyway.
+        torch.set_flush_denormal(True)
+    if args.model is None:
+        args.model = "llama-1b" if cuda else None
+    smoke = args.smoke
+    num = args.num_prompts or (8 if smoke else 200)
+    rates = parse_rates(args.rates or ("4,inf" if smoke else "4,16,64"))
+    sat = [int(c) for c in (args.saturation or ("4" if smoke else "64,256")).split(",") if c.strip()]
+    input_len = args.input_len or (16 if smoke else 128)
+    output_len = args.output_len or (8 if smoke else 256)
+    if not cuda and args.kv_cache_memory is None:
+        args.kv_cache_memory = "256MiB"
+    folder, name = resolve_model(args)
+    flags, kw = engine_flags(args, folder)
+
+    from server.model.config import ModelConfig
+    from server.model.loader import resolve_model as find_model
+
+    vocab = ModelConfig.from_folder(find_model(folder).folder).vocab_size
+    by_rate = [(r, workload(num, input_len, output_len, args.range_ratio, r, vocab, args.seed + k))
+               for k, r in enumerate(rates)]
+    # Saturation: C requests at once, every output exactly output_len tokens (the issue's workload).
+    by_conc = [(c, workload(c, input_len, output_len, 0.0, math.inf, vocab, args.seed + 100 + c)) for c in sat]
+
+    result: dict = {"date": now_iso(), "model": name, "device": args.device, "engine_flags": flags,
+                    "num_prompts": num, "input_len": input_len, "output_len": output_len,
+                    "range_ratio": args.range_ratio, "temperature": args.temperature, "rows": []}
+    rows = result["rows"]
+
+    # HTTP first: on CUDA the server process must have the device to itself while it sizes its cache.
+    server = None
+    url = args.url
+    served = args.served_model_name
+    if url is None:
+        from tests.http_server import ServerProcess
+
+        server = ServerProcess([*flags, "--log-level", "warning"]).start()
+        url = server.url
+    try:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {args.api_key}"}
+        served = served or httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+        def http(reqs: list[Req], stream: bool):
+            return asyncio.run(run_http(url, args.api_key, served, reqs, stream, args.temperature, args.timeout))
+
+        http(by_conc[0][1][:2], True)  # warm-up: connections, first compiles
+        for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
+            rows.append({"path": "http", **row})
+    finally:
+        if server is not None:
+            server.stop()
+
+    if not args.no_engine:
+        import torch
+        from server import LLM
+
+        llm = LLM(model=folder, **{k: v for k, v in kw.items()})
+        result["hardware"] = hardware(torch.device(args.device))
+        core = llm.engine
+        counter = iter(range(1 << 30))
+
+        def engine(reqs: list[Req], stream: bool):
+            return run_engine(core, reqs, args.temperature, f"r{next(counter)}")
+
+        engine(by_conc[0][1][:2], True)  # warm-up
+        for row in run_pass("rate", args, by_rate, engine):
+            rows.append({"path": "engine", **row})
+        for c, reqs in by_conc:  # streaming is an HTTP notion: one in-process run per concurrency
+            res, duration = engine(reqs, True)
+            rows.append({"path": "engine", "pass": "saturation", "key": c, "stream": None, **summarize(res, duration)})
+        llm.close()
+    ratios(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out, f"serve-{args.device}", result)
+    plot(result, args.out / f"serve-{args.device}.png")
+    report(result)
+
+
+def ratios(result: dict) -> None:
+    """HTTP output tok/s over in-process output tok/s, for the same pass and key."""
+    engine = {(r["pass"], r["key"]): r["output_tok_s"] for r in result["rows"] if r["path"] == "engine"}
+    for r in result["rows"]:
+        if r["path"] == "http" and (r["pass"], r["key"]) in engine:
+            r["http_over_engine"] = r["output_tok_s"] / engine[(r["pass"], r["key"])]
+
+
+def _rate(key) -> str:
+    return "inf" if key == math.inf else f"{key:g}"
+
+
+def report(result: dict) -> None:
+    def p(d, q):
+        return f"{d[q]:.1f}" if d else "-"
+
+    rows = [r for r in result["rows"] if r["pass"] == "rate"]
+    print(f"\nserve: latency by request rate ({result['model']}, {result['device']}, {result['num_prompts']} prompts, "
+          f"in {result['input_len']} / out {result['output_len']} tokens ±{100 * result['range_ratio']:.0f}%, "
+          f"{result['date']})")
+    print(table([[r["path"], _rate(r["key"]), f"{r['completed']}/{r['completed'] + r['failed']}",
+                  *(f"{p(r[m], 'p50')} / {p(r[m], 'p90')} / {p(r[m], 'p99')}" for m in ("ttft_ms", "tpot_ms", "itl_ms")),
+                  f"{r['output_tok_s']:.0f}", f"{r['request_throughput']:.2f}",
+                  f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-"] for r in rows],
+                ["path", "req/s", "ok", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99",
+                 "out tok/s", "req/s done", "HTTP/engine"]))
+    sat = [r for r in result["rows"] if r["pass"] == "saturation"]
+    print(f"\nserve: saturation ({result['model']}, {result['device']}, C requests at once, "
+          f"{result['output_len']} output tokens each)")
+    print(table([[r["key"], r["path"], {True: "stream", False: "no stream", None: "-"}[r["stream"]],
+                  f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
+                  f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-"] for r in sat],
+                ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)"]))
+    failed = sum(r["failed"] for r in result["rows"])
+    if failed:
+        errs = {e for r in result["rows"] for e in r.get("errors", [])}
+        raise SystemExit(f"{failed} requests failed: {sorted(errs)[:3]}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["pass"] == "rate" and math.isfinite(r["key"])]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    for path_name, style in (("http", "-o"), ("engine", "--s")):
+        rs = sorted((r for r in rows if r["path"] == path_name), key=lambda r: r["key"])
+        if not rs:
+            continue
+        x = [r["key"] for r in rs]
+        for ax, metric in zip(axes[:3], ("ttft_ms", "tpot_ms", "itl_ms")):
+            for q, alpha in (("p50", 1.0), ("p99", 0.5)):
+                ax.plot(x, [r[metric][q] if r[metric] else math.nan for r in rs], style, alpha=alpha,
+                        label=f"{path_name} {q}")
+            ax.set_title(metric.replace("_ms", "").upper() + " (ms)")
+        axes[3].plot(x, [r["output_tok_s"] for r in rs], style, label=path_name)
+        axes[3].set_title("output tokens/s")
+    for ax in axes:
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_xscale("log")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"bench/serve.py: {result['model']} on {result.get('hardware', result['device']).split(',')[0]}, "
+                 f"in {result['input_len']} / out {result['output_len']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

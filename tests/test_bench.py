@@ -1,0 +1,73 @@
+"""The serving benchmarks' measuring code against the real server and the in-process engine, at tiny
+sizes: every request completes with the tokens asked for, and the metrics and the roofline are
+computed from what ran. No timing is asserted (the benchmarks print ratios; the GPU run reads them)."""
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from http_server import MAIN_KEY, main_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
+from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
+from bench.serve import run_engine, run_http, summarize, workload  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_workload_lengths_and_poisson_arrivals():
+    reqs = workload(200, 20, 10, 0.5, 50.0, 49152, seed=1)
+    assert all(10 <= len(r.prompt) <= 30 and 5 <= r.max_tokens <= 15 for r in reqs)
+    gaps = [b.at - a.at for a, b in zip(reqs, reqs[1:])]
+    assert reqs[0].at == 0 and all(g >= 0 for g in gaps)
+    assert 0.01 < sum(gaps) / len(gaps) < 0.04  # mean gap 1/rate = 0.02 s
+    assert all(r.at == 0 for r in workload(5, 8, 4, 0.0, math.inf, 1000, seed=1))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_serve_http_and_engine_paths_complete_every_request(stream, llm):
+    server = main_server()
+    reqs = workload(3, 8, 4, 0.0, math.inf, llm.engine.model_config.vocab_size, seed=3)
+    results, duration = asyncio.run(run_http(server.url, MAIN_KEY, "smol", reqs, stream, 0.0, 120))
+    s = summarize(results, duration)
+    assert s["failed"] == 0 and s["completed"] == 3 and s["output_tokens"] == 12, s
+    assert s["ttft_ms"]["p50"] > 0 and s["output_tok_s"] > 0
+    if stream:
+        assert all(len(r.itl) >= 1 for r in results) and s["itl_ms"] is not None
+    eng, duration = run_engine(llm.engine, reqs, 0.0, f"bench-{stream}")
+    e = summarize(eng, duration)
+    assert e["failed"] == 0 and e["output_tokens"] == 12 and all(len(r.itl) == 3 for r in eng), e
+    assert not llm.engine.has_unfinished
+
+
+def test_rollout_http_as_trl_and_in_process_with_roofline(llm):
+    server = main_server()
+    prompts = make_prompts(3, 8, 0.25, llm.engine.model_config.vocab_size, seed=0)
+    http = http_rollout(server.url, MAIN_KEY, "smol", prompts, n=2, max_tokens=4, temperature=1.0, requests=2)
+    assert http["sequences"] == 6 and http["tokens"] == 24
+    recorder = StepRecorder(llm.engine)
+    try:
+        eng = engine_rollout(llm, prompts, n=2, max_tokens=4, temperature=1.0)
+    finally:
+        recorder.close()
+    assert eng["sequences"] == 6 and eng["tokens"] == 24
+    # Every sequence's prompt was computed once (prefix caching may share it) and 3 decode tokens after it.
+    assert sum(n for items, _ in recorder.steps for _, n in items) >= 6 * 3
+    cost = ModelCost.of(llm.engine.model)
+    device = Device(bandwidth=1e12, gemm_flops=1e14)
+    assert recorder.roofline_seconds(cost, device) >= len(recorder.steps) * cost.weight_bytes / 1e12
+
+
+def test_roofline_step_cost_counts_weights_kv_and_flops(llm):
+    cost = ModelCost.of(llm.engine.model)
+    nbytes, flops = cost.step([(0, 3), (10, 1)], sampled=2)
+    assert nbytes == cost.weight_bytes + (3 + 11) * cost.kv_bytes_per_token
+    pairs = (0 + 1 + 2 + 3) + 11  # each new token attends to every token up to itself
+    assert flops == 2 * cost.matmul_params * 4 + 2 * cost.head_params * 2 + cost.attn_flops_per_pair * pairs
+    slow_memory = Device(bandwidth=1.0, gemm_flops=1e30)
+    assert cost.step_seconds([(0, 3), (10, 1)], 2, slow_memory) == nbytes
