@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import hardware, now_iso, table, write_json  # noqa: E402
+from bench.common import hardware, in_thread, now_iso, table, write_json  # noqa: E402
 from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
 
 SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
@@ -171,10 +171,6 @@ def main() -> None:
     args.prompt_len = args.prompt_len or (16 if smoke else 128)
     args.hf_prompts = args.hf_prompts or (args.prompts if smoke else 32)
     cuda = args.device == "cuda"
-    if not cuda:
-        # Random weights drive activations into denormals; on the main thread of a CPU process they
-        # cost ~7x (llama-tiny, 99 -> 14 ms a step). CUDA flushes them anyway.
-        torch.set_flush_denormal(True)
     name = args.model or ("llama-1b" if cuda else "llama-tiny")
     if name in SHAPES:
         from tests.models import model_folder
@@ -219,9 +215,9 @@ def main() -> None:
     measured = Device.measure(device, dtype)  # before the engine takes the device's memory
     llm = LLM(model=folder, device=args.device, load_format="dummy" if load else "auto",
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory=kv)
-    engine_rollout(llm, prompts[:2], 1, 4, args.temperature)  # warm-up
+    in_thread(engine_rollout, llm, prompts[:2], 1, 4, args.temperature)  # warm-up
     recorder = StepRecorder(llm.engine)
-    result["engine"] = engine_rollout(llm, prompts, args.n, args.max_tokens, args.temperature)
+    result["engine"] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature)
     cost = ModelCost.of(llm.engine.model)
     roof_s = recorder.roofline_seconds(cost, measured)
     steps = recorder.steps

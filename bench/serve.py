@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import hardware, now_iso, table, write_json  # noqa: E402
+from bench.common import hardware, in_thread, now_iso, table, write_json  # noqa: E402
 
 SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
 
@@ -259,12 +259,6 @@ def main() -> None:
                          "(on the GPU host, scripts/gpu_assets.sh carries its wheels)")
 
     cuda = args.device == "cuda"
-    if not cuda:
-        import torch
-
-        # Random weights drive activations into denormals; on the main thread of a CPU process they
-        # cost ~7x (llama-tiny, 99 -> 14 ms a step). CUDA flushes them anyway.
-        torch.set_flush_denormal(True)
     if args.model is None:
         args.model = "llama-1b" if cuda else None
     smoke = args.smoke
@@ -327,7 +321,7 @@ def main() -> None:
         counter = iter(range(1 << 30))
 
         def engine(reqs: list[Req], stream: bool):
-            return run_engine(core, reqs, args.temperature, f"r{next(counter)}")
+            return in_thread(run_engine, core, reqs, args.temperature, f"r{next(counter)}")
 
         engine(by_conc[0][1][:2], True)  # warm-up
         for row in run_pass("rate", args, by_rate, engine):
@@ -389,17 +383,17 @@ def plot(result: dict, path: Path) -> None:
 
     rows = [r for r in result["rows"] if r["pass"] == "rate" and math.isfinite(r["key"])]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
-    for path_name, style in (("http", "-o"), ("engine", "--s")):
+    for path_name, style, color in (("http", "-o", "C0"), ("engine", "--s", "C1")):
         rs = sorted((r for r in rows if r["path"] == path_name), key=lambda r: r["key"])
         if not rs:
             continue
         x = [r["key"] for r in rs]
         for ax, metric in zip(axes[:3], ("ttft_ms", "tpot_ms", "itl_ms")):
             for q, alpha in (("p50", 1.0), ("p99", 0.5)):
-                ax.plot(x, [r[metric][q] if r[metric] else math.nan for r in rs], style, alpha=alpha,
+                ax.plot(x, [r[metric][q] if r[metric] else math.nan for r in rs], style, alpha=alpha, color=color,
                         label=f"{path_name} {q}")
             ax.set_title(metric.replace("_ms", "").upper() + " (ms)")
-        axes[3].plot(x, [r["output_tok_s"] for r in rs], style, label=path_name)
+        axes[3].plot(x, [r["output_tok_s"] for r in rs], style, color=color, label=path_name)
         axes[3].set_title("output tokens/s")
     for ax in axes:
         ax.set_xlabel("request rate (req/s)")
