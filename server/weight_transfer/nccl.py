@@ -71,16 +71,17 @@ class NcclComm:
     completion so that a trainer that died mid-send ends in an abort, not a hang."""
 
     def __init__(self, unique_id: bytes, rank: int, world_size: int, device: torch.device, timeout_s: float):
-        self.lib = NcclLibrary()
+        self.nccl = NcclLibrary()
+        self.lib = self.nccl.lib  # the CDLL: its entry points
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
         uid = _UniqueId()
         ctypes.memmove(ctypes.byref(uid), unique_id, 128)
         self.comm = ctypes.c_void_p()
         with torch.cuda.device(device):
-            self.lib.check(self.lib.ncclCommInitRank(ctypes.byref(self.comm), world_size, uid, rank))
+            self.nccl.check(self.lib.ncclCommInitRank(ctypes.byref(self.comm), world_size, uid, rank))
             self.stream = torch.cuda.Stream(device)
             warmup = torch.zeros(1, device=device)
-            self.lib.check(self.lib.ncclAllReduce(warmup.data_ptr(), warmup.data_ptr(), 1, _FLOAT32, 0,
+            self.nccl.check(self.lib.ncclAllReduce(warmup.data_ptr(), warmup.data_ptr(), 1, _FLOAT32, 0,
                                                   self.comm, self.stream.cuda_stream))
             self.wait_for(self._record())
 
@@ -92,7 +93,7 @@ class NcclComm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.cuda.Event:
         # The buffer may come from another stream's allocation: order NCCL's stream after it.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.lib.check(self.lib.ncclBroadcast(tensor.data_ptr() if self.rank == src else None, tensor.data_ptr(),
+        self.nccl.check(self.lib.ncclBroadcast(tensor.data_ptr() if self.rank == src else None, tensor.data_ptr(),
                                               tensor.numel(), _NCCL_DTYPES[tensor.dtype], src, self.comm,
                                               self.stream.cuda_stream))
         return self._record()
@@ -101,15 +102,21 @@ class NcclComm:
         deadline = time.monotonic() + self.timeout_s
         err = ctypes.c_int(0)
         while not event.query():
-            self.lib.check(self.lib.ncclCommGetAsyncError(self.comm, ctypes.byref(err)))
+            self.nccl.check(self.lib.ncclCommGetAsyncError(self.comm, ctypes.byref(err)))
             if err.value not in (0, _IN_PROGRESS):
-                self.lib.check(err.value)
+                self.nccl.check(err.value)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the NCCL transfer did not complete within {self.timeout_s:.0f} s "
                                    "(did the trainer stop sending?)")
             time.sleep(0.0005)
 
     def close(self, abort: bool = False) -> None:
+        # Always ncclCommAbort: with NCCL 2.28.9 ncclCommDestroy finalizes collectively, so the side that
+        # closes first blocks until its peer closes too (measured on the H200 host: a trainer's close()
+        # hung while the server kept its communicator for the next update). Abort frees ours alone;
+        # every broadcast has completed by then (wait_for), unless `abort` says the transfer broke.
         if self.comm:
-            (self.lib.lib.ncclCommAbort if abort else self.lib.lib.ncclCommDestroy)(self.comm)
+            if not abort:
+                self.stream.synchronize()
+            self.lib.ncclCommAbort(self.comm)
             self.comm = ctypes.c_void_p()
