@@ -403,7 +403,9 @@ def http(method: str, url: str, body: dict | None = None, key: str | None = None
     headers = {"Content-Type": "application/json"} if body is not None else {}
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    # A body-less POST goes out as curl -X POST sends it: no body, no Content-Type (urllib would label an
+    # empty body form-encoded, which the dev routes refuse: 415, the cross-site guard).
+    data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with _OPENER.open(request, timeout=timeout) as response:
