@@ -1,14 +1,16 @@
 """Host backups of offloaded tags: storage reused across sleep cycles, and the copies in and out.
 
-CUDA: one pinned host buffer per tag, allocated on the first sleep and reused afterwards (pinning
-8 GiB costs about 2.8 s on an H200 host against 0.16 s to copy it), filled and drained by chunked
-asynchronous copies on a stream of our own, which run near the pinned-copy bandwidth.
+CUDA: one pinned host buffer per tag (allocator/hostmem.py), allocated ahead of the first sleep in
+the background (MemoryPool.prepare_backups) or by that sleep, and reused afterwards (pinning 8 GiB
+with cuMemHostAlloc cost about 2.8 s on an H200 host against 0.16 s to copy it), filled and drained
+by chunked asynchronous copies on a stream of our own, which run near the pinned-copy bandwidth.
 CPU: one unlinked file per tag (open_unlinked), so the process's resident memory really drops and
 nothing is left on disk when the process ends, however it ends.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from .types import PoolError
 
 if TYPE_CHECKING:  # the CUDA side imports cuda-python, which CPU-only users need not load
     from .driver import DeviceContext, Event, Stream
+    from .hostmem import PinnedBuffer
 
 # Big enough that per-call overhead vanishes (128 calls for 8 GiB), small enough that a 40 GiB
 # allocation is not one monolithic copy.
@@ -62,40 +65,44 @@ class PinnedBackup:
 
     def __init__(self, ctx: "DeviceContext") -> None:
         self._ctx = ctx
-        self.ptr = 0
-        self.capacity = 0
+        self.buffer: "PinnedBuffer | None" = None
         self.layout: list[Segment] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.nbytes if self.buffer is not None else 0
 
     @property
     def nbytes(self) -> int:
         return self.capacity
 
-    def prepare(self, allocations: Iterable[tuple[int, int]]) -> list[Segment]:
-        """Lay out the allocations, growing the buffer when they no longer fit. Reuses the
-        buffer otherwise, which is the point: pinning is far slower than copying."""
-        from . import driver
+    def reserve(self, needed: int) -> None:
+        """Make the buffer hold at least `needed` bytes (seconds for gigabytes the first time; a no-op
+        once it is large enough, which is the point: pinning is far slower than copying)."""
+        from .hostmem import PinnedBuffer
 
+        if needed <= self.capacity:
+            return
+        self.release()
+        try:
+            self.buffer = PinnedBuffer(self._ctx, needed)
+        except PoolError as err:
+            raise PoolError(
+                f"{err}: not enough host memory to back up {needed / 2**30:.2f} GiB; "
+                "discard this tag instead of offloading it, or free host memory"
+            ) from err
+
+    def prepare(self, allocations: Iterable[tuple[int, int]]) -> list[Segment]:
+        """Lay out the allocations, growing the buffer when they no longer fit."""
         layout = plan(allocations)
-        needed = layout[-1].offset + layout[-1].size if layout else 0
-        if needed > self.capacity:
-            self.release()
-            try:
-                self.ptr = driver.host_alloc(self._ctx, needed)
-            except PoolError as err:
-                raise PoolError(
-                    f"{err}: not enough host memory to back up {needed / 2**30:.2f} GiB; "
-                    "discard this tag instead of offloading it, or free host memory"
-                ) from err
-            self.capacity = needed
+        self.reserve(layout[-1].offset + layout[-1].size if layout else 0)
         self.layout = layout
         return layout
 
     def release(self) -> None:
-        from . import driver
-
-        if self.ptr:
-            driver.host_free(self._ctx, self.ptr)
-        self.ptr, self.capacity, self.layout = 0, 0, []
+        if self.buffer is not None:
+            self.buffer.release()
+        self.buffer, self.layout = None, []
 
 
 class Copier:
@@ -122,9 +129,11 @@ class Copier:
             self._events.append(Event(self._ctx))
         return self._events[i]
 
-    def _chunks(self, seg: Segment) -> Iterable[tuple[int, int, int]]:
-        for start in range(0, seg.size, self.chunk_bytes):
-            yield seg.ptr + start, seg.offset + start, min(self.chunk_bytes, seg.size - start)
+    def _chunks(self, backup: PinnedBackup, seg: Segment) -> Iterable[tuple[int, int, int]]:
+        """(device address, host address, bytes) of each copy of a segment."""
+        assert backup.buffer is not None, "a backup is copied only after prepare()"
+        for host, start, n in backup.buffer.spans(seg.offset, seg.size, self.chunk_bytes):
+            yield seg.ptr + start, host, n
 
     def save_marked(self, backups: Sequence[PinnedBackup],
                     group_bytes: int) -> list[tuple["Event", list[Segment]]]:
@@ -140,8 +149,8 @@ class Copier:
         with self._ctx.current():
             for i, group in enumerate(groups(pairs, group_bytes, lambda pair: pair[1].size)):
                 for backup, seg in group:
-                    for dev, off, n in self._chunks(seg):
-                        driver.copy_to_host_async(backup.ptr + off, dev, n, stream)
+                    for dev, host, n in self._chunks(backup, seg):
+                        driver.copy_to_host_async(host, dev, n, stream)
                 event = self._event(i)
                 event.record(stream)
                 marks.append((event, [seg for _, seg in group]))
@@ -154,8 +163,8 @@ class Copier:
         stream, total = self._get_stream(), 0
         with self._ctx.current():
             for seg in segments:
-                for dev, off, n in self._chunks(seg):
-                    driver.copy_to_device_async(dev, backup.ptr + off, n, stream)
+                for dev, host, n in self._chunks(backup, seg):
+                    driver.copy_to_device_async(dev, host, n, stream)
                     total += n
         return total
 
@@ -206,6 +215,20 @@ class FileBackup:
     @property
     def fd(self) -> int | None:
         return self._fd
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate the file's disk blocks ahead of the first sleep (posix_fallocate), so that sleep
+        rewrites blocks that exist instead of growing a file. File systems without fallocate skip it."""
+        try:
+            if self._fd is None:
+                self._fd = open_unlinked(self.folder)
+            os.posix_fallocate(self._fd, 0, max(nbytes, 1))
+        except OSError as err:
+            if err.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return
+            raise PoolError(f"reserving {nbytes / 2**20:.1f} MiB for a backup in {self.folder} failed: {err}; "
+                            "free disk space or choose another offload folder (--offload-dir)") from err
+        self.nbytes = max(self.nbytes, nbytes)
 
     def write(self, buffers: Sequence[memoryview]) -> list[int]:
         """Write the buffers end to end; returns the offset of each."""

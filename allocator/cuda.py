@@ -414,6 +414,20 @@ class CudaBackend:
     def check_backup_space(self, nbytes: int) -> None:
         """Backups are pinned host memory, allocated at the first sleep: nothing to check on disk."""
 
+    def prepare_backup(self, tag: str) -> int:
+        """Pin the tag's host backup now (in a background thread), sized for its memory today, so
+        the first sleep only copies. The backup joins self.backups once whole."""
+        nbytes = sum(a.size for a in self._allocations(tag) if a.mapped)
+        backup = self.backups.get(tag) or PinnedBackup(self._ctx)
+        backup.reserve(nbytes)
+        self.backups[tag] = backup
+        return nbytes
+
+    def backup_room(self) -> int:
+        from .hostmem import host_room
+
+        return host_room()
+
     def close(self) -> None:
         """After MemoryPool released the backups."""
         with torch.cuda.device(self.device):

@@ -125,6 +125,18 @@ def host_free(ctx: DeviceContext, ptr: int) -> None:
         check(cu.cuMemFreeHost(ptr), "cuMemFreeHost")
 
 
+def host_register(ctx: DeviceContext, ptr: int, nbytes: int) -> None:
+    """Page-lock existing host memory for every context (PORTABLE)."""
+    with ctx.current():
+        check(cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE),
+              f"cuMemHostRegister({nbytes / 2**30:.2f} GiB)")
+
+
+def host_unregister(ctx: DeviceContext, ptr: int) -> None:
+    with ctx.current():
+        check(cu.cuMemHostUnregister(ptr), "cuMemHostUnregister")
+
+
 def copy_to_host_async(host: int, device: int, nbytes: int, stream: Stream) -> None:
     check(cu.cuMemcpyDtoHAsync(host, cu.CUdeviceptr(device), nbytes, stream.handle),
           f"cuMemcpyDtoHAsync({nbytes} bytes from 0x{device:x})")

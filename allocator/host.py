@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from .backup import FileBackup
+from .hostmem import meminfo
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
 PAGE = mmap.PAGESIZE
@@ -45,17 +46,6 @@ class _Arena:
         if mm is not None:
             mm.madvise(mmap.MADV_DONTNEED)
         self.resident = False
-
-
-def meminfo() -> tuple[int, int]:
-    """(MemAvailable, MemTotal) in bytes, from /proc/meminfo."""
-    fields: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("MemAvailable", "MemTotal"):
-                fields[key] = int(rest.split()[0]) * 1024
-    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
 
 
 def default_backup_dir() -> Path:
@@ -192,6 +182,22 @@ class HostBackend:
                 f"the offload folder {self._dir} has {free / 2**20:.0f} MiB of free space, less than the "
                 f"{nbytes / 2**20:.0f} MiB the weights take while asleep at level 1; free disk space or "
                 "choose a bigger folder (--offload-dir or SLEEPSERVE_OFFLOAD_DIR)")
+
+    def prepare_backup(self, tag: str) -> int:
+        """Reserve the disk blocks of the tag's backup file before its first sleep."""
+        # Read-only walk (no _live(): this runs beside the engine's thread, which may allocate).
+        nbytes = sum(a.size for a in list(self._arenas.get(tag, [])) if a.ref() is not None)
+        self._backup(tag).reserve(nbytes)
+        return nbytes
+
+    def backup_room(self) -> int:
+        """Free space in the offload folder: where CPU backups go."""
+        try:
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.statvfs(self._dir)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     def memory_info(self) -> tuple[int, int]:
         return meminfo()

@@ -113,6 +113,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            negation="--prefix-caching"),
     Option("--offload-dir", "CPU device: folder for offloaded weights while asleep (default: the temp folder)",
            None, metavar="DIR"),
+    Option("--prepare-backups", "allocate the host backup of level-1 sleep right after start-up, in the "
+           "background, so the first sleep is as fast as the next: on, off, or auto (on where backups are kept "
+           "between cycles (CUDA) and take at most half of the host memory free at start-up)", "auto",
+           choices=("auto", "on", "off")),
     Option("--while-asleep", "what a request that arrives while paused or asleep gets: hold (wait, bounded by the "
            "next two flags, then be served) or reject (503 with Retry-After at once)", "hold",
            choices=("hold", "reject")),
@@ -224,7 +228,8 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "kv_cache_memory": values["kv_cache_memory"], "gpu_memory_utilization": values["gpu_memory_utilization"],
         "load_format": values["load_format"], "served_model_name": values["served_model_name"],
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
-        "seed": values["seed"], "offload_dir": values["offload_dir"], "while_asleep": values["while_asleep"],
+        "seed": values["seed"], "offload_dir": values["offload_dir"],
+        "prepare_backups": values["prepare_backups"], "while_asleep": values["while_asleep"],
         "max_held_requests": values["max_held_requests"], "held_request_timeout": values["held_request_timeout"],
     }
     return settings, engine

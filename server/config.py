@@ -42,6 +42,9 @@ class EngineConfig:
     enforce_eager: bool = False               # no CUDA graphs
     seed: int = 0
     offload_dir: str | None = None            # CPU backend: where offloaded tags are written while asleep
+    # Allocate the host backups of level 1 at start-up, in the background: on | off | auto (on where
+    # backups are kept between cycles (CUDA) and take at most half of the host memory free at start-up).
+    prepare_backups: str = "auto"
     # Requests that arrive while paused or asleep (server/engine/hold.py): held until the engine can
     # serve, bounded in number and in seconds; or, with "reject", refused at once with 503.
     while_asleep: str = "hold"                # hold | reject
@@ -58,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 1], got {self.gpu_memory_utilization}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        if self.prepare_backups not in ("auto", "on", "off"):
+            raise ValueError(f"prepare_backups must be auto, on or off, got {self.prepare_backups!r}")
         if self.while_asleep not in ("hold", "reject"):
             raise ValueError(f"while_asleep must be hold or reject, got {self.while_asleep!r}")
         if self.max_held_requests < 0:

@@ -2,6 +2,7 @@
 the parts to EngineCore. Every check that can fail on a bad flag fails here, before anything serves."""
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -11,12 +12,15 @@ from server.config import EngineConfig
 from server.engine.core import EngineCore
 from server.engine.kv_cache import BlockManager
 from server.engine.memory_plan import plan_kv_cache
+from server.engine.sleep_plan import OFFLOADED_TAGS
 from server.engine.tags import WEIGHTS
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.model.config import ModelConfig
 from server.model.loader import build_model, init_dummy_weights, load_checkpoint, resolve_model
 from server.model.tokenizer import load_tokenizer
+
+log = logging.getLogger("sleepserve.engine")
 
 
 def position_limit(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -27,6 +31,18 @@ def position_limit(config: EngineConfig, model_config: ModelConfig) -> int:
     if config.max_model_len and config.max_model_len > limit:
         raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {limit} positions")
     return config.max_model_len or limit
+
+
+def prepare_backups(pool, only_if_room: bool) -> None:
+    """Pin the host backups of level 1 in the background, once every tag they cover exists (graphs
+    are captured), so the server is ready at once and its first sleep only copies."""
+    nbytes = pool.prepare_backups(OFFLOADED_TAGS, only_if_room=only_if_room)
+    if nbytes:
+        log.info("preparing %.2f GiB of host backups for level-1 sleep in the background", nbytes / 2**30)
+    elif only_if_room:
+        log.info("host backups are not prepared at start-up: they would take more than half of the free host "
+                 "memory (or offload-folder space); the first level-1 sleep allocates them "
+                 "(--prepare-backups on forces it)")
 
 
 def build_engine(config: EngineConfig) -> EngineCore:
@@ -60,6 +76,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
     blocks = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(device))
     runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
+    if config.enable_sleep_mode and config.prepare_backups != "off":
+        prepare_backups(pool, config.prepare_backups == "auto")
     return EngineCore(
         config=config, device=device, dtype=dtype, model_path=source.folder, model_config=model_config,
         served_model_name=config.served_model_name or source.name, tokenizer=tokenizer, pool=pool, model=model,

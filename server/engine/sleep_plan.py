@@ -21,6 +21,9 @@ LEVEL_ACTIONS: dict[int, dict[str, str]] = {
     2: {WEIGHTS: DISCARDED, KV_CACHE: DISCARDED},
 }
 INTERNAL_ACTIONS: dict[str, str] = {CUDA_GRAPH: OFFLOADED}
+# Every tag some level backs up to host memory: the backups prepared at start-up.
+OFFLOADED_TAGS: tuple[str, ...] = tuple(dict.fromkeys(
+    t for actions in (*LEVEL_ACTIONS.values(), INTERNAL_ACTIONS) for t, a in actions.items() if a == OFFLOADED))
 
 
 @dataclass(frozen=True)
