@@ -102,6 +102,7 @@ class PinnedBuffer:
                             f"{os.strerror(ctypes.get_errno())}")
         self.ptr = int(addr)
         self._registered: list[int] = []
+        self._allocated = False  # True: one cuMemHostAlloc buffer (the fallback below)
         try:
             _libc.madvise(self.ptr, self.nbytes, MADV_HUGEPAGE)  # fewer pages to pin; fine if refused
             for start in range(0, self.nbytes, piece_bytes):
@@ -109,6 +110,12 @@ class PinnedBuffer:
                 self._populate(self.ptr + start, size)
                 driver.host_register(ctx, self.ptr + start, size)
                 self._registered.append(self.ptr + start)
+        except PoolError:
+            # Registration refused (a driver or host that does not allow it): one cuMemHostAlloc
+            # buffer instead, the way backups were made before; slower to make, same copies.
+            self.release()
+            self.ptr = driver.host_alloc(ctx, self.nbytes)
+            self.piece_bytes, self._allocated = self.nbytes, True
         except BaseException:
             self.release()
             raise
@@ -133,6 +140,10 @@ class PinnedBuffer:
     def release(self) -> None:
         from . import driver
 
+        if self._allocated:
+            driver.host_free(self._ctx, self.ptr)
+            self.ptr, self._allocated = 0, False
+            return
         for address in self._registered:
             try:
                 driver.host_unregister(self._ctx, address)
