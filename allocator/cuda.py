@@ -9,19 +9,23 @@ Sleep: synchronize once, copy offloaded tags to pinned backups on our own stream
 discarded tags while the copies run and each group of offloaded allocations as soon as its copies
 are done, then return torch's own caches (cuBLAS workspaces, cached blocks) and the driver's grown
 local memory, so device memory really drops to a bare process's footprint.
-Wake: map the discarded tags, then the offloaded ones group by group, each group's copies starting
-as soon as it is mapped; wait; restore the local memory.
+Wake: map the discarded tags (but the pieces of chunked tensors the pool maps later, in the
+background), then the offloaded ones group by group, each group's copies starting as soon as it is
+mapped; wait; restore the local memory.
+Chunked tensors (empty_chunked): one reserved range whose pieces are registry entries of their own,
+wrapped in a tensor through __cuda_array_interface__; torch never allocates or frees them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from itertools import count
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 
@@ -96,6 +100,14 @@ class _Clock:
                 "phases_ms": {k: v * 1e3 for k, v in self.phases.items()}, "driver": driver}
 
 
+class _DeviceRange:
+    """Bytes at a device address, as torch.as_tensor reads them (no copy; kept alive by the tensor)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 2}
+
+
 class CudaBackend:
     name = "cuda-vmm"
 
@@ -120,6 +132,7 @@ class CudaBackend:
         self._copier = Copier(self._ctx)
         self._mempools: dict[str, Any] = {}
         self.backups: dict[str, PinnedBackup] = {}  # released by MemoryPool
+        self._reservations: list[int] = []  # ranges of empty_chunked(), freed by close()
         self._expandable = expandable_segments_requested()
         self._local = threading.local()
         self.last_timings: dict[str, Any] = {}
@@ -223,6 +236,33 @@ class CudaBackend:
                 f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r} or "
                 "another allocator setting overrides the pool: remove it"
             )
+
+    @property
+    def granularity(self) -> int:
+        return self._lib.granularity(self.device.index)
+
+    def empty_chunked(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str,
+                      pieces: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, list[list[int]]]:
+        """One reserved range (not torch's: torch would free it), each piece its own physical
+        memory and registry entry, wrapped in a tensor through __cuda_array_interface__."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        ptr = self._lib.reserve(nbytes, self.device.index)
+        try:
+            for chunk in pieces:
+                for offset, size in chunk:
+                    self._lib.add_piece(ptr + offset, size, self._ns + tag)
+            raw = torch.as_tensor(_DeviceRange(ptr, nbytes), device=self.device)
+            tensor = raw.view(dtype).view(shape)
+        except Exception as err:
+            self._lib.free_reservation(ptr)  # the pieces made so far go with it
+            if isinstance(err, PoolError):
+                raise
+            raise PoolError(f"wrapping a chunked range in a tensor failed: {err}") from err
+        self._reservations.append(ptr)
+        return tensor, [[ptr + offset for offset, _ in chunk] for chunk in pieces]
+
+    def map_pieces(self, addresses: Sequence[int]) -> int:
+        return self._lib.map_ptrs(list(addresses))
 
     def graph_pool(self, tag: str) -> Any:
         self._lib.set_capture_tag(self._ns + tag)
@@ -364,7 +404,7 @@ class CudaBackend:
             self._ctx.set_stack_size(self._stack_restore)
             self._stack_restore = None
 
-    def wake(self, restore: Sequence[str], remap: Sequence[str]) -> WakeCost:
+    def wake(self, restore: Sequence[str], remap: Sequence[str], defer: Collection[int] = ()) -> WakeCost:
         clock = _Clock(self._lib)
         tags = [*restore, *remap]
         restored = mapped = 0
@@ -376,7 +416,10 @@ class CudaBackend:
             # Discarded tags first (nothing to copy into them): re-creating memory the sleep
             # just released is what varies most (5 to 70 ms for 48 GiB on an H200), and an
             # out-of-memory failure then costs no copy.
-            mapped = self._lib.map_tags([self._ns + t for t in remap])
+            # Pieces in defer (chunks of a chunked tensor after its first) are mapped later by the
+            # pool, in the background.
+            mapped = self._lib.map_ptrs([a.ptr for t in remap for a in self._allocations(t)
+                                         if not a.mapped and a.ptr not in defer])
             clock.mark("map")
             for tag in restore:
                 backup = self.backups[tag]
@@ -435,6 +478,12 @@ class CudaBackend:
         errors: list[str] = []
         self._unmap(sorted({a.tag[len(self._ns):] for a in self._lib.list(self._ns)}), errors)
         self._copier.close()
+        for ptr in self._reservations:
+            try:
+                self._lib.free_reservation(ptr)
+            except PoolError as err:
+                errors.append(str(err))
+        self._reservations = []
         # Dropping the MemPools lets torch hand back every segment no live tensor uses; those
         # still referenced stay reserved (unmapped) until their tensors die.
         self._mempools.clear()

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from .types import PoolError
 
-ABI_VERSION = 3  # must match SA_ABI_VERSION in csrc/sleep_alloc.c
+ABI_VERSION = 4  # must match SA_ABI_VERSION in csrc/sleep_alloc.c
 TAG_MAX = 96  # must match SA_TAG_MAX
 # The timed driver calls, in the order sa_stats reports them.
 STAT_OPS = ("reserve", "create", "map", "access", "unmap", "release", "sync", "address_free")
@@ -75,6 +75,10 @@ class CuMemLibrary:
             "sa_map_ptrs": ([ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64], ctypes.c_int64),
             "sa_stats": ([ctypes.POINTER(ctypes.c_uint64), ctypes.c_int], ctypes.c_int),
             "sa_stats_reset_max": ([], None),
+            "sa_granularity": ([ctypes.c_int], ctypes.c_int64),
+            "sa_reserve": ([ctypes.c_uint64, ctypes.c_int], ctypes.c_uint64),
+            "sa_add_piece": ([ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p], ctypes.c_int),
+            "sa_free_reservation": ([ctypes.c_uint64], ctypes.c_int),
         }
         for name, (args, res) in sig.items():
             fn = getattr(lib, name)
@@ -161,6 +165,29 @@ class CuMemLibrary:
         if n < 0:
             raise self._error(f"re-creating {len(ptrs)} allocation(s)")
         return int(n)
+
+    def granularity(self, device: int) -> int:
+        """The device's physical-memory granularity (2 MiB on current GPUs)."""
+        g = self._lib.sa_granularity(device)
+        if g <= 0:
+            raise self._error(f"reading the allocation granularity of device {device}")
+        return int(g)
+
+    def reserve(self, size: int, device: int) -> int:
+        """Virtual addresses only (size: a multiple of the granularity); pieces get physical memory."""
+        ptr = self._lib.sa_reserve(size, device)
+        if not ptr:
+            raise self._error(f"reserving {size / 2**30:.2f} GiB of addresses on device {device}")
+        return int(ptr)
+
+    def add_piece(self, ptr: int, size: int, tag: str) -> None:
+        """Physical memory for [ptr, ptr+size) inside a reservation, recorded under tag."""
+        if self._lib.sa_add_piece(ptr, size, tag.encode()) != 0:
+            raise self._error(f"creating {size / 2**20:.1f} MiB at 0x{ptr:x} for tag '{_shown(tag)}'")
+
+    def free_reservation(self, ptr: int) -> None:
+        if self._lib.sa_free_reservation(ptr) != 0:
+            raise self._error(f"freeing the reservation at 0x{ptr:x}")
 
     def driver_stats(self, reset_max: bool = False) -> dict[str, tuple[int, int, int, int]]:
         """{call: (calls, nanoseconds, bytes, longest call's nanoseconds)} of the timed driver

@@ -20,19 +20,19 @@ import time
 import weakref
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
 from .backup import FileBackup
-from .hostmem import meminfo
+from .hostmem import meminfo, protect
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
 PAGE = mmap.PAGESIZE
 
 
 class _Arena:
-    __slots__ = ("ref", "address", "size", "resident", "backup_offset", "__weakref__")
+    __slots__ = ("ref", "address", "size", "resident", "backup_offset", "pieces", "__weakref__")
 
     def __init__(self, mm: mmap.mmap, address: int, size: int) -> None:
         self.ref = weakref.ref(mm)
@@ -40,12 +40,29 @@ class _Arena:
         self.size = size
         self.resident = True
         self.backup_offset = -1
+        # A chunked arena (empty_chunked): piece address -> [size, mapped]. A piece that is not
+        # mapped is PROT_NONE, so anything that touches it before the pool maps it faults.
+        self.pieces: dict[int, list] | None = None
 
     def release_pages(self) -> None:
         mm = self.ref()
         if mm is not None:
             mm.madvise(mmap.MADV_DONTNEED)
+            for address, piece in (self.pieces or {}).items():
+                if piece[1]:
+                    protect(address, piece[0], readable=False)
+                    piece[1] = False
         self.resident = False
+
+    def map_piece(self, address: int) -> int:
+        """Make a piece usable again (zero pages, as after MADV_DONTNEED). Returns its bytes."""
+        assert self.pieces is not None
+        piece = self.pieces[address]
+        if piece[1]:
+            return 0
+        protect(address, piece[0], readable=True)
+        piece[1] = True
+        return piece[0]
 
 
 def default_backup_dir() -> Path:
@@ -88,6 +105,42 @@ class HostBackend:
         self._arenas.setdefault(tag, []).append(_Arena(mm, tensor.data_ptr(), size))
         return tensor
 
+    granularity = PAGE
+
+    def empty_chunked(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str,
+                      pieces: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, list[list[int]]]:
+        tensor = self.empty(shape, dtype, tag)
+        arena = self._arenas[tag][-1]
+        addresses = [[arena.address + offset for offset, _ in chunk] for chunk in pieces]
+        arena.pieces = {arena.address + offset: [size, True] for chunk in pieces for offset, size in chunk}
+        return tensor, addresses
+
+    def _piece_owner(self, address: int) -> _Arena:
+        # A read-only walk: the pool's background mapper calls this beside the engine's thread.
+        for arenas in list(self._arenas.values()):
+            for arena in list(arenas):
+                if arena.pieces is not None and address in arena.pieces and arena.ref() is not None:
+                    return arena
+        raise PoolError(f"0x{address:x} is not a piece of a chunked tensor of this pool")
+
+    def map_pieces(self, addresses: Sequence[int]) -> int:
+        done: list[tuple[_Arena, int]] = []
+        total = 0
+        try:
+            for address in addresses:
+                arena = self._piece_owner(address)
+                n = arena.map_piece(address)
+                if n:
+                    done.append((arena, address))
+                total += n
+        except PoolError:
+            for arena, address in done:  # all or nothing
+                piece = arena.pieces[address]  # type: ignore[index]
+                protect(address, piece[0], readable=False)
+                piece[1] = False
+            raise
+        return total
+
     def use(self, tag: str) -> Any:
         return nullcontext()  # MemoryPool tracks the default tag of empty()
 
@@ -110,7 +163,7 @@ class HostBackend:
         return None
 
     def released(self, tag: str) -> bool:
-        return any(not a.resident for a, _ in self._live(tag))
+        return any(not a.resident or any(not p[1] for p in (a.pieces or {}).values()) for a, _ in self._live(tag))
 
     # ------------------------------------------------------------------ sleep and wake
 
@@ -138,7 +191,7 @@ class HostBackend:
                     discarded += arena.size
         return SleepCost(offloaded, discarded, copy_seconds)
 
-    def wake(self, restore: Sequence[str], remap: Sequence[str]) -> WakeCost:
+    def wake(self, restore: Sequence[str], remap: Sequence[str], defer: Collection[int] = ()) -> WakeCost:
         start = time.perf_counter()
         restored = mapped = 0
         try:
@@ -146,6 +199,8 @@ class HostBackend:
                 backup = self._backup(tag)
                 for arena, mm in self._live(tag):
                     if not arena.resident:
+                        for address in arena.pieces or ():
+                            arena.map_piece(address)
                         backup.read_into(memoryview(mm), arena.backup_offset)
                         arena.resident = True
                         restored += arena.size
@@ -156,7 +211,11 @@ class HostBackend:
                 for arena, _ in self._live(tag):
                     if not arena.resident:
                         arena.resident = True
-                        mapped += arena.size
+                        if arena.pieces is None:
+                            mapped += arena.size
+                        for address in arena.pieces or ():
+                            if address not in defer:
+                                mapped += arena.map_piece(address)
         except PoolError:
             # All or nothing: every tag of this call goes back to sleep, the one that failed
             # half-way included. Their backups are untouched, so a later wake can succeed.

@@ -80,7 +80,7 @@ def host_room() -> int:
 def protect(address: int, nbytes: int, readable: bool) -> None:
     """mprotect a page-aligned range: PROT_NONE makes any access fault (SIGSEGV), which is how the CPU
     backend proves that nothing reads memory while it is released."""
-    prot = mmap.PROT_READ | mmap.PROT_WRITE if readable else mmap.PROT_NONE
+    prot = mmap.PROT_READ | mmap.PROT_WRITE if readable else 0  # PROT_NONE
     if _libc.mprotect(address, nbytes, prot) != 0:
         err = ctypes.get_errno()
         raise PoolError(f"mprotect(0x{address:x}, {nbytes}) failed: {os.strerror(err)}")

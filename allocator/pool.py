@@ -7,6 +7,7 @@ a failed call leaves every tag in a state that matches its memory.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -49,6 +50,36 @@ def _shape(shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]:
     return dims
 
 
+class _Chunks:
+    """One chunked tensor's pieces (backend addresses, per chunk) and how many leading chunks are
+    mapped. `ready` is written under `cond` by the pool (wake, sleep, the background mapper)."""
+
+    def __init__(self, pieces: list[list[int]]) -> None:
+        self.pieces = pieces
+        self.ready = len(pieces)
+        self.cond = threading.Condition()
+        self.mapper: threading.Thread | None = None
+        self.cancel = threading.Event()
+        self.error: PoolError | None = None
+        self.active = False  # a mapper runs (or is about to): more chunks may come
+
+    def set_ready(self, n: int) -> None:
+        with self.cond:
+            self.ready = n
+            self.cond.notify_all()
+
+    def start(self, target: Any) -> None:
+        with self.cond:
+            self.active = True
+        self.mapper = threading.Thread(target=target, daemon=True, name="sleepserve-map-chunks")
+        self.mapper.start()
+
+    def finish(self) -> None:
+        with self.cond:
+            self.active = False
+            self.cond.notify_all()  # waiters learn that nothing more comes
+
+
 class MemoryPool:
     """A pool of tensors whose memory sleeps and wakes per tag while their addresses stay put.
 
@@ -64,6 +95,7 @@ class MemoryPool:
         self._local = threading.local()  # .tags: this thread's stack of use() tags
         self._open_uses: Counter[str] = Counter()
         self._closed = False
+        self._chunks: dict[str, _Chunks] = {}  # by tag: the tag's chunked tensor (empty_chunked)
         self._preparing: threading.Thread | None = None  # prepare_backups() at work
         self.prepare_error: PoolError | None = None  # why the last background preparation failed
 
@@ -110,6 +142,104 @@ class MemoryPool:
             self._check_open()
             self._check_awake(tag, "allocate in")
         return self._backend.empty(dims, dtype, tag)
+
+    @property
+    def granularity(self) -> int:
+        """Bytes at which physical memory can be split (CUDA: 2 MiB; CPU: a page)."""
+        return self._backend.granularity
+
+    def empty_chunked(self, shape: Sequence[int], dtype: torch.dtype, tag: str, dim: int,
+                      bounds: Sequence[int]) -> torch.Tensor:
+        """A contiguous tensor whose memory comes in chunks along `dim`: chunk c holds the indices
+        [bounds[c], bounds[c+1]) of dim, for every index of the dimensions before it. After a sleep
+        that discards the tag, wake_up() maps chunk 0 before it returns and the others in order in a
+        background thread; chunks_ready() says how many are usable, wait_chunks() waits for more.
+        So a wake costs the first chunk, not the whole tensor (re-creating memory right after it was
+        released costs ~3 ms/GiB on an H200). Nothing may touch a chunk before it is ready (the CPU
+        backend makes it fault). One chunked tensor per tag; it can only be discarded, not offloaded.
+
+        bounds: 0 = bounds[0] < ... < bounds[-1] = shape[dim]; every chunk's bytes in each row (and a
+        row: the bytes of one index of the dimensions before dim) must be a multiple of granularity."""
+        check_tag(tag)
+        dims = _shape(shape)
+        if not 0 <= dim < len(dims):
+            raise PoolError(f"dim {dim} is not a dimension of shape {dims}")
+        b = [int(x) for x in bounds]
+        if len(b) < 2 or b[0] != 0 or b[-1] != dims[dim] or any(x >= y for x, y in zip(b, b[1:])):
+            raise PoolError(f"chunk bounds {b} must rise strictly from 0 to shape[{dim}] = {dims[dim]}")
+        if math.prod(dims) == 0:
+            raise PoolError(f"a chunked tensor needs at least one element, got shape {dims}")
+        index_bytes = math.prod(dims[dim + 1:]) * dtype.itemsize
+        row_bytes = dims[dim] * index_bytes
+        gran = self.granularity
+        bad = [x for x in b if (x * index_bytes) % gran]
+        if row_bytes % gran or bad:
+            raise PoolError(
+                f"chunks of {index_bytes} bytes per index at bounds {bad or b} do not fall on the pool's "
+                f"granularity ({gran} bytes); pick bounds (and shape[{dim}]) that are multiples of "
+                f"{gran // math.gcd(gran, index_bytes)}")
+        rows = math.prod(dims[:dim])
+        pieces = [[(r * row_bytes + lo * index_bytes, (hi - lo) * index_bytes) for r in range(rows)]
+                  for lo, hi in zip(b, b[1:])]
+        with self._lock:
+            self._check_open()
+            self._check_awake(tag, "allocate in")
+            if tag in self._chunks:
+                raise PoolError(f"tag '{tag}' already has a chunked tensor; use one per tag")
+            tensor, addresses = self._backend.empty_chunked(dims, dtype, tag, pieces)
+            self._chunks[tag] = _Chunks(addresses)
+        return tensor
+
+    def chunks_ready(self, tag: str) -> int:
+        """How many leading chunks of the tag's chunked tensor are mapped (0 while it sleeps)."""
+        chunks = self._chunks.get(tag)
+        if chunks is None:
+            raise PoolError(f"tag '{tag}' has no chunked tensor (pool.empty_chunked)")
+        return chunks.ready
+
+    def wait_chunks(self, tag: str, n: int, timeout: float | None = None) -> int:
+        """Wait until at least n chunks of the tag are ready, or until no more will come (the
+        background mapping failed, was stopped by a sleep, or the tag sleeps). Returns chunks_ready."""
+        chunks = self._chunks.get(tag)
+        if chunks is None:
+            raise PoolError(f"tag '{tag}' has no chunked tensor (pool.empty_chunked)")
+        with chunks.cond:
+            chunks.cond.wait_for(lambda: chunks.ready >= n or not chunks.active, timeout)
+            return chunks.ready
+
+    def _map_rest(self, tag: str, chunks: _Chunks) -> None:
+        """The background mapper: chunks 1.. of a woken tag, in order, a piece at a time and without
+        the pool's lock, so the engine's own calls (tag_state, stats) never wait for a chunk. Only
+        a sleep of this tag or close() stop it, and they join it first (_stop_mapping)."""
+        for c in range(chunks.ready, len(chunks.pieces)):
+            for address in chunks.pieces[c]:
+                if chunks.cancel.is_set() or self._closed:
+                    break
+                try:
+                    self._backend.map_pieces([address])
+                except PoolError as err:
+                    # The tensor stays smaller until the next wake; pieces mapped so far are
+                    # released by the next sleep like any mapped memory.
+                    chunks.error = err
+                    break
+            else:
+                chunks.set_ready(c + 1)
+                continue
+            break
+        chunks.finish()
+
+    def _stop_mapping(self, tags: Iterable[str] | None = None) -> None:
+        """Stop the background mappers of these tags (all when None); each finishes the chunk at
+        hand. Waited for without the lock, which the mappers take per chunk."""
+        for tag, chunks in list(self._chunks.items()):
+            if tags is not None and tag not in tags:
+                continue
+            mapper = chunks.mapper
+            if mapper is not None:
+                chunks.cancel.set()
+                mapper.join()
+                chunks.mapper = None
+                chunks.finish()
 
     def adopt(self, module: torch.nn.Module, tag: str) -> torch.nn.Module:
         """Move every parameter and buffer of `module` into the pool under `tag`, in place.
@@ -216,9 +346,13 @@ class MemoryPool:
         if both:
             raise PoolError(f"tags {both} are both offloaded and discarded; pick one for each")
         start = time.perf_counter()
-        # A backup still being prepared in the background is finished before it is used; waited for
-        # outside the lock, so stats() and tag_state() keep answering meanwhile.
+        # A backup still being prepared in the background is finished before it is used, and chunks
+        # still being mapped stop; both waited for outside the lock, so stats() keeps answering.
         self._join_preparation()
+        self._stop_mapping([*offload, *discard])
+        chunked = sorted(set(offload) & set(self._chunks))
+        if chunked:
+            raise PoolError(f"tags {chunked} hold a chunked tensor, which can only be discarded")
         with self._lock:
             self._check_open()
             usage = self._backend.usage()
@@ -247,6 +381,8 @@ class MemoryPool:
                 self._sleeping[tag] = TagState.OFFLOADED
             for tag in todo_discard:
                 self._sleeping[tag] = TagState.DISCARDED
+                if tag in self._chunks:
+                    self._chunks[tag].set_ready(0)
         return SleepReport(cost.bytes_offloaded, cost.bytes_discarded,
                            time.perf_counter() - start, cost.copy_seconds)
 
@@ -263,8 +399,10 @@ class MemoryPool:
             remap = [t for t in targets if self._sleeping[t] is TagState.DISCARDED]
             if not targets:
                 return WakeReport(0, 0, time.perf_counter() - start)
+            lazy = [t for t in remap if t in self._chunks]
+            defer = {a for t in lazy for chunk in self._chunks[t].pieces[1:] for a in chunk}
             try:
-                cost = self._backend.wake(restore, remap)
+                cost = self._backend.wake(restore, remap, defer)
             except PoolError as err:
                 awake = [t for t in targets if not self._backend.released(t)]
                 for tag in awake:
@@ -277,6 +415,13 @@ class MemoryPool:
                 ) from err
             for tag in targets:
                 del self._sleeping[tag]
+            for tag in lazy:
+                chunks = self._chunks[tag]
+                chunks.error = None
+                chunks.cancel.clear()
+                chunks.set_ready(1)
+                if len(chunks.pieces) > 1:
+                    chunks.start(lambda tag=tag, chunks=chunks: self._map_rest(tag, chunks))
             if not self._keep_backups and restore:
                 self._release_backups(restore)
         return WakeReport(cost.bytes_restored, cost.bytes_mapped,
@@ -405,6 +550,7 @@ class MemoryPool:
     def close(self) -> None:
         """Release every byte the pool holds. Pool tensors must not be used afterwards."""
         self._join_preparation()
+        self._stop_mapping()
         with self._lock:
             if self._closed:
                 return

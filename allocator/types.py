@@ -6,7 +6,7 @@ import re
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Protocol, Sequence
+from typing import Any, Collection, Protocol, Sequence
 
 import torch
 
@@ -127,7 +127,18 @@ class Backend(Protocol):
 
     def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost: ...
 
-    def wake(self, restore: Sequence[str], remap: Sequence[str]) -> WakeCost: ...
+    # defer: piece addresses (from empty_chunked) of the remapped tags to leave unmapped for now;
+    # the pool maps them later with map_pieces().
+    def wake(self, restore: Sequence[str], remap: Sequence[str], defer: Collection[int] = ()) -> WakeCost: ...
+
+    granularity: int  # bytes at which physical memory can be split
+
+    # A tensor over one address range whose memory comes in pieces: pieces[c] lists the (offset,
+    # size) ranges of chunk c. Returns the tensor and, per chunk, the pieces' addresses.
+    def empty_chunked(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str,
+                      pieces: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, list[list[int]]]: ...
+
+    def map_pieces(self, addresses: Sequence[int]) -> int: ...  # all or nothing
 
     def check_backup_space(self, nbytes: int) -> None: ...
 

@@ -40,7 +40,7 @@
 #include <time.h>
 
 #define SA_EXPORT __attribute__((visibility("default")))
-#define SA_ABI_VERSION 3
+#define SA_ABI_VERSION 4
 #define SA_TAG_MAX 96
 #define SA_MAX_DEVICES 64
 
@@ -356,6 +356,7 @@ typedef struct {
   int device;
   int mapped;
   int mapped_by_this_call; /* scratch for map_all's rollback */
+  int piece; /* a piece of a reservation (sa_reserve): never freed by torch, its VA is not its own */
   char tag[SA_TAG_MAX];
 } sa_entry;
 
@@ -576,6 +577,142 @@ SA_EXPORT int sa_stats(uint64_t *out, int cap) {
 
 SA_EXPORT void sa_stats_reset_max(void) {
   for (int op = 0; op < OP_COUNT; op++) __atomic_store_n(&op_max_ns[op], 0, __ATOMIC_RELAXED);
+}
+
+/* ------------------------------------------------------------------ reservations */
+
+/* A reservation is one virtual range whose physical memory comes in pieces, each a registry entry
+ * of its own (so every batch below maps, unmaps and lists it like any allocation). It is how the
+ * KV cache maps back in chunks of blocks: a tensor spans the whole range, and a chunk is the set
+ * of pieces holding its blocks in every layer. torch never sees these: Python wraps the range in a
+ * tensor and frees it with sa_free_reservation. */
+typedef struct {
+  CUdeviceptr ptr;
+  size_t size;
+  int device;
+} sa_reservation;
+
+#define SA_MAX_RESERVATIONS 64
+static sa_reservation reservations[SA_MAX_RESERVATIONS];
+static int n_reservations = 0; /* guarded by reg_lock */
+
+SA_EXPORT int64_t sa_granularity(int device) {
+  if (load_driver() != 0) return -1;
+  size_t g;
+  if (ctx_push(device) != 0) return -1;
+  int rc = granularity(device, &g);
+  ctx_pop();
+  return rc == 0 ? (int64_t)g : -1;
+}
+
+/* Reserves size bytes (a multiple of the granularity) of virtual addresses on device, with no
+ * physical memory. Returns the address, or 0 with an error. */
+SA_EXPORT uint64_t sa_reserve(uint64_t size, int device) {
+  if (load_driver() != 0) return 0;
+  size_t gran;
+  if (ctx_push(device) != 0) return 0;
+  CUdeviceptr ptr = 0;
+  int ok = granularity(device, &gran) == 0;
+  if (ok && (size == 0 || size % gran != 0)) {
+    set_error("sa_reserve: %llu bytes is not a positive multiple of the granularity %zu",
+              (unsigned long long)size, gran);
+    ok = 0;
+  }
+  if (ok) ok = cu_check(t_reserve(&ptr, size, gran), "cuMemAddressReserve") == 0;
+  ctx_pop();
+  if (!ok) return 0;
+  pthread_mutex_lock(&reg_lock);
+  if (n_reservations == SA_MAX_RESERVATIONS) {
+    pthread_mutex_unlock(&reg_lock);
+    set_error("more than %d reservations", SA_MAX_RESERVATIONS);
+    if (ctx_push(device) == 0) {
+      t_addrfree(ptr, size);
+      ctx_pop();
+    }
+    return 0;
+  }
+  reservations[n_reservations++] = (sa_reservation){ptr, size, device};
+  pthread_mutex_unlock(&reg_lock);
+  return (uint64_t)ptr;
+}
+
+static int find_reservation(CUdeviceptr ptr, size_t size) { /* caller holds reg_lock */
+  for (int i = 0; i < n_reservations; i++)
+    if (ptr >= reservations[i].ptr && ptr + size <= reservations[i].ptr + reservations[i].size) return i;
+  return -1;
+}
+
+/* Creates and maps physical memory for [ptr, ptr+size), which must lie inside a reservation, and
+ * records it as a piece under tag. Returns 0, or -1 with an error (nothing left mapped). */
+SA_EXPORT int sa_add_piece(uint64_t ptr, uint64_t size, const char *tag) {
+  if (load_driver() != 0) return -1;
+  if (tag && strlen(tag) >= SA_TAG_MAX) {
+    set_error("tag '%s' is longer than %d bytes", tag, SA_TAG_MAX - 1);
+    return -1;
+  }
+  pthread_mutex_lock(&reg_lock);
+  int r = find_reservation((CUdeviceptr)ptr, size);
+  int device = r >= 0 ? reservations[r].device : -1;
+  pthread_mutex_unlock(&reg_lock);
+  if (r < 0) {
+    set_error("sa_add_piece: [0x%llx, +%llu) is not inside a reservation", (unsigned long long)ptr,
+              (unsigned long long)size);
+    return -1;
+  }
+  sa_entry e;
+  memset(&e, 0, sizeof e);
+  e.ptr = (CUdeviceptr)ptr;
+  e.size = size;
+  e.device = device;
+  e.mapped = 1;
+  e.piece = 1;
+  copy_tag(e.tag, tag);
+  CUstreamCaptureMode mode = capture_mode_relax();
+  int rc = ctx_push(device);
+  if (rc == 0) {
+    rc = map_physical(device, e.ptr, size, &e.handle);
+    if (rc == 0) {
+      pthread_mutex_lock(&reg_lock);
+      rc = reg_append(&e);
+      pthread_mutex_unlock(&reg_lock);
+      if (rc != 0) unmap_physical(e.ptr, size, e.handle);
+    }
+    ctx_pop();
+  }
+  capture_mode_restore(mode);
+  return rc;
+}
+
+/* Unmaps every piece of the reservation at ptr (after a synchronization), forgets them and frees
+ * the virtual range. Returns 0, or -1 with the first error. */
+SA_EXPORT int sa_free_reservation(uint64_t ptr) {
+  if (load_driver() != 0) return -1;
+  pthread_mutex_lock(&reg_lock);
+  int r = find_reservation((CUdeviceptr)ptr, 1);
+  if (r < 0 || reservations[r].ptr != (CUdeviceptr)ptr) {
+    pthread_mutex_unlock(&reg_lock);
+    set_error("sa_free_reservation: 0x%llx is not a reservation", (unsigned long long)ptr);
+    return -1;
+  }
+  sa_reservation res = reservations[r];
+  reservations[r] = reservations[--n_reservations];
+  int pushed = ctx_push(res.device) == 0;
+  int failed = !pushed || cu_check(t_sync(), "cuCtxSynchronize before freeing") != 0;
+  if (!failed) {
+    for (size_t i = 0; i < reg_len;) {
+      sa_entry *e = &reg[i];
+      if (e->piece && e->ptr >= res.ptr && e->ptr < res.ptr + res.size) {
+        if (e->mapped && unmap_physical(e->ptr, e->size, e->handle) != 0) failed = 1;
+        reg_remove(i);
+      } else {
+        i++;
+      }
+    }
+    if (cu_check(t_addrfree(res.ptr, res.size), "cuMemAddressFree") != 0) failed = 1;
+  }
+  if (pushed) ctx_pop();
+  pthread_mutex_unlock(&reg_lock);
+  return failed ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------ batches */

@@ -10,8 +10,8 @@ for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
   [ -f "$src/$f" ] && cp "$src/$f" .gpu_assets/tokenizer/
 done
 # llguidance: structured outputs (abi3 wheel, no dependencies); openai (+ distro, jiter): bench/serve.py's
-# client. The image lacks them.
+# client; torch-memory-saver: the `tms` stage's side-by-side (bench/tms_compare.py). The image lacks them.
 if [ -n "${SLEEPSERVE_WHEELS_SCRIPT:-}" ]; then
-  bash "$SLEEPSERVE_WHEELS_SCRIPT" llguidance openai distro jiter > /dev/null
+  bash "$SLEEPSERVE_WHEELS_SCRIPT" llguidance openai distro jiter torch-memory-saver==0.0.10 > /dev/null
 fi
 du -sh .gpu_assets .whl 2>/dev/null || true

@@ -7,6 +7,10 @@
 # 256 prompts x n=8 x 512 tokens through HTTP as TRL sends them, in-process and transformers (rollout-1b and
 # rollout-8b run one shape each).
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
+# By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
+# limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
+# size and threads: bench/vmm_floor.py), tms (our pool beside torch_memory_saver: bench/tms_compare.py;
+# its wheel must be in .whl, see scripts/gpu_assets.sh).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +59,9 @@ for stage in $stages; do
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
     structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
     flows)      run flows $PY bench/readme_flows.py --out "$RESULTS" ;;
+    limits)     run limits $PY bench/sleep_limits.py --out "$RESULTS" ;;
+    vmmfloor)   run vmmfloor $PY bench/vmm_floor.py --gib 100 --out "$RESULTS" ;;
+    tms)        run tms $PY bench/tms_compare.py --out "$RESULTS" ;;
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
     rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"
                 run rollout-8b $PY bench/rollout.py --device cuda --model llama-8b --out "$RESULTS" ;;
@@ -66,7 +73,8 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs|serve:|rollout \\()" "$LOG" || true
+grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver)" "$LOG" || true
+grep -h -A40 -E "^VMM floor" "$LOG" || true
 grep -h -E "^iter [0-9]+:" "$LOG" || true
 grep -h -A30 -E "^README sleep flows" "$LOG" || true
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi

@@ -117,6 +117,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "background, so the first sleep is as fast as the next: on, off, or auto (on where backups are kept "
            "between cycles (CUDA) and take at most half of the host memory free at start-up)", "auto",
            choices=("auto", "on", "off")),
+    Option("--kv-wake-chunk", "after a sleep that discarded the KV cache, a wake maps this much of it before it "
+           "returns and the rest in the background, in chunks 4x larger each (requests wait for the blocks they "
+           "need); 0 maps the whole cache first", "2GiB", metavar="SIZE"),
     Option("--while-asleep", "what a request that arrives while paused or asleep gets: hold (wait, bounded by the "
            "next two flags, then be served) or reject (503 with Retry-After at once)", "hold",
            choices=("hold", "reject")),
@@ -229,7 +232,8 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "load_format": values["load_format"], "served_model_name": values["served_model_name"],
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
         "seed": values["seed"], "offload_dir": values["offload_dir"],
-        "prepare_backups": values["prepare_backups"], "while_asleep": values["while_asleep"],
+        "prepare_backups": values["prepare_backups"], "kv_wake_chunk": values["kv_wake_chunk"],
+        "while_asleep": values["while_asleep"],
         "max_held_requests": values["max_held_requests"], "held_request_timeout": values["held_request_timeout"],
     }
     return settings, engine

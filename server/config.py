@@ -45,6 +45,9 @@ class EngineConfig:
     # Allocate the host backups of level 1 at start-up, in the background: on | off | auto (on where
     # backups are kept between cycles (CUDA) and take at most half of the host memory free at start-up).
     prepare_backups: str = "auto"
+    # After a sleep that discarded the KV cache, a wake maps this much of it before it returns and
+    # the rest in the background (growing chunks); 0 maps it all before the wake returns.
+    kv_wake_chunk: int | str | None = "2GiB"
     # Requests that arrive while paused or asleep (server/engine/hold.py): held until the engine can
     # serve, bounded in number and in seconds; or, with "reject", refused at once with 503.
     while_asleep: str = "hold"                # hold | reject
@@ -53,6 +56,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        self.kv_wake_chunk = parse_size(self.kv_wake_chunk)
+        if self.kv_wake_chunk is None or self.kv_wake_chunk < 0:
+            raise ValueError(f"kv_wake_chunk must be a size of 0 or more, got {self.kv_wake_chunk!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

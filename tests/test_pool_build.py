@@ -36,9 +36,9 @@ def strict_library(tmp_path_factory) -> Path:
 def test_strict_build_exports_the_allocator_entry_points(strict_library):
     lib = ctypes.CDLL(str(strict_library))
     for name in ("sleep_malloc", "sleep_free", "sa_map_tags", "sa_unmap_tags", "sa_map_ptrs", "sa_unmap_ptrs",
-                 "sa_list", "sa_lookup"):
+                 "sa_list", "sa_lookup", "sa_granularity", "sa_reserve", "sa_add_piece", "sa_free_reservation"):
         assert getattr(lib, name)  # AttributeError when not exported
-    for name in ("sa_set_workers", "sa_retag", "sa_map_tag", "sa_map", "sa_granularity"):  # removed: no caller
+    for name in ("sa_set_workers", "sa_retag", "sa_map_tag", "sa_map"):  # removed: no caller
         assert not hasattr(lib, name), name
     nm = subprocess.run(["nm", "-D", "--defined-only", str(strict_library)], capture_output=True, text=True)
     if nm.returncode == 0:  # no Python or torch symbol may leak in or out

@@ -11,9 +11,9 @@ from allocator import create_pool
 from server.config import EngineConfig
 from server.engine.core import EngineCore
 from server.engine.kv_cache import BlockManager
-from server.engine.memory_plan import plan_kv_cache
+from server.engine.memory_plan import KVChunks, plan_kv_cache
 from server.engine.sleep_plan import OFFLOADED_TAGS
-from server.engine.tags import WEIGHTS
+from server.engine.tags import KV_CACHE, WEIGHTS
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.model.config import ModelConfig
@@ -72,8 +72,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
         raise ValueError(
             f"the KV cache holds {plan.capacity_tokens} tokens, fewer than --max-model-len {config.max_model_len}; "
             "give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len")
-    runner = ModelRunner(model, pool, plan.num_blocks, config.block_size, dtype)
+    runner = ModelRunner(model, pool, plan.num_blocks, config.block_size, dtype, plan.chunk_bounds)
     blocks = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
+    if runner.kv_chunked:
+        blocks.residency = KVChunks(pool, KV_CACHE, plan.chunk_bounds)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(device))
     runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
     if config.enable_sleep_mode and config.prepare_backups != "off":

@@ -12,8 +12,18 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from server.engine.sequence import Sequence
+
+
+class Residency(Protocol):
+    """Which blocks have memory behind them (server/engine/memory_plan.py: KVChunks). After a wake,
+    the cache's memory comes back in chunks of blocks, in order, in the background."""
+
+    def mapped_blocks(self) -> int: ...  # blocks [0, n) are mapped
+
+    def wait_for_more(self) -> bool: ...  # block until n grows; False when it will not
 
 # Never handed out: padded rows of a CUDA-graph batch and the padding of block tables point here,
 # so they write and read harmlessly.
@@ -48,6 +58,10 @@ class BlockManager:
         # Insertion order is eviction order: the front is handed out first.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks) if b != NULL_BLOCK)
         self.stats = PrefixCacheStats()
+        # Blocks [0, mapped) have memory; only they are ever handed out. Without a residency every
+        # block always has.
+        self.mapped = num_blocks
+        self.residency: Residency | None = None
 
     @property
     def num_free(self) -> int:
@@ -55,7 +69,45 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        return usable_blocks(self.num_blocks) - len(self.free)
+        return max(0, usable_blocks(self.mapped)) - len(self.free)
+
+    # -- memory behind the blocks (a KV cache mapped back in chunks after a wake) ---------------
+
+    def sync_mapped(self) -> None:
+        """Follow the residency: blocks that got memory join the free list; blocks that lost it
+        (a sleep discarded the cache, which frees every block first) leave it."""
+        if self.residency is None:
+            return
+        n = self.residency.mapped_blocks()
+        if n > self.mapped:
+            for b in range(max(self.mapped, NULL_BLOCK + 1), n):
+                self.free[b] = None
+        elif n < self.mapped:
+            held = [b for b in range(max(n, NULL_BLOCK + 1), self.mapped) if self.ref_count[b]]
+            if held:
+                raise RuntimeError(f"KV blocks {held[:8]} are in use but their memory was released; "
+                                   "the cache must be emptied before a sleep discards it")
+            for b in range(max(n, NULL_BLOCK + 1), self.mapped):
+                self.free.pop(b, None)
+                self._forget(b)
+        self.mapped = n
+
+    def _room(self, needed: int) -> bool:
+        """Whether `needed` blocks are free, waiting for chunks still being mapped rather than
+        answering no: a request then waits a few milliseconds instead of being preempted."""
+        self.sync_mapped()
+        while needed > len(self.free) and self.residency is not None and self.mapped < self.num_blocks:
+            if not self.residency.wait_for_more():
+                break
+            self.sync_mapped()
+        return needed <= len(self.free)
+
+    def _forget(self, block: int) -> None:
+        h = self.hash_of[block]
+        if h is not None:
+            if self.block_of.get(h) == block:
+                del self.block_of[h]
+            self.hash_of[block] = None
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks seq lacks to hold the KV of num_tokens tokens."""
@@ -101,11 +153,7 @@ class BlockManager:
 
     def _pop_free(self) -> int:
         block, _ = self.free.popitem(last=False)
-        h = self.hash_of[block]
-        if h is not None:
-            if self.block_of.get(h) == block:
-                del self.block_of[h]
-            self.hash_of[block] = None
+        self._forget(block)
         self.ref_count[block] = 1
         return block
 
@@ -115,7 +163,7 @@ class BlockManager:
         for b in cached:  # take the hits first, so allocating fresh blocks cannot evict them
             self._take(b)
         seq.block_table = list(cached)
-        if self.blocks_needed(seq, num_tokens) > self.num_free:
+        if not self._room(self.blocks_needed(seq, num_tokens)):
             self.release(seq)
             return False
         self.grow(seq, num_tokens)
@@ -125,7 +173,7 @@ class BlockManager:
         return True
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free
+        return self._room(self.blocks_needed(seq, num_tokens))
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Add blocks until seq can hold num_tokens tokens."""
@@ -137,7 +185,7 @@ class BlockManager:
         with others is worth more than a tail only this sequence had."""
         for block in reversed(seq.block_table):
             self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
+            if self.ref_count[block] == 0 and block < self.mapped:
                 self.free[block] = None
         seq.block_table = []
         seq.block_hashes = []

@@ -7,10 +7,12 @@ activations of a largest-batch forward (measured, not guessed) and a reserve for
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
+from allocator import PoolError
 from server.config import EngineConfig
 from server.engine.kv_cache import usable_blocks
 from server.model.config import ModelConfig
@@ -34,6 +36,9 @@ class KVPlan:
     bytes: int
     bytes_per_block: int
     activation_peak: int = 0
+    # Block indices where the cache's memory chunks start and end (0, ..., num_blocks), or () for
+    # one piece: after a sleep, a wake maps the first chunk and the rest follow in the background.
+    chunk_bounds: tuple[int, ...] = ()
 
     @property
     def usable_blocks(self) -> int:
@@ -42,6 +47,39 @@ class KVPlan:
     @property
     def capacity_tokens(self) -> int:
         return self.usable_blocks * self.block_size
+
+
+# Each chunk after the first is this many times the previous one: a wake costs the first chunk only,
+# while the number of pieces (2 x layers per chunk, each a driver handle that every sleep releases)
+# stays small: 120 GiB with a 2 GiB first chunk is 4 chunks.
+CHUNK_GROWTH = 4
+
+
+def chunk_bounds(num_blocks: int, first_blocks: int, step: int) -> tuple[int, ...]:
+    """(0, b1, ..., num_blocks): a first chunk of first_blocks, each next CHUNK_GROWTH times the
+    previous, every bound a multiple of step; () when that makes a single chunk."""
+    bounds, size = [0], max(step, -(-first_blocks // step) * step)
+    while bounds[-1] + size < num_blocks:
+        bounds.append(bounds[-1] + size)
+        size *= CHUNK_GROWTH
+    bounds.append(num_blocks)
+    return tuple(bounds) if len(bounds) > 2 else ()
+
+
+def chunk_plan(plan: KVPlan, per_layer_block: int, granularity: int, first_chunk_bytes: int) -> KVPlan:
+    """The plan with its cache split in chunks for lazy wake-up (KVPlan.chunk_bounds). Each layer's K
+    (and V) must start on the pool's granularity and each chunk of blocks must span whole granules
+    in it, so the block count drops to a multiple of `step` blocks (at most one granule per layer)."""
+    if first_chunk_bytes <= 0:
+        return plan
+    step = granularity // math.gcd(granularity, per_layer_block)
+    num_blocks = plan.num_blocks // step * step
+    if num_blocks < 2:
+        return plan
+    bounds = chunk_bounds(num_blocks, -(-first_chunk_bytes // plan.bytes_per_block), step)
+    if not bounds:
+        return plan
+    return replace(plan, num_blocks=num_blocks, bytes=num_blocks * plan.bytes_per_block, chunk_bounds=bounds)
 
 
 def plan_kv_cache(config: EngineConfig, model: LlamaForCausalLM, pool, dtype: torch.dtype) -> KVPlan:
@@ -66,6 +104,32 @@ def plan_kv_cache(config: EngineConfig, model: LlamaForCausalLM, pool, dtype: to
                 "peak); raise --gpu-memory-utilization or lower --max-num-batched-tokens")
     num_blocks = max(2, budget // per_block + 1)
     plan = KVPlan(num_blocks, config.block_size, (num_blocks) * per_block, per_block, peak)
-    log.debug("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", plan.usable_blocks, config.block_size,
-             plan.bytes / 2**30, plan.capacity_tokens)
+    if config.enable_sleep_mode and config.kv_wake_chunk:
+        try:
+            granularity = pool.granularity
+        except PoolError as err:
+            log.warning("no chunked KV cache (%s): a wake will map all of it", err)
+        else:
+            plan = chunk_plan(plan, per_block // (2 * model.config.num_layers), granularity,
+                              int(config.kv_wake_chunk))
+    log.debug("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens, %d chunks)", plan.usable_blocks,
+              config.block_size, plan.bytes / 2**30, plan.capacity_tokens, max(1, len(plan.chunk_bounds) - 1))
     return plan
+
+
+class KVChunks:
+    """What the block manager asks about a chunked KV cache: how many blocks are mapped now, and to
+    wait for more (the pool maps the chunks in order in the background after a wake)."""
+
+    def __init__(self, pool, tag: str, bounds: tuple[int, ...]):
+        self.pool, self.tag, self.bounds = pool, tag, bounds
+
+    def mapped_blocks(self) -> int:
+        return self.bounds[self.pool.chunks_ready(self.tag)]
+
+    def wait_for_more(self) -> bool:
+        """Block until another chunk is mapped; False at once when none is coming."""
+        ready = self.pool.chunks_ready(self.tag)
+        if ready == 0 or ready >= len(self.bounds) - 1:
+            return False
+        return self.pool.wait_chunks(self.tag, ready + 1) > ready

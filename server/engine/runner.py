@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from allocator import PoolError
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.outputs import TokenLogprobs
 from server.engine.sampler import prompt_logprobs, sample
@@ -49,7 +50,8 @@ class HostBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, model: LlamaForCausalLM, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 kv_chunk_bounds: tuple[int, ...] = ()):
         self.model = model
         self.cfg = model.config
         self.pool = pool
@@ -57,9 +59,18 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         c = self.cfg
-        # One tensor for the whole cache: one pool allocation, sliced into per-layer K and V views.
-        self.kv_cache = pool.empty((c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim),
-                                   dtype, KV_CACHE)
+        # One tensor for the whole cache, sliced into per-layer K and V views. With chunk bounds its
+        # memory comes in chunks of blocks (dim 2), which a wake maps back one after the other.
+        shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_chunked = bool(kv_chunk_bounds)
+        if kv_chunk_bounds:
+            try:
+                self.kv_cache = pool.empty_chunked(shape, dtype, KV_CACHE, dim=2, bounds=kv_chunk_bounds)
+            except PoolError as err:  # serve anyway, with a wake that maps the whole cache first
+                log.warning("the KV cache cannot be split in chunks (%s); a wake will map all of it", err)
+                self.kv_chunked = False
+        if not self.kv_chunked:
+            self.kv_cache = pool.empty(shape, dtype, KV_CACHE)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]

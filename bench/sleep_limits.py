@@ -1,0 +1,191 @@
+"""Sleep and wake at the hardware limit, through the real HTTP server (gpu-check stage `limits`).
+
+For each model shape (default 1.24B and 8B Llama, random weights) at the default
+--gpu-memory-utilization 0.9, in one run, with references measured in the same run:
+  - raw pinned host-to-device GB/s (a subprocess, before the server starts);
+  - device memory of a bare process that ran one kernel, and of a process that ran the same engine
+    and then closed its pool (the same kernels and handles, no pool memory);
+  - level-1 sleep and wake, 4 cycles, each wake right after its sleep: cycle 1 against later ones
+    (the host backup is prepared at start-up: --prepare-backups), the wake against
+    weights / raw H2D + 50 ms, the first request after the wake against the same request before;
+  - level-2 sleep and wake, 3 cycles (wake right after the sleep; then /update_weights);
+  - device memory asleep minus both references.
+Prints a table and writes sleep-limits.json under --out.
+
+    python bench/sleep_limits.py --out $OUT/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import now_iso, table, write_json  # noqa: E402
+from tests.http_server import ServerProcess  # noqa: E402
+from tests.models import model_folder  # noqa: E402
+
+MiB, GB = 1 << 20, 1e9
+PROMPT = "The three most important ideas in the history of science are"
+MODEL_ENV = "SLEEPSERVE_LIMITS_MODEL"
+
+_ONE_KERNEL = """
+import json, torch
+torch.cuda.init(); torch.cuda.set_device(0)
+x = torch.ones(1024, device="cuda"); x.add_(1); torch.cuda.synchronize()
+del x; torch.cuda.empty_cache()
+free, total = torch.cuda.mem_get_info(0)
+print(json.dumps({"used": total - free}))
+"""
+
+_RAW_H2D = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from bench.pool_table import raw_pinned_bandwidth
+d2h, h2d = raw_pinned_bandwidth(0, 4 << 30)
+print(json.dumps({"d2h": d2h, "h2d": h2d}))
+"""
+
+
+def run_json(code: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def engine_kernels(index: int):
+    """For tests/footprint.reference_process_used: run the engine on the model named by
+    $SLEEPSERVE_LIMITS_MODEL (a small KV cache), then close its pool: what stays is what the
+    kernels, graphs and library handles cost without any pool memory."""
+    from server import LLM, SamplingParams
+
+    llm = LLM(model=os.environ[MODEL_ENV], device=f"cuda:{index}", load_format="dummy",
+              kv_cache_memory="1GiB", max_model_len=2048, prepare_backups="off")
+    llm.generate([PROMPT] * 4, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    llm.generate(PROMPT * 40, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    llm.close()
+    return None
+
+
+def complete(c, max_tokens: int = 32) -> tuple[str, float]:
+    t = time.perf_counter()
+    r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                                        "ignore_eos": True})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"], time.perf_counter() - t
+
+
+def used(c) -> int:
+    m = c.get("/memory").json()
+    return int(m["device_total"]) - int(m["device_free"])
+
+
+def timed_post(c, path: str, **kw) -> float:
+    t = time.perf_counter()
+    r = c.post(path, **kw)
+    elapsed = time.perf_counter() - t
+    if r.status_code != 200:
+        raise RuntimeError(f"{path}: {r.status_code} {r.text[:500]}")
+    return elapsed
+
+
+def bench_model(name: str, raw_h2d: float, cycles: int) -> dict:
+    from tests.footprint import reference_process_used
+
+    folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
+    os.environ[MODEL_ENV] = str(folder)
+    one_kernel = run_json(_ONE_KERNEL)["used"]
+    reference = reference_process_used(0, "bench.sleep_limits", "engine_kernels",
+                                       [str(Path(__file__).resolve().parents[1])])
+    t0 = time.perf_counter()
+    server = ServerProcess([str(folder), "--device", "cuda", "--load-format", "dummy", "--max-model-len", "4096",
+                            "--dev-mode", "--while-asleep", "reject"]).start()
+    res: dict = {"model": name, "startup_s": time.perf_counter() - t0, "one_kernel_process_used": one_kernel,
+                 "reference_process_used": reference}
+    try:
+        with server.client(timeout=600) as c:
+            mem = c.get("/memory").json()
+            res["tags_bytes"] = {t: v["bytes"] for t, v in mem["tags"].items()}
+            weights = res["tags_bytes"].get("weights", 0)
+            res["weight_bytes"] = weights
+            complete(c, 8)
+            c.post("/reset_prefix_cache")
+            reference_text, before_s = complete(c)
+            res["request_before_s"] = before_s
+            # The backup preparation runs in the background; a request now shows it does not
+            # delay serving. Give it time to finish before the first sleep (what a trainer's first
+            # rollout phase does); the first sleep waits for it anyway.
+            time.sleep(max(2.0, weights / 2e9))
+            rows = []
+            for level, n in ((1, cycles), (2, max(2, cycles - 1))):
+                for i in range(n):
+                    c.post("/reset_prefix_cache")
+                    sleep_s = timed_post(c, f"/sleep?level={level}")
+                    asleep = used(c)
+                    wake_s = timed_post(c, "/wake_up")
+                    if level == 2:
+                        timed_post(c, "/update_weights", json={})
+                    text, after_s = complete(c)
+                    rows.append({"level": level, "cycle": i + 1, "sleep_s": sleep_s, "wake_s": wake_s,
+                                 "asleep_used": asleep, "asleep_minus_one_kernel_MiB": (asleep - one_kernel) / MiB,
+                                 "asleep_minus_reference_MiB": (asleep - reference) / MiB,
+                                 "request_after_wake_s": after_s, "after_over_before": after_s / before_s,
+                                 "same_output": text == reference_text})
+            res["cycles"] = rows
+    finally:
+        server.stop()
+    l1 = [r for r in res["cycles"] if r["level"] == 1]
+    l2 = [r for r in res["cycles"] if r["level"] == 2]
+    later = l1[1:] or l1
+    res["l1_first_sleep_over_later"] = l1[0]["sleep_s"] / statistics.median(r["sleep_s"] for r in later)
+    res["l1_wake_s"] = statistics.median(r["wake_s"] for r in l1)
+    res["l1_wake_target_s"] = res["weight_bytes"] / (raw_h2d * GB) + 0.050
+    res["l1_sleep_s"] = statistics.median(r["sleep_s"] for r in later)
+    res["l2_sleep_s"] = statistics.median(r["sleep_s"] for r in l2)
+    res["l2_wake_s"] = statistics.median(r["wake_s"] for r in l2)
+    res["after_over_before"] = max(r["after_over_before"] for r in res["cycles"])
+    res["asleep_minus_one_kernel_MiB"] = statistics.median(r["asleep_minus_one_kernel_MiB"] for r in res["cycles"])
+    res["asleep_minus_reference_MiB"] = statistics.median(r["asleep_minus_reference_MiB"] for r in res["cycles"])
+    res["same_output"] = all(r["same_output"] for r in res["cycles"])
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-1b,llama-8b")
+    ap.add_argument("--cycles", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    raw = run_json(_RAW_H2D, str(Path(__file__).resolve().parents[1]))
+    result = {"date": now_iso(), "raw_pinned_gbps": raw, "models": []}
+    for name in args.models.split(","):
+        result["models"].append(bench_model(name, raw["h2d"], args.cycles))
+        write_json(args.out, "sleep-limits", result)
+    print(f"\nsleep limits through HTTP ({result['date']}; raw pinned H2D {raw['h2d']:.1f} GB/s, "
+          f"D2H {raw['d2h']:.1f} GB/s; wakes right after their sleep)")
+    rows = []
+    for m in result["models"]:
+        rows.append([m["model"], f"{m['weight_bytes'] / GB:.2f} GB",
+                     f"{m['tags_bytes'].get('kv_cache', 0) / 2**30:.0f} GiB",
+                     f"{m['l1_sleep_s'] * 1e3:.0f} ms (1st {m['l1_first_sleep_over_later']:.2f}x)",
+                     f"{m['l1_wake_s'] * 1e3:.0f} ms (target {m['l1_wake_target_s'] * 1e3:.0f})",
+                     f"{m['l2_sleep_s'] * 1e3:.0f} ms", f"{m['l2_wake_s'] * 1e3:.0f} ms",
+                     f"{m['after_over_before']:.2f}x",
+                     f"{m['asleep_minus_one_kernel_MiB']:+.0f} / {m['asleep_minus_reference_MiB']:+.0f} MiB",
+                     "yes" if m["same_output"] else "NO"])
+    print(table(rows, ["model", "weights", "KV", "L1 sleep", "L1 wake", "L2 sleep", "L2 wake",
+                       "1st request after wake / before", "asleep - one-kernel / - same kernels", "same output"]))
+    if not all(m["same_output"] for m in result["models"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

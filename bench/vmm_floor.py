@@ -1,0 +1,186 @@
+"""The driver's floor for a level-2 sleep (gpu-check stage `vmmfloor`): what releasing device memory
+costs per GiB, by handle size and by number of threads, and what re-creating it costs right after.
+
+For each handle size, --gib of physical memory is created in handles of that size and mapped at one
+reserved range (like the pool's allocations); then, timed:
+  - release: cuMemUnmap + cuMemRelease of every handle, spread over T threads (1, 2, 4, 8), with the
+    time of each kind of call summed;
+  - re-create at once: cuMemCreate + cuMemMap + cuMemSetAccess of the same handles right after the
+    release (what a wake right after a sleep pays), and again after a 1 s pause.
+Calls go through ctypes to libcuda, which drops the GIL, so threads really overlap in the driver.
+Prints a table (ms per GiB) and the best release of --gib, and writes vmm-floor.json under --out.
+
+    python bench/vmm_floor.py --gib 100 --out $OUT/results
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import now_iso, table, write_json  # noqa: E402
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+class Driver:
+    """The handful of VMM calls, through ctypes (no GIL while the driver works)."""
+
+    def __init__(self, device: int = 0) -> None:
+        from cuda.bindings import driver as cu
+
+        self.cu = cu
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuMemUnmap.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
+        self.lib.cuMemRelease.argtypes = [ctypes.c_uint64]
+        self.lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        self.lib.cuCtxSynchronize.argtypes = []
+        for fn in (self.lib.cuMemUnmap, self.lib.cuMemRelease, self.lib.cuCtxSetCurrent, self.lib.cuCtxSynchronize):
+            fn.restype = ctypes.c_int
+        self._check(cu.cuInit(0))
+        dev = self._check(cu.cuDeviceGet(device))
+        self.ctx = self._check(cu.cuDevicePrimaryCtxRetain(dev))
+        self._check(cu.cuCtxSetCurrent(self.ctx))
+        self.prop = cu.CUmemAllocationProp()
+        self.prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self.prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self.prop.location.id = device
+        self.access = cu.CUmemAccessDesc()
+        self.access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self.access.location.id = device
+        self.access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.gran = int(self._check(cu.cuMemGetAllocationGranularity(
+            self.prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+
+    def _check(self, result):
+        err, *values = result if isinstance(result, tuple) else (result,)
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver error {err}")
+        return values[0] if len(values) == 1 else (tuple(values) if values else None)
+
+    def set_current(self) -> None:
+        assert self.lib.cuCtxSetCurrent(ctypes.c_void_p(int(self.ctx))) == 0
+
+    def free_bytes(self) -> int:
+        return int(self._check(self.cu.cuMemGetInfo())[0])
+
+    def reserve(self, size: int) -> int:
+        return int(self._check(self.cu.cuMemAddressReserve(size, self.gran, 0, 0)))
+
+    def create_map(self, va: int, size: int) -> int:
+        cu = self.cu
+        h = self._check(cu.cuMemCreate(size, self.prop, 0))
+        self._check(cu.cuMemMap(cu.CUdeviceptr(va), size, 0, h, 0))
+        self._check(cu.cuMemSetAccess(cu.CUdeviceptr(va), size, [self.access], 1))
+        return int(h)
+
+    def unmap_release(self, va: int, size: int, handle: int, times: list[float]) -> None:
+        t = time.perf_counter()
+        assert self.lib.cuMemUnmap(va, size) == 0
+        t2 = time.perf_counter()
+        assert self.lib.cuMemRelease(handle) == 0
+        times[0] += t2 - t
+        times[1] += time.perf_counter() - t2
+
+
+def release(drv: Driver, pieces: list[tuple[int, int, int]], threads: int) -> dict:
+    """Unmap and release every (va, size, handle), split over threads; returns seconds."""
+    sums = [[0.0, 0.0] for _ in range(threads)]
+    parts = [pieces[i::threads] for i in range(threads)]
+
+    def work(i: int) -> None:
+        drv.set_current()
+        for va, size, h in parts[i]:
+            drv.unmap_release(va, size, h, sums[i])
+
+    drv.lib.cuCtxSynchronize()
+    t = time.perf_counter()
+    if threads == 1:
+        work(0)
+    else:
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+    wall = time.perf_counter() - t
+    return {"wall_s": wall, "unmap_s": sum(s[0] for s in sums), "release_s": sum(s[1] for s in sums)}
+
+
+def recreate(drv: Driver, pieces: list[tuple[int, int, int]]) -> tuple[list[tuple[int, int, int]], float]:
+    t = time.perf_counter()
+    out = [(va, size, drv.create_map(va, size)) for va, size, _ in pieces]
+    return out, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=100.0)
+    ap.add_argument("--sizes", default="2MiB,64MiB,512MiB,2GiB,8GiB,whole")
+    ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    drv = Driver()
+    total = int(args.gib * GiB) // drv.gran * drv.gran
+    free0 = drv.free_bytes()
+    result = {"date": now_iso(), "gib": total / GiB, "granularity": drv.gran, "free_before": free0, "rows": []}
+    va = drv.reserve(total)
+    units = {"MiB": MiB, "GiB": GiB}
+    for size_text in args.sizes.split(","):
+        if size_text == "whole":
+            size = total
+        else:
+            size = int(float(size_text[:-3]) * units[size_text[-3:]])
+        if size == 2 * MiB and total > 16 * GiB:
+            n_total = 16 * GiB  # 2 MiB handles of 100 GiB would take minutes: measure 16 GiB of them
+        else:
+            n_total = total
+        n = max(1, n_total // size)
+        pieces = [(va + i * size, size, 0) for i in range(n)]
+        pieces, first_create = recreate(drv, pieces)
+        gib = n * size / GiB
+        for threads in [int(x) for x in args.threads.split(",")]:
+            rel, now, later = [], [], []
+            for _ in range(args.repeats):
+                rel.append(release(drv, pieces, threads))
+                pieces, s = recreate(drv, pieces)  # right after the release: a wake right after a sleep
+                now.append(s)
+                release(drv, pieces, 1)
+                time.sleep(1.0)
+                pieces, s = recreate(drv, pieces)  # a second later
+                later.append(s)
+            row = {"handle_bytes": size, "handles": n, "gib": gib, "threads": threads,
+                   "release_ms_per_gib": statistics.median(r["wall_s"] for r in rel) * 1e3 / gib,
+                   "unmap_ms_per_gib": statistics.median(r["unmap_s"] for r in rel) * 1e3 / gib,
+                   "release_call_ms_per_gib": statistics.median(r["release_s"] for r in rel) * 1e3 / gib,
+                   "recreate_now_ms_per_gib": statistics.median(now) * 1e3 / gib,
+                   "recreate_after_1s_ms_per_gib": statistics.median(later) * 1e3 / gib,
+                   "first_create_ms_per_gib": first_create * 1e3 / gib}
+            result["rows"].append(row)
+            print(row, flush=True)
+        release(drv, pieces, 1)
+        write_json(args.out, "vmm-floor", result)
+    best = min(result["rows"], key=lambda r: r["release_ms_per_gib"])
+    result["best"] = best
+    write_json(args.out, "vmm-floor", result)
+    print(f"\nVMM floor ({result['date']}; {total / GiB:.0f} GiB, granularity {drv.gran // MiB} MiB; "
+          "ms per GiB, median)")
+    print(table([[f"{r['handle_bytes'] / MiB:.0f} MiB", r["handles"], r["threads"],
+                  f"{r['release_ms_per_gib']:.3f}", f"{r['unmap_ms_per_gib']:.3f}", f"{r['release_call_ms_per_gib']:.3f}",
+                  f"{r['recreate_now_ms_per_gib']:.2f}", f"{r['recreate_after_1s_ms_per_gib']:.2f}"]
+                 for r in result["rows"]],
+                ["handle", "handles", "threads", "unmap+release (wall)", "unmap calls", "release calls",
+                 "re-create at once", "re-create after 1 s"]))
+    print(f"best release: {best['release_ms_per_gib']:.3f} ms/GiB ({best['handle_bytes'] / MiB:.0f} MiB handles, "
+          f"{best['threads']} threads) -> {best['release_ms_per_gib'] * 120:.0f} ms for 120 GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Chunked tensors (MemoryPool.empty_chunked) on the real CPU backend: after a discard, a wake maps the
+first chunk before it returns and the rest in the background, and a chunk that is not mapped yet is
+PROT_NONE: touching it faults, so nothing can read memory the pool has not handed back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from allocator import MemoryPool, PoolError
+from allocator.host import PAGE, HostBackend
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS, BLOCKS, WIDTH = 3, 8, PAGE // 4  # float32: one block = one page per row
+BOUNDS = [0, 2, 5, 8]
+
+
+class SteppedBackend(HostBackend):
+    """The real CPU backend whose background mapping maps one chunk per step() (a chunk is one
+    piece per row; the pool maps a piece at a time)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.steps = threading.Semaphore(0)
+
+    def step(self, chunks: int = 1) -> None:
+        for _ in range(chunks * ROWS):
+            self.steps.release()
+
+    def map_pieces(self, addresses):
+        assert self.steps.acquire(timeout=60), "the test never released this chunk"
+        return super().map_pieces(addresses)
+
+
+def chunked(pool: MemoryPool) -> torch.Tensor:
+    return pool.empty_chunked((ROWS, BLOCKS, WIDTH), torch.float32, "kv_cache", dim=1, bounds=BOUNDS)
+
+
+def test_bounds_must_fall_on_the_granularity(tmp_path):
+    pool = MemoryPool(HostBackend(tmp_path))
+    try:
+        with pytest.raises(PoolError, match="rise strictly"):
+            pool.empty_chunked((ROWS, BLOCKS, WIDTH), torch.float32, "kv_cache", dim=1, bounds=[0, 5, 5, 8])
+        with pytest.raises(PoolError, match="granularity"):
+            pool.empty_chunked((ROWS, BLOCKS, 16), torch.float32, "kv_cache", dim=1, bounds=[0, 4, 8])
+        t = chunked(pool)
+        assert pool.chunks_ready("kv_cache") == 3 and pool.tag_of(t) == "kv_cache"
+        with pytest.raises(PoolError, match="already has a chunked tensor"):
+            chunked(pool)
+        with pytest.raises(PoolError, match="only be discarded"):
+            pool.sleep(offload_tags=["kv_cache"])
+    finally:
+        pool.close()
+
+
+def test_wake_maps_the_first_chunk_and_the_rest_in_order_in_the_background(tmp_path):
+    backend = SteppedBackend(tmp_path)
+    pool = MemoryPool(backend)
+    try:
+        t = chunked(pool)
+        ptr = t.data_ptr()
+        t.fill_(7.0)
+        pool.sleep(discard_tags=["kv_cache"])
+        assert pool.chunks_ready("kv_cache") == 0
+        pool.wake_up()
+        assert pool.tag_state("kv_cache") == "awake" and pool.chunks_ready("kv_cache") == 1
+        first = t[:, :BOUNDS[1]]
+        assert torch.count_nonzero(first) == 0  # discarded: zero pages, usable at once
+        first.fill_(1.0)
+        assert pool.wait_chunks("kv_cache", 2, timeout=0.2) == 1  # chunk 1 waits for its step
+        backend.step()
+        assert pool.wait_chunks("kv_cache", 2, timeout=30) >= 2
+        t[:, BOUNDS[1]:BOUNDS[2]].fill_(2.0)
+        backend.step()
+        assert pool.wait_chunks("kv_cache", 3, timeout=30) == 3
+        t[:, BOUNDS[2]:].fill_(3.0)
+        assert t.data_ptr() == ptr and t.sum().item() == ROWS * WIDTH * (2 * 1 + 3 * 2 + 3 * 3)
+    finally:
+        backend.step(4)
+        pool.close()
+
+
+def test_a_sleep_during_the_background_mapping_stops_it_and_the_next_wake_starts_over(tmp_path):
+    backend = SteppedBackend(tmp_path)
+    pool = MemoryPool(backend)
+    try:
+        t = chunked(pool)
+        pool.sleep(discard_tags=["kv_cache"])
+        pool.wake_up()
+        backend.step()
+        pool.wait_chunks("kv_cache", 2, timeout=30)
+        backend.step()  # the mapper may or may not map chunk 2 before the sleep stops it
+        pool.sleep(discard_tags=["kv_cache"])
+        assert pool.tag_state("kv_cache") == "discarded" and pool.chunks_ready("kv_cache") == 0
+        assert pool.wait_chunks("kv_cache", 3, timeout=0.1) == 0  # nothing more comes while asleep
+        backend.step(2)
+        pool.wake_up()
+        assert pool.wait_chunks("kv_cache", 3, timeout=30) == 3
+        t.fill_(5.0)
+        assert torch.all(t == 5.0)
+    finally:
+        backend.step(4)
+        pool.close()
+
+
+def test_a_chunk_that_is_not_mapped_yet_cannot_be_read():
+    """In a child process: reading the third chunk before the pool maps it kills the reader with
+    SIGSEGV; reading the first one works."""
+    code = textwrap.dedent(f"""
+        import sys, threading, tempfile
+        sys.path.insert(0, {str(REPO)!r})
+        import torch
+        from tests.test_pool_chunks import SteppedBackend, chunked, BOUNDS
+        from allocator import MemoryPool
+        from pathlib import Path
+        backend = SteppedBackend(Path(tempfile.mkdtemp()))
+        pool = MemoryPool(backend)
+        t = chunked(pool)
+        pool.sleep(discard_tags=["kv_cache"])
+        pool.wake_up()
+        print("first", float(t[:, :BOUNDS[1]].sum()), flush=True)
+        print("third", float(t[:, BOUNDS[2]:].sum()), flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "first 0.0" in out.stdout, out.stderr[-2000:]
+    assert "third" not in out.stdout
+    assert out.returncode == -11, (out.returncode, out.stderr[-2000:])

@@ -1,0 +1,99 @@
+"""The engine with a KV cache that wakes in chunks and host backups prepared at start-up (CPU backend,
+in process): requests that need blocks not mapped yet wait for them, then run with the same output."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from server import SamplingParams
+from server.engine.tags import KV_CACHE
+
+LONG_PROMPT = "The history of the printing press begins with movable type. " * 10  # ~120 tokens
+
+
+@pytest.fixture(scope="module")
+def chunked_llm(default_model_folder):
+    from server import LLM
+
+    engine = LLM(model=str(default_model_folder), device="cpu", kv_cache_memory="128MiB",
+                 kv_wake_chunk="4MiB", prepare_backups="on")
+    yield engine
+    engine.close()
+
+
+def greedy(n: int = 8) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_the_plan_splits_the_cache_in_growing_chunks(chunked_llm):
+    core = chunked_llm.engine
+    bounds = core.kv_plan.chunk_bounds
+    assert len(bounds) >= 3 and bounds[0] == 0 and bounds[-1] == core.kv_plan.num_blocks
+    sizes = [b - a for a, b in zip(bounds, bounds[1:-1])]
+    assert all(b >= 4 * a for a, b in zip(sizes, sizes[1:]))
+    assert core.pool.chunks_ready(KV_CACHE) == len(bounds) - 1
+
+
+def test_backups_are_prepared_at_start_up(chunked_llm):
+    pool = chunked_llm.engine.pool
+    pool.wait_prepared()
+    assert pool.prepare_error is None
+    weights = pool.stats().tags["weights"].bytes
+    assert pool.stats().host_backup_bytes >= weights > 100e6
+
+
+def test_a_request_needing_unmapped_blocks_waits_for_them_and_gets_the_same_output(chunked_llm, monkeypatch):
+    core = chunked_llm.engine
+    pool, blocks = core.pool, core.blocks
+    reference = chunked_llm.generate(LONG_PROMPT, greedy())[0].outputs[0].token_ids
+    first_chunk_tokens = (core.kv_plan.chunk_bounds[1] - 1) * core.kv_plan.block_size
+    assert len(core.encode(LONG_PROMPT)) > first_chunk_tokens  # it cannot fit in the first chunk
+
+    steps = threading.Semaphore(0)
+    real_map = pool._backend.map_pieces
+
+    def gated_map(addresses):
+        assert steps.acquire(timeout=60), "never released"
+        return real_map(addresses)
+
+    monkeypatch.setattr(pool._backend, "map_pieces", gated_map)
+    waits = []
+    real_wait = blocks.residency.wait_for_more
+
+    def counted_wait():
+        waits.append(pool.chunks_ready(KV_CACHE))
+        return real_wait()
+
+    monkeypatch.setattr(blocks.residency, "wait_for_more", counted_wait)
+    preemptions = core.scheduler.num_preemptions
+
+    chunked_llm.sleep(level=1)
+    chunked_llm.wake_up()
+    assert pool.chunks_ready(KV_CACHE) == 1  # the wake returned with the first chunk only
+    releaser = threading.Timer(0.3, lambda: [steps.release() for _ in range(10_000)])
+    releaser.start()
+    try:
+        out = chunked_llm.generate(LONG_PROMPT, greedy())[0].outputs[0].token_ids
+    finally:
+        releaser.join()
+    assert out == reference
+    assert waits and waits[0] == 1  # admission waited for the next chunk instead of failing
+    assert core.scheduler.num_preemptions == preemptions
+    assert pool.wait_chunks(KV_CACHE, len(core.kv_plan.chunk_bounds) - 1, timeout=30) == \
+        len(core.kv_plan.chunk_bounds) - 1
+    assert blocks.num_used == 0 and blocks.num_free == core.kv_plan.num_blocks - 1
+
+
+def test_chunk_bounds_fall_on_whole_granules_and_grow():
+    from server.engine.memory_plan import KVPlan, chunk_bounds, chunk_plan
+
+    assert chunk_bounds(100, 10, 1) == (0, 10, 50, 100)
+    assert chunk_bounds(100, 200, 1) == ()  # one chunk: nothing to split
+    plan = KVPlan(num_blocks=10_001, block_size=16, bytes=10_001 * 24576, bytes_per_block=24576)
+    # 4 layers: 3 KiB per layer half per block; 2 MiB granules -> multiples of 2048 blocks.
+    split = chunk_plan(plan, 3072, 2 << 20, 64 << 20)
+    assert split.num_blocks == 8192 and split.bytes == 8192 * 24576
+    assert split.chunk_bounds == (0, 4096, 8192)
+    assert all(b * 3072 % (2 << 20) == 0 for b in split.chunk_bounds)
+    assert chunk_plan(plan, 3072, 2 << 20, 0) is plan
