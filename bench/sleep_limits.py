@@ -45,6 +45,46 @@ free, total = torch.cuda.mem_get_info(0)
 print(json.dumps({"used": total - free}))
 """
 
+# What a process holds after each step of what the engine does, every tensor and cache freed
+# between steps: the part of "asleep minus one kernel" that no pool can release.
+_BREAKDOWN = """
+import json, torch
+torch.cuda.init(); torch.cuda.set_device(0)
+def used():
+    torch.cuda.synchronize()
+    getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(0)
+    return total - free
+steps = {"context": used()}
+x = torch.ones(1024, device="cuda"); x.add_(1); del x
+steps["one elementwise kernel"] = used()
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+(a @ a).sum().item(); del a
+steps["cuBLAS matmul (default stream)"] = used()
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); (a @ a).sum().item(); del a
+steps["cuBLAS matmul on a second stream"] = used()
+a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+torch.nn.functional.softmax(a.float(), -1).sum().item()
+torch.nn.functional.scaled_dot_product_attention(a.view(1, 1, 64, 4096)[..., :128], a.view(1, 1, 64, 4096)[..., :128],
+                                                 a.view(1, 1, 64, 4096)[..., :128]).sum().item()
+del a
+steps["softmax + SDPA kernels"] = used()
+g = torch.cuda.CUDAGraph(); inp = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    for _ in range(2): inp @ w
+torch.cuda.current_stream().wait_stream(s)
+with torch.cuda.graph(g, stream=s):
+    out = inp @ w
+g.replay(); del out, inp, w
+steps["a captured CUDA graph (kept)"] = used()
+print(json.dumps(steps))
+"""
+
 _RAW_H2D = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -165,7 +205,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     raw = run_json(_RAW_H2D, str(Path(__file__).resolve().parents[1]))
-    result = {"date": now_iso(), "raw_pinned_gbps": raw, "models": []}
+    breakdown = run_json(_BREAKDOWN)
+    result = {"date": now_iso(), "raw_pinned_gbps": raw, "footprint_steps": breakdown, "models": []}
     for name in args.models.split(","):
         result["models"].append(bench_model(name, raw["h2d"], args.cycles))
         write_json(args.out, "sleep-limits", result)
@@ -183,6 +224,9 @@ def main() -> None:
                      "yes" if m["same_output"] else "NO"])
     print(table(rows, ["model", "weights", "KV", "L1 sleep", "L1 wake", "L2 sleep", "L2 wake",
                        "1st request after wake / before", "asleep - one-kernel / - same kernels", "same output"]))
+    base = breakdown["context"]
+    print("what a process keeps with every tensor and cache freed, over a bare context: "
+          + "; ".join(f"{k} {(v - base) / MiB:+.0f} MiB" for k, v in breakdown.items() if k != "context"))
     if not all(m["same_output"] for m in result["models"]):
         sys.exit(1)
 
