@@ -66,6 +66,12 @@ s = torch.cuda.Stream()
 with torch.cuda.stream(s):
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); (a @ a).sum().item(); del a
 steps["cuBLAS matmul on a second stream"] = used()
+import threading
+def other_thread():
+    torch.cuda.set_device(0)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); (a @ a).sum().item()
+t = threading.Thread(target=other_thread); t.start(); t.join()
+steps["cuBLAS matmul on a second thread (torch keeps one handle per thread)"] = used()
 a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
 torch.nn.functional.softmax(a.float(), -1).sum().item()
 torch.nn.functional.scaled_dot_product_attention(a.view(1, 1, 64, 4096)[..., :128], a.view(1, 1, 64, 4096)[..., :128],
