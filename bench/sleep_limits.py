@@ -13,6 +13,7 @@ For each model shape (default 1.24B and 8B Llama, random weights) at the default
 Prints a table and writes sleep-limits.json under --out.
 
     python bench/sleep_limits.py --out $OUT/results
+    python bench/sleep_limits.py --device cpu --cycles 2    # the same flow on CPU (a smoke run)
 """
 from __future__ import annotations
 
@@ -143,17 +144,23 @@ def timed_post(c, path: str, **kw) -> float:
     return elapsed
 
 
-def bench_model(name: str, raw_h2d: float, cycles: int) -> dict:
+def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False) -> dict:
+    """cpu: a smoke run of the same flow on the CPU backend (the embedded model, no references)."""
     from tests.footprint import reference_process_used
 
-    folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
-    os.environ[MODEL_ENV] = str(folder)
-    one_kernel = run_json(_ONE_KERNEL)["used"]
-    reference = reference_process_used(0, "bench.sleep_limits", "engine_kernels",
-                                       [str(Path(__file__).resolve().parents[1])])
+    if cpu:
+        one_kernel = reference = 0
+        serve = ["--device", "cpu", "--kv-cache-memory", "256MiB", "--kv-wake-chunk", "16MiB",
+                 "--max-model-len", "1024", "--prepare-backups", "on"]
+    else:
+        folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
+        os.environ[MODEL_ENV] = str(folder)
+        one_kernel = run_json(_ONE_KERNEL)["used"]
+        reference = reference_process_used(0, "bench.sleep_limits", "engine_kernels",
+                                           [str(Path(__file__).resolve().parents[1])])
+        serve = [str(folder), "--device", "cuda", "--load-format", "dummy", "--max-model-len", "4096"]
     t0 = time.perf_counter()
-    server = ServerProcess([str(folder), "--device", "cuda", "--load-format", "dummy", "--max-model-len", "4096",
-                            "--dev-mode", "--while-asleep", "reject"]).start()
+    server = ServerProcess([*serve, "--dev-mode", "--while-asleep", "reject"]).start()
     res: dict = {"model": name, "startup_s": time.perf_counter() - t0, "one_kernel_process_used": one_kernel,
                  "reference_process_used": reference}
     try:
@@ -169,7 +176,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int) -> dict:
             # The backup preparation runs in the background; a request now shows it does not
             # delay serving. Give it time to finish before the first sleep (what a trainer's first
             # rollout phase does); the first sleep waits for it anyway.
-            time.sleep(max(2.0, weights / 2e9))
+            time.sleep(0.5 if cpu else max(2.0, weights / 2e9))
             rows = []
             for level, n in ((1, cycles), (2, max(2, cycles - 1))):
                 for i in range(n):
@@ -208,20 +215,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-1b,llama-8b")
     ap.add_argument("--cycles", type=int, default=4)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the flow")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    raw = run_json(_RAW_H2D, str(Path(__file__).resolve().parents[1]))
-    breakdown = run_json(_BREAKDOWN)
+    cpu = args.device == "cpu"
+    raw = {"d2h": float("nan"), "h2d": float("inf")} if cpu else run_json(_RAW_H2D, str(Path(__file__).resolve().parents[1]))
+    breakdown = {"context": 0} if cpu else run_json(_BREAKDOWN)
     result = {"date": now_iso(), "raw_pinned_gbps": raw, "footprint_steps": breakdown, "models": []}
-    for name in args.models.split(","):
-        result["models"].append(bench_model(name, raw["h2d"], args.cycles))
+    for name in ["SmolLM2-135M (CPU)"] if cpu else args.models.split(","):
+        result["models"].append(bench_model(name, raw["h2d"], args.cycles, cpu))
         write_json(args.out, "sleep-limits", result)
     print(f"\nsleep limits through HTTP ({result['date']}; raw pinned H2D {raw['h2d']:.1f} GB/s, "
           f"D2H {raw['d2h']:.1f} GB/s; wakes right after their sleep)")
     rows = []
     for m in result["models"]:
         rows.append([m["model"], f"{m['weight_bytes'] / GB:.2f} GB",
-                     f"{m['tags_bytes'].get('kv_cache', 0) / 2**30:.0f} GiB",
+                     f"{m['tags_bytes'].get('kv_cache', 0) / 2**30:.1f} GiB",
                      f"{m['l1_sleep_s'] * 1e3:.0f} ms (1st {m['l1_first_sleep_over_later']:.2f}x)",
                      f"{m['l1_wake_s'] * 1e3:.0f} ms (target {m['l1_wake_target_s'] * 1e3:.0f})",
                      f"{m['l2_sleep_s'] * 1e3:.0f} ms", f"{m['l2_wake_s'] * 1e3:.0f} ms",
