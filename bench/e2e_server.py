@@ -39,6 +39,21 @@ def used(client) -> int:
     return int(m["device_total"]) - int(m["device_free"])
 
 
+def gpu_pids() -> dict[int, float] | None:
+    """MiB of device memory per process with a CUDA context (nvidia-smi), or None without nvidia-smi."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    used = {}
+    for line in out.strip().splitlines():
+        pid, mib = (x.strip() for x in line.split(","))
+        used[int(pid)] = float(mib)
+    return used
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -63,6 +78,16 @@ def main() -> None:
             startup = [line for line in server.log_text().splitlines() if "KV cache" in line or "model" in line]
             result["startup_log"] = startup[-6:]
             complete(c, 8)  # warm-up
+            pids = gpu_pids() if cuda else None
+            if pids is not None:
+                # The API process must never create a CUDA context (memory no sleep could free).
+                api, engine = server.proc.pid, server.engine_pid
+                result["contexts_MiB"] = {"api_process": pids.get(api, 0.0), "engine_process": pids.get(engine)}
+                if engine in pids:  # nvidia-smi sees this PID namespace: the check means something
+                    assert api not in pids, f"the API process (pid {api}) holds a CUDA context: {pids}"
+                    print(f"CUDA contexts: engine process {pids[engine]:.0f} MiB, API process none")
+                else:
+                    print(f"nvidia-smi lists other pids ({sorted(pids)}), not this namespace's: context check skipped")
             c.post("/reset_prefix_cache")
             reference, before_s, _ = complete(c)
             assert reference, "the first completion failed"

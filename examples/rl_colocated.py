@@ -85,6 +85,9 @@ class Server:
             if time.monotonic() > deadline:
                 raise SystemExit("the server did not start in 600 s")
             time.sleep(0.5)
+        # The engine process holds the model's memory (the API process holds no device memory).
+        info = self.http.get("/server_info", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        self.engine_pid = int(info["processes"]["engine_pid"])
 
     def admin(self, path: str, **params) -> dict:
         r = self.http.post(path, params=params, json={}, headers={"Authorization": f"Bearer {ADMIN}"})
@@ -147,8 +150,8 @@ def main() -> int:
         if device.type == "cuda":
             used = gpu_mib_by_pid()
             return {"trainer_mib": used.get(os.getpid(), torch.cuda.memory_reserved() / 2**20),
-                    "server_mib": used.get(server.proc.pid, float("nan")), "unit": "device"}
-        return {"trainer_mib": rss_mib(os.getpid()), "server_mib": rss_mib(server.proc.pid), "unit": "rss"}
+                    "server_mib": used.get(server.engine_pid, float("nan")), "unit": "device"}
+        return {"trainer_mib": rss_mib(os.getpid()), "server_mib": rss_mib(server.engine_pid), "unit": "rss"}
 
     tok = AutoTokenizer.from_pretrained(folder)
     if dummy:

@@ -96,7 +96,7 @@ def phase_cycles(cycles: int, offload: Path) -> dict:
     server = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload)]).start()
     start = time.monotonic()
     try:
-        proc = psutil.Process(server.proc.pid)
+        proc = psutil.Process(server.engine_pid)  # the engine process holds the pool
         reference = greedy(server)
         mismatches, rss, warm = 0, [], 10
         for i in range(cycles):
@@ -123,7 +123,7 @@ def phase_cycles(cycles: int, offload: Path) -> dict:
 def phase_kill(offload: Path) -> dict:
     server = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload)]).start()
     report = post(server, "/sleep?level=1")
-    held = fds_into(server.proc.pid, offload)
+    held = fds_into(server.engine_pid, offload)
     server.proc.kill()
     server.proc.wait(30)
     left = sorted(p.name for p in offload.iterdir())

@@ -1,14 +1,17 @@
-"""The FastAPI app around one AsyncEngine, and `serve`, which runs it under uvicorn.
+"""The FastAPI app around one EngineClient, and `serve`, which runs it under uvicorn.
 
-The engine is built before uvicorn starts, so a bad model path, a bad flag value or a KV cache
-that does not fit fails at once with a clear message and exit code 1, before any port is bound.
+The engine process is started and has loaded the model before uvicorn starts, so a bad model path,
+a bad flag value or a KV cache that does not fit fails at once with a clear message and exit code 1,
+before any port is bound. If the engine process dies later, the server answers 503 and exits (3).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI
@@ -22,24 +25,23 @@ from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
 from server.api.tokens import Tokens
 from server.config import EngineConfig
-from server.engine.engine import AsyncEngine
+from server.engine.client import EngineClient, EngineStartError
 from server.logging_setup import AccessLogMiddleware, configure_logging
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("sleepserve.server")
 
+ENGINE_DIED = 3  # exit code when the engine process died under the server (README, "Exit codes")
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+
+def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        await engine.attach()
         try:
             yield
         finally:
-            # Joining the engine thread can take a step's time; keep the loop free meanwhile.
-            if app.state.weight_transfer is not None:
-                await asyncio.to_thread(app.state.weight_transfer.shutdown)
-            await asyncio.to_thread(engine.shutdown)
+            await engine.shutdown()
             app.state.tokens.close()
             app.state.shut_down = True
 
@@ -48,20 +50,20 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                   openapi_url=None, description="OpenAI-compatible inference server whose memory can sleep and wake.")
     app.state.engine = engine
     app.state.settings = settings
-    app.state.metrics = ServerMetrics(engine, engine.core.served_model_name)
-    app.state.tokens = Tokens(engine.core.model_path, engine.core.max_model_len)
-    app.state.served_model_name = engine.core.served_model_name
+    info = engine.info
+    app.state.metrics = ServerMetrics(engine, info.served_model_name)
+    app.state.tokens = Tokens(Path(info.model_path), info.max_model_len)
+    app.state.served_model_name = info.served_model_name
     app.state.started_at = int(time.time())
     app.state.shut_down = False
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
-    app.state.weight_transfer = None
+    # The receiver itself lives in the engine process (it writes the model's tensors); this is its config.
+    app.state.weight_transfer = settings.weight_transfer_config if settings.dev_mode else None
     if settings.dev_mode:
         app.include_router(admin.router, dependencies=[Depends(check_dev_request)])
         app.include_router(weight_transfer.router, dependencies=[Depends(check_dev_request)])
-        if settings.weight_transfer_config is not None:
-            app.state.weight_transfer = weight_transfer.WeightTransferService(engine, settings.weight_transfer_config)
     if settings.docs:
         app.include_router(docs.router)
     install_openapi(app)
@@ -72,19 +74,18 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def startup_lines(engine: AsyncEngine, settings: ServerSettings) -> list[str]:
-    core = engine.core
-    plan = core.kv_plan
-    dtype = str(core.dtype).removeprefix("torch.")
+def startup_lines(engine: EngineClient, settings: ServerSettings) -> list[str]:
+    info = engine.info
+    plan = info.kv_plan
     admin_key = "admin key required" if settings.effective_admin_key else "no admin key"
     return [
-        f"sleepserve {__version__}: model {core.served_model_name!r} from {core.model_path}",
-        f"device {core.device}, dtype {dtype}, weights loaded in {core.load_seconds:.1f} s "
-        f"(weight_version {core.weight_version!r})",
+        f"sleepserve {__version__}: model {info.served_model_name!r} from {info.model_path}",
+        f"engine process pid {info.pid} (API process pid {os.getpid()}): device {info.device}, dtype {info.dtype}, "
+        f"weights loaded in {info.load_seconds:.1f} s (weight_version {engine.state.weight_version!r})",
         f"KV cache: {plan.usable_blocks} blocks of {plan.block_size} tokens = {plan.bytes / 2**30:.2f} GiB "
-        f"({plan.capacity_tokens} tokens); max model len {core.max_model_len}, "
-        f"max num seqs {core.config.max_num_seqs}, prefix caching "
-        f"{'on' if core.config.enable_prefix_caching else 'off'}",
+        f"({plan.capacity_tokens} tokens); max model len {info.max_model_len}, "
+        f"max num seqs {info.config.max_num_seqs}, prefix caching "
+        f"{'on' if info.config.enable_prefix_caching else 'off'}",
         "weight transfer: " + (f"{settings.weight_transfer_config.backend} (POST /init_weight_transfer_engine, "
                                "/start_weight_update, /update_weights, /finish_weight_update)"
                                if settings.weight_transfer_config and settings.dev_mode else "off"),
@@ -104,7 +105,7 @@ class GracefulServer:
     way to stop a service (uvicorn re-raises the signal, which made the exit status 143)."""
 
     @staticmethod
-    def make(config, engine: AsyncEngine, grace: float):
+    def make(config, engine: EngineClient, grace: float):
         import signal
 
         import uvicorn
@@ -119,7 +120,7 @@ class GracefulServer:
                 async def abort_after_grace() -> None:
                     await asyncio.sleep(grace)
                     if engine.dead is None:
-                        n = await engine.call(lambda core: core.abort_all())
+                        n = await engine.abort_all()
                         if n:
                             log.info("shutdown: aborted %d request(s) still running after %.0f s", n, grace)
 
@@ -136,14 +137,11 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
     """Load, then serve until interrupted. Returns the process exit code (see README, "Exit codes")."""
     import uvicorn
 
-    from allocator import PoolError
-    from server.model.default_model import ModelNotFoundError
-    from server.model.loader import WeightLoadError
-
     configure_logging(settings.log_level)
+    transfer_config = settings.weight_transfer_config if settings.dev_mode else None
     try:
-        engine = AsyncEngine(config)
-    except (ModelNotFoundError, WeightLoadError, PoolError, ValueError, OSError) as e:
+        engine = EngineClient.launch(config, transfer_config, settings.log_level)
+    except EngineStartError as e:
         log.error("could not start: %s", e)
         return 1
     except KeyboardInterrupt:
@@ -151,16 +149,18 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
     for line in startup_lines(engine, settings):
         log.info(line)
 
-    try:
-        app = create_app(engine, settings)
-    except ValueError as e:  # a weight-transfer backend this device cannot run
-        log.error("could not start: %s", e)
-        engine.shutdown()
-        return 1
+    app = create_app(engine, settings)
     grace = settings.shutdown_grace_period
     server = GracefulServer.make(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="on",
         timeout_graceful_shutdown=grace + 5, server_header=False), engine, grace)
+    died: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:
+        died.append(error)
+        server.should_exit = True  # uvicorn stops accepting; requests in flight already got their 503
+
+    engine.on_death = on_death
     try:
         server.run()
     except KeyboardInterrupt:
@@ -168,5 +168,8 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
         return 130
     finally:
         if not app.state.shut_down:  # uvicorn never ran the lifespan (e.g. it could not bind)
-            engine.shutdown()
+            engine.shutdown_now()
+    if died:
+        log.error("exiting: %s", died[0])
+        return ENGINE_DIED
     return 0 if server.started else 1

@@ -164,8 +164,8 @@ class ServerMetrics:
         return RequestTracker(self, start, params)
 
     def on_transition(self, report: SleepReport) -> None:
-        """Called on the engine thread after each sleep and wake that changed something
-        (prometheus-client is thread-safe). A wake's level is the level it woke from."""
+        """Called on the event loop after each sleep and wake that changed something (the engine's
+        reply carries the report). A wake's level is the level it woke from."""
         if report.action == "sleep":
             self.sleep_seconds.labels(str(report.level)).observe(report.seconds)
             self.bytes_offloaded.inc(report.bytes_offloaded)
@@ -179,7 +179,7 @@ class ServerMetrics:
         for metric in self._own:
             registry.register(metric)
         registry.register(EngineCollector(self.engine.state, asdict(self.engine.stats), pool,
-                                          self.engine.core.config, self.engine.core.kv_plan, self.model_name))
+                                          self.engine.info.config, self.engine.info.kv_plan, self.model_name))
         return generate_latest(registry)
 
 

@@ -87,6 +87,15 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def engine_pid(self) -> int:
+        """The engine process's pid: the server's child running server.engine.process."""
+        assert self.proc is not None
+        pid = engine_child(self.proc.pid)
+        if pid is None:
+            raise AssertionError(f"the server (pid {self.proc.pid}) has no engine process")
+        return pid
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -111,6 +120,21 @@ class ServerProcess:
         if m is None:
             raise AssertionError(f"{name}{labels} is not in /metrics")
         return float(m.group(1))
+
+
+def engine_child(parent: int) -> int | None:
+    """The pid of `parent`'s child that runs `python -m server.engine.process`, or None."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"server.engine.process" in cmdline:
+            return int(d.name)
+    return None
 
 
 _shared: dict[str, ServerProcess] = {}

@@ -89,7 +89,7 @@ def assert_refused(client, code: str, words: str) -> None:
 
 
 def rss_bytes(server) -> int | None:
-    status = Path(f"/proc/{server.proc.pid}/status")
+    status = Path(f"/proc/{server.engine_pid}/status")  # the engine process holds the pool
     if not status.exists():
         return None
     line = next(ln for ln in status.read_text().splitlines() if ln.startswith("VmRSS:"))

@@ -65,7 +65,7 @@ def server(offload_dir):
 
 def test_offload_file_is_unreachable_and_gone_while_awake(server, offload_dir):
     reference = greedy(server)
-    pid = server.proc.pid
+    pid = server.engine_pid  # the engine process owns the pool and its backups
     victim = offload_dir.parent / f"{offload_dir.name}-victim"
     victim.write_text("precious")
     planted = [offload_dir / f"sleepserve-{pid}-{i}-{tag}.bin" for i in range(3) for tag in ("weights", "kv_cache")]
@@ -143,12 +143,22 @@ def test_allowed_hosts_flag_admits_a_proxy_name():
 # -- kill -9 while asleep ------------------------------------------------------------------------------
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def test_zz_kill_9_while_asleep_leaves_no_file(server, offload_dir):
     r = dev(server, "POST", "/sleep?level=1")
     assert r.status_code == 200, r.text
-    assert fds_into(server.proc.pid, offload_dir)
+    engine = server.engine_pid
+    assert fds_into(engine, offload_dir)
     server.proc.kill()
     server.proc.wait(30)
+    # The engine process dies with the API process (its parent-death signal): nothing holds the backup.
+    wait_for(lambda: not Path(f"/proc/{engine}").exists() or _zombie(engine), 30, what="the engine process to exit")
     assert not list(offload_dir.iterdir())
     again = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload_dir)]).start()
     try:

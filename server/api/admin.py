@@ -7,6 +7,7 @@ state after it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
@@ -71,7 +72,7 @@ async def is_paused(request: Request) -> dict[str, Any]:
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict[str, Any]:
-    await request.app.state.engine.call(lambda core: core.reset_prefix_cache())
+    await request.app.state.engine.reset_prefix_cache()
     return {"reset": True}
 
 
@@ -100,17 +101,18 @@ async def update_weights(request: Request) -> dict[str, Any]:
 async def server_info(request: Request) -> dict[str, Any]:
     """The resolved configuration (flags after defaults and the environment), as vLLM's dev route."""
     engine = request.app.state.engine
-    core = engine.core
+    info = engine.info
     settings = request.app.state.settings
     return {
         "version": __version__,
-        "model": {"served_model_name": core.served_model_name, "path": str(core.model_path),
-                  "model_type": core.model_config.model_type, "dtype": str(core.dtype).removeprefix("torch."),
-                  "max_model_len": core.max_model_len, "vocab_size": core.model_config.vocab_size},
-        "device": str(core.device),
-        "engine_config": asdict(core.config),
-        "kv_cache": {"num_blocks": core.kv_plan.num_blocks - 1, "block_size": core.kv_plan.block_size,
-                     "bytes": core.kv_plan.bytes, "capacity_tokens": core.kv_plan.capacity_tokens},
+        "model": {"served_model_name": info.served_model_name, "path": info.model_path,
+                  "model_type": info.model_type, "dtype": info.dtype,
+                  "max_model_len": info.max_model_len, "vocab_size": info.vocab_size},
+        "device": info.device,
+        "engine_config": asdict(info.config),
+        "kv_cache": {"num_blocks": info.kv_plan.num_blocks - 1, "block_size": info.kv_plan.block_size,
+                     "bytes": info.kv_plan.bytes, "capacity_tokens": info.kv_plan.capacity_tokens},
+        "processes": {"api_pid": os.getpid(), "engine_pid": info.pid},
         "server": {"host": settings.host, "port": settings.port, "dev_mode": settings.dev_mode,
                    "api_key_set": settings.api_key is not None,
                    "admin_api_key_set": settings.effective_admin_key is not None,
@@ -123,10 +125,9 @@ async def server_info(request: Request) -> dict[str, Any]:
 
 def _transfer_config(request: Request) -> dict[str, Any] | None:
     """--weight-transfer-config as resolved; null when the server was started without one."""
-    svc = getattr(request.app.state, "weight_transfer", None)
-    if svc is None:
+    config = getattr(request.app.state, "weight_transfer", None)
+    if config is None:
         return None
-    config = svc.config
     return asdict(config) if is_dataclass(config) else dict(vars(config))
 
 

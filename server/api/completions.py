@@ -17,6 +17,7 @@ from server.api.schemas import CompletionRequest, Prompt
 from server.api.streaming import events, sse_response
 from server.engine.outputs import CompletionOutput, RequestOutput
 from server.engine.params import InvalidRequestError, SamplingParams
+from server.engine.prompt_check import check_prompt_ids
 
 router = APIRouter()
 
@@ -31,22 +32,29 @@ class CheckedPrompt:
     first_piece: str    # the first prompt token's text (echo + logprobs lists it without a log-prob)
 
 
-def _check_prompts(core, prompts: list[Prompt], params: SamplingParams, echo: bool) -> list[CheckedPrompt]:
-    """On the engine thread: every prompt checked (tokenized, ids in range, fits the context) before any
-    runs, so one bad prompt rejects the whole request, naming it."""
+async def _check_prompts(request: Request, prompts: list[Prompt], params: SamplingParams,
+                         echo: bool) -> list[CheckedPrompt]:
+    """Every prompt checked (ids in range, fits the context) before any runs, so one bad prompt
+    rejects the whole request, naming it. The engine's own checks, run here on the static facts:
+    no round trip to the engine process."""
+    info = request.app.state.engine.info
+    tokens = request.app.state.tokens
     out = []
     for i, (text, ids) in enumerate(prompts):
         try:
-            tokens, _ = core.check_prompt(text, ids, params)
+            if ids is None:  # an empty text: the engine's message for it, after the params' own checks
+                params.validate(info.vocab_size)
+                raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
+            ids, _ = check_prompt_ids(ids, params, info.vocab_size, info.max_model_len)
         except InvalidRequestError as e:
             if len(prompts) > 1:
                 raise InvalidRequestError(f"prompt[{i}]: {e}", e.param, e.code) from None
             raise
-        shown = ""
+        shown = first = ""
         if echo:
-            shown = text if text is not None else core.tokenizer.decode(tokens, skip_special_tokens=False)
-        first = core.tokenizer.decode(tokens[:1], skip_special_tokens=False) if echo else ""
-        out.append(CheckedPrompt(text, tokens, shown, first))
+            shown = text if text is not None else await tokens.decode(ids, skip_special_tokens=False)
+            first = await tokens.decode(ids[:1], skip_special_tokens=False)
+        out.append(CheckedPrompt(text, ids, shown, first))
     return out
 
 
@@ -157,7 +165,7 @@ async def create_completion(request: Request) -> Response:
     params = await generation.compile_grammar(request, params, body.structured()[1])
     prompts = await _tokenize(request, prompts)
     engine = request.app.state.engine
-    checked = await engine.call(lambda core: _check_prompts(core, prompts, params, body.echo))
+    checked = await _check_prompts(request, prompts, params, body.echo)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     started = await generation.start_many(request, request_id, [(p.text, p.token_ids) for p in checked], params)

@@ -23,7 +23,7 @@ POOL_SCRAPE_TIMEOUT_S = 2.0
 async def health(request: Request) -> Response:
     engine = request.app.state.engine
     if engine.dead is not None:
-        return JSONResponse({"status": "dead", "detail": f"the engine stopped: {engine.dead}; restart the server"},
+        return JSONResponse({"status": "dead", "detail": f"{engine.dead}; restart the server"},
                             status_code=503)
     state = engine.state
     body: dict[str, Any] = {"status": "ok" if state.name == "awake" else state.name}

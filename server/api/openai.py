@@ -19,7 +19,7 @@ def _model_card(request: Request) -> dict[str, Any]:
     state = request.app.state
     return {"id": state.served_model_name, "object": "model", "created": state.started_at, "owned_by": "sleepserve",
             # vLLM puts the model's path in `root`; here it is the served name: no filesystem path leaves the server.
-            "root": state.served_model_name, "max_model_len": state.engine.core.max_model_len}
+            "root": state.served_model_name, "max_model_len": state.engine.info.max_model_len}
 
 
 @router.get("/v1/models")

@@ -45,7 +45,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         ids = await tokens.encode_chat(msgs, add_generation_prompt=body.add_generation_prompt)
     else:
         ids = await tokens.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len}
 
 
 @router.post("/detokenize")
@@ -53,7 +53,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
     body = await parse_body(request, DetokenizeRequest)
     generation.check_model(request, body.model)
     engine = request.app.state.engine
-    vocab = engine.core.model_config.vocab_size
+    vocab = engine.info.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise InvalidRequestError(f"token ids must be in [0, {vocab})", "tokens")
     text = await request.app.state.tokens.decode(body.tokens, skip_special_tokens=False)

@@ -21,6 +21,7 @@ from server.engine.kv_cache import BlockManager, usable_blocks
 from server.engine.memory_plan import KVPlan
 from server.engine.outputs import RequestOutput
 from server.engine.params import SamplingParams
+from server.engine.prompt_check import check_prompt_ids
 from server.engine.runner import ModelRunner, Sampled
 from server.engine.scheduler import ScheduledBatch, Scheduler
 from server.engine.sequence import Request, Sequence
@@ -128,32 +129,14 @@ class EngineCore:
         or InvalidRequestError. Changes nothing, so a batch can check every prompt before adding any."""
         params.validate(self.model_config.vocab_size)
         if params.structured_outputs is not None and params.grammar is None:
-            # The server compiled it already (off this thread); the in-process LLM compiles here.
+            # The server compiled it already (the engine process's compile command, cached by spec);
+            # the in-process LLM compiles here.
             params = replace(params, grammar=self.grammars.compile(params.structured_outputs))
         if prompt_token_ids is None:
             if prompt is None or prompt == "":
                 raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
             prompt_token_ids = self.encode(prompt)
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, but this model's context is {limit} tokens "
-                "(prompt plus at least one generated token); shorten the prompt", param="prompt",
-                code="context_length_exceeded")
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=limit - len(ids))
-        elif len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"this model's context is {limit} tokens; the prompt has {len(ids)} and max_tokens asks for "
-                f"{params.max_tokens} more; lower max_tokens to at most {limit - len(ids)}", param="max_tokens",
-                code="context_length_exceeded")
-        return ids, params
+        return check_prompt_ids(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.get(request_id)

@@ -26,12 +26,14 @@ class HoldPolicy:
 
 
 class HeldRequests:
-    """The gate in front of the engine. Every wait re-reads the published SleepState; the engine thread
-    calls `state_changed` (through the loop) after each transition, which wakes every waiter."""
+    """The gate in front of the engine. Every wait re-reads the published SleepState; the engine client
+    calls `state_changed` when a frame brings a new one (or the engine died), which wakes every waiter."""
 
-    def __init__(self, policy: HoldPolicy, state: Callable[[], SleepState]):
+    def __init__(self, policy: HoldPolicy, state: Callable[[], SleepState],
+                 dead: Callable[[], BaseException | None] = lambda: None):
         self.policy = policy
         self._state = state
+        self._dead = dead  # a dead engine ends every wait at once (503), it never wakes
         self._changed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.by_reason: Counter[str] = Counter()
@@ -54,6 +56,11 @@ class HeldRequests:
             self._changed.set()
             self._changed = None
 
+    def _raise_if_dead(self) -> None:
+        dead = self._dead()
+        if dead is not None:
+            raise dead
+
     def refuse_now(self) -> None:
         """reject mode: 503 at once while the engine cannot serve (no waiting, no round trip)."""
         refused = self._state().refusal
@@ -63,6 +70,7 @@ class HeldRequests:
     async def wait_until_servable(self, deadline: float | None = None) -> float | None:
         """Return the deadline once the engine can serve (at once when it can). Raises 503 past the
         limits, or at once in reject mode. A cancelled wait (the client left) just ends."""
+        self._raise_if_dead()
         refused = self._state().refusal
         if refused is None:
             return deadline
@@ -94,6 +102,7 @@ class HeldRequests:
                     await asyncio.wait_for(self._changed.wait(), remaining)
                 except asyncio.TimeoutError:
                     pass
+                self._raise_if_dead()
                 refused = self._state().refusal
         finally:
             self.by_reason[reason] -= 1

@@ -88,12 +88,21 @@ class SleepState:
             return "weights_offloaded"
         return "awake"
 
+    def __reduce__(self) -> tuple:
+        # The engine process publishes it to the API process; a mapping proxy cannot be pickled.
+        return _rebuild_state, (self.level, dict(self.tag_states), self.paused, self.draining, self.weights_valid,
+                                self.weight_version, self.transfer_active)
+
     def as_dict(self) -> dict[str, Any]:
         """The JSON of /is_sleeping (and the `state` of every dev route's answer)."""
         return {"is_sleeping": self.is_sleeping, "level": self.level, "sleeping_tags": self.sleeping_tags,
                 "tag_states": dict(self.tag_states), "paused": self.paused, "draining": self.draining,
                 "weights_valid": self.weights_valid, "weight_version": self.weight_version,
                 "transfer_active": self.transfer_active}
+
+
+def _rebuild_state(level: int | None, tag_states: dict[str, str], *rest: Any) -> SleepState:
+    return SleepState(level, MappingProxyType(tag_states), *rest)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,328 @@
+"""The engine process: `python -m server.engine.process --fd N`, started by the API process
+(server/engine/client.py) with one end of a socket pair as fd N.
+
+It owns EngineCore (scheduler, pool, sleep state machine, model) and the weight-transfer receiver,
+since both write the model's tensors; the API process never creates a CUDA context. Threads:
+- the engine thread runs commands between steps, steps, and sends one frame per loop turn (every
+  request's delta, the replies, the status);
+- a reader thread receives commands and queues them (ENGINE commands) or hands them to a command
+  thread (THREAD commands: compiles, disk reads, transfers);
+- command threads, and the weight-transfer thread (server/weight_transfer/service.py).
+The process ends when the API asks (`shutdown`) or goes away (end of the channel, or its death
+signal: the kernel kills this process if the API process dies, so no engine outlives its server).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from server.engine.channel import (Call, DeltaEncoder, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed,
+                                   Status, SyncChannel, WireError)
+from server.engine.commands import ENGINE, EngineCommands
+from server.engine.core import EngineCore
+from server.engine.outputs import RequestOutput
+
+log = logging.getLogger("sleepserve.engine")
+
+MAX_CONSECUTIVE_FAILURES = 3
+COMMAND_THREADS = 8  # THREAD commands at once (a transfer waiting on a trainer, a slow disk read, compiles)
+
+
+class EngineServer:
+    def __init__(self, core: EngineCore, chan: SyncChannel, transfer_config: Any = None):
+        self.core = core
+        self.chan = chan
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self.dead: str | None = None
+        self.shutdown_call: Call | None = None
+        self._pool = ThreadPoolExecutor(COMMAND_THREADS, thread_name_prefix="sleepserve-command")
+        # Items for the next frame: the engine thread's own (deltas, its replies) need no lock;
+        # replies from command threads go through _remote and flush at once.
+        self._local: list = []
+        self._remote: list = []
+        self._lock = threading.Lock()
+        self._step_tokens: list[int] = []
+        self._deltas = DeltaEncoder()
+        self._sent_state: Any = None
+        self._stats = core.stats()
+        self._sent_stats: Any = None
+        transfers = None
+        if transfer_config is not None:
+            from server.weight_transfer.service import WeightTransferService
+            transfers = WeightTransferService(transfer_config, core, self.on_engine)
+        self.transfers = transfers
+        self.commands = EngineCommands(core, self.on_engine, self._emit, transfers)
+
+    # -- from other threads ------------------------------------------------------------------------
+
+    def on_engine(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run fn(core) on the engine thread between two steps; block this (command) thread for it."""
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(self.core))
+            except BaseException as e:
+                fut.set_exception(e)
+        self._submit(run)
+        return fut.result()
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        self._queue.put(fn)
+        self._wake.set()
+
+    def read_commands(self) -> None:
+        """The reader thread: until the API closes the channel or asks to shut down."""
+        while True:
+            try:
+                call: Call = self.chan.recv()
+            except (EOFError, OSError):
+                log.info("the API process closed the channel; the engine stops")
+                break
+            if call.name == "shutdown":  # answered once the memory is released (main)
+                self.shutdown_call = call
+                break
+            self._dispatch(call)
+        self._stop = True
+        self._wake.set()
+
+    def _dispatch(self, call: Call) -> None:
+        try:
+            where, fn = self.commands.lookup(call.name)
+        except Exception as e:
+            self._reply_from_thread(call, None, e)
+            return
+        if where == ENGINE:
+            self._submit(lambda: self._run_on_engine(call, fn))
+        else:
+            self._pool.submit(self._run_on_thread, call, fn)
+
+    def _run_on_thread(self, call: Call, fn: Callable) -> None:
+        try:
+            result = fn(*call.args, **call.kwargs)
+        except BaseException as e:
+            self._reply_from_thread(call, None, e)
+        else:
+            self._reply_from_thread(call, result, None)
+
+    def _reply_from_thread(self, call: Call, result: Any, error: BaseException | None) -> None:
+        if call.call_id is None:
+            if error is not None:
+                log.warning("command %s failed: %s", call.name, error)
+            return
+        with self._lock:
+            self._remote.append(Reply(call.call_id, result, WireError.of(error) if error else None))
+        self.flush(engine_thread=False)
+
+    # -- the engine thread -------------------------------------------------------------------------
+
+    def _run_on_engine(self, call: Call, fn: Callable) -> None:
+        try:
+            result = fn(*call.args, **call.kwargs)
+        except BaseException as e:
+            self._reply(call, None, e)
+            return
+        if isinstance(result, Future):  # answered when it resolves (on the engine thread, in finish_sleep)
+            result.add_done_callback(lambda f: self._reply(call, None if f.exception() else f.result(),
+                                                           f.exception()))
+        else:
+            self._reply(call, result)
+
+    def _reply(self, call: Call, result: Any, error: BaseException | None = None) -> None:
+        if call.call_id is None:
+            if error is not None:
+                log.warning("command %s failed: %s", call.name, error)
+            return
+        self._local.append(Reply(call.call_id, result, WireError.of(error) if error else None))
+
+    def _emit(self, out: RequestOutput) -> None:
+        """A request's output (engine thread): only what the API does not have yet crosses."""
+        self._local.append(self._deltas.encode(out))
+
+    def flush(self, engine_thread: bool = True) -> None:
+        """Send one frame with everything since the last one (nothing when nothing changed)."""
+        with self._lock:
+            items = self._remote
+            if engine_thread:
+                items, self._local = self._local + items if items else self._local, []
+                steps, self._step_tokens = self._step_tokens, []
+            else:
+                steps = []
+            self._remote = []
+            state = self.core.sleep_state
+            changed = state is not self._sent_state
+            stats = self._stats
+            if not items and not steps and not changed and stats == self._sent_stats:
+                return
+            self._sent_state, self._sent_stats = state, stats
+            frame = Frame(items, Status(stats, state if changed else None, self.dead), steps)
+            try:
+                self.chan.send(frame)
+            except OSError:
+                self._stop = True  # the API is gone; the reader thread says so too
+
+    def run(self) -> None:
+        core = self.core
+        failures = 0
+        while not self._stop:
+            self._drain()
+            # Only mode=wait waits for the requests in flight; abort and keep sleep at once (between steps).
+            if core.sleep_control.ready:
+                try:
+                    core.sleep_control.finish_sleep()  # its on_done answers the caller
+                except BaseException:
+                    log.exception("sleep failed")
+                self._stats = core.stats()
+            if core.can_step and self.dead is None:
+                try:
+                    core.step()
+                    failures = 0
+                    if core.step_tokens:
+                        self._step_tokens.append(core.step_tokens)
+                except Exception as e:  # a failed step must not take the server down...
+                    log.exception("engine step failed; aborting the requests in flight")
+                    self._fail_all(e)
+                    failures += 1
+                    if failures >= MAX_CONSECUTIVE_FAILURES:
+                        # ...but a step that keeps failing (a lost device, a corrupted context)
+                        # means nothing can be served: say so instead of failing every request.
+                        log.critical("%d steps failed in a row; the engine is dead: %s", failures, e)
+                        self.dead = str(e)
+                self._stats = core.stats()
+                self.flush()
+            else:
+                self.flush()
+                self._wake.wait(0.5)
+                self._wake.clear()
+        self._drain()  # the shutdown's reply
+        self.flush()
+
+    def _drain(self) -> None:
+        ran = False
+        while True:
+            try:
+                fn = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            fn()
+            ran = True
+        if ran:
+            self._stats = self.core.stats()
+
+    def _fail_all(self, error: Exception) -> None:
+        for req in list(self.core.requests.values()):
+            req.on_output = None  # the API gets the error, not an abort
+            self.core.abort_request(req.request_id)
+            self._deltas.forget(req.request_id)
+            self._local.append(Failed(req.request_id, WireError.of(error)))
+
+    def close(self) -> None:
+        if self.transfers is not None:
+            self.transfers.shutdown()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.core.close()
+
+
+def info_of(core: EngineCore) -> EngineInfo:
+    return EngineInfo(pid=os.getpid(), served_model_name=core.served_model_name, model_path=str(core.model_path),
+                      model_type=core.model_config.model_type, dtype=str(core.dtype).removeprefix("torch."),
+                      device=str(core.device), max_model_len=core.max_model_len,
+                      vocab_size=core.model_config.vocab_size, load_seconds=core.load_seconds, config=core.config,
+                      kv_plan=core.kv_plan)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel sends SIGKILL to this process when the API process dies (kill -9 included),
+    so an engine never outlives its server holding device memory, even mid-step."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m server.engine.process",
+                                 description="sleepserve's engine process (started by `sleepserve serve`)")
+    ap.add_argument("--fd", type=int, required=True, help="this end of the API process's socket pair")
+    ap.add_argument("--parent", type=int, required=True, help="the API process's pid")
+    args = ap.parse_args(argv)
+    _die_with_parent(args.parent)
+    # Ctrl-C (and systemd's SIGTERM to the whole control group) reaches this process too: the API
+    # process runs the graceful shutdown and then tells this one to stop, so the engine keeps serving
+    # the requests that finish meanwhile. SIGKILL still ends it (and the API then exits with code 3).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    chan = SyncChannel(socket.socket(fileno=args.fd))
+    start: Start = chan.recv()
+
+    from allocator import PoolError
+    from server.engine.build import build_engine
+    from server.logging_setup import configure_logging
+    from server.model.default_model import ModelNotFoundError
+    from server.model.loader import WeightLoadError
+
+    configure_logging(start.log_level)
+    try:
+        core = build_engine(start.config)
+    except (ModelNotFoundError, WeightLoadError, PoolError, ValueError, OSError) as e:
+        chan.send(StartFailed(WireError.of(e), expected=True))
+        return 1
+    except BaseException as e:
+        log.exception("the engine could not start")
+        chan.send(StartFailed(WireError.of(e), expected=False))
+        return 1
+    try:
+        server = EngineServer(core, chan, start.transfer_config)
+    except ValueError as e:  # a weight-transfer backend this device cannot run
+        core.close()
+        chan.send(StartFailed(WireError.of(e), expected=True))
+        return 1
+    chan.send(Ready(info_of(core), Status(core.stats(), core.sleep_state)))
+    server._sent_state = core.sleep_state
+    threading.Thread(target=server.read_commands, name="sleepserve-channel", daemon=True).start()
+    # The engine loop runs on a thread of its own, not the main one, as it did inside the API process:
+    # torch's CPU thread team behaves differently from the main thread (on the loaded 2-core CI host,
+    # 8 requests x 8 tokens took 59 s from the main thread and 3.9 s from another one).
+    crashed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except BaseException as e:  # a bug in the loop itself (steps' own errors are handled there)
+            log.critical("the engine loop crashed", exc_info=True)
+            crashed.append(e)
+
+    engine = threading.Thread(target=run, name="sleepserve-engine")
+    engine.start()
+    engine.join()
+    t0 = time.perf_counter()
+    server.close()
+    log.info("engine process stopped (memory released in %.2f s)", time.perf_counter() - t0)
+    if server.shutdown_call is not None and server.shutdown_call.call_id is not None:
+        with contextlib.suppress(OSError):
+            chan.send(Frame([Reply(server.shutdown_call.call_id)], Status(core.stats(), None, server.dead)))
+    # Nothing is left to clean up (the pool is closed, its files were unlinked when made): skip the
+    # interpreter's teardown, which took 6.5 s of the loaded CI host's time after the pool was closed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if crashed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The engine-process channel's own contracts, without a server: outputs rebuilt in the API process
+from the deltas the engine sends equal the engine's own outputs, field by field; engine errors cross
+with their status-deciding attributes; the sleep state crosses whole."""
+from __future__ import annotations
+
+import pickle
+from dataclasses import asdict
+
+from server.engine.channel import DeltaEncoder, WireError, pack
+from server.engine.client import OutputStream
+from server.engine.errors import EngineUnavailableError, InvalidRequestError
+from server.engine.params import SamplingParams
+from server.engine.sleep_state import SleepState
+from server.weight_transfer.receiver import TransferFailedError
+
+
+def _wire(obj):
+    return pickle.loads(pack(obj)[8:])
+
+
+def _in_thread(fn, *args):
+    """Run fn on a worker thread, as the engine process does (on the loaded 2-core CI host torch's CPU
+    thread team is several times slower from the main thread), re-raising its failure here."""
+    import threading
+    failure: list = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:
+            failure.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if failure:
+        raise failure[0]
+
+
+def test_outputs_rebuilt_from_deltas_equal_the_engines(llm):
+    _in_thread(_rebuild_every_output, llm.engine)
+
+
+def _rebuild_every_output(core):
+    cases = {
+        "plain": ("The capital of France is", SamplingParams(temperature=0, max_tokens=12)),
+        "n2-stop-logprobs": ("Once upon a time", SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=16,
+                                                                stop=[" the", "."], logprobs=2, prompt_logprobs=1)),
+        "aborted": ("List three primary colors:", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
+    }
+    outs: list = []
+    for rid, (prompt, params) in cases.items():
+        core.add_request(rid, prompt=prompt, params=params, on_output=outs.append)
+    encoder = DeltaEncoder()
+    streams = {rid: OutputStream(prompt, None, params.n) for rid, (prompt, params) in cases.items()}
+    lagging = OutputStream(cases["n2-stop-logprobs"][0], None, 2)  # a route that takes only every 3rd output
+    lagged: list = []
+    checked = 0
+    steps = 0
+    while core.has_unfinished:
+        core.step()
+        steps += 1
+        if steps == 6:
+            core.abort_request("aborted")
+        for out in outs:
+            delta = _wire(encoder.encode(out))
+            streams[out.request_id].apply(delta)
+            rebuilt = streams[out.request_id].take()
+            assert rebuilt.finished == out.finished and rebuilt.prompt_token_ids == out.prompt_token_ids
+            assert rebuilt.num_cached_tokens == out.num_cached_tokens
+            assert rebuilt.prompt_logprobs == out.prompt_logprobs or out.prompt_logprobs is None
+            assert (rebuilt.metrics == out.metrics) if out.finished else rebuilt.metrics is None
+            for mine, theirs in zip(rebuilt.outputs, out.outputs, strict=True):
+                assert asdict(mine) == asdict(theirs), (out.request_id, mine, theirs)
+            checked += 1
+            if out.request_id == "n2-stop-logprobs":
+                lagging.apply(delta)
+                lagged.append(out)
+                if steps % 3 == 0 or out.finished:
+                    merged = lagging.take()
+                    for i, o in enumerate(merged.outputs):  # the deltas of several steps, the whole of the last
+                        assert o.delta_text == "".join(x.outputs[i].delta_text for x in lagged)
+                        assert o.delta_token_ids == [t for x in lagged for t in x.outputs[i].delta_token_ids]
+                        assert o.delta_logprobs == [e for x in lagged for e in x.outputs[i].delta_logprobs]
+                        assert (o.text, o.token_ids, o.finish_reason) == (out.outputs[i].text, out.outputs[i].token_ids,
+                                                                          out.outputs[i].finish_reason)
+                    lagged.clear()
+        outs.clear()
+    assert checked > 20 and not encoder._sent  # every request finished and was forgotten
+    final = {rid: s.seqs for rid, s in streams.items()}
+    assert all(seq.finish_reason == "abort" for seq in final["aborted"])
+    assert all(seq.finish_reason in ("stop", "length") for seq in final["n2-stop-logprobs"])
+
+
+def test_engine_errors_keep_their_attributes_across_the_channel():
+    e = _wire(WireError.of(InvalidRequestError("bad", "max_tokens", "context_length_exceeded"))).rebuild()
+    assert type(e) is InvalidRequestError and (str(e), e.param, e.code) == ("bad", "max_tokens",
+                                                                            "context_length_exceeded")
+    e = _wire(WireError.of(EngineUnavailableError("asleep", retry_after=7, code="sleeping"))).rebuild()
+    assert type(e) is EngineUnavailableError and (e.retry_after, e.code) == (7, "sleeping")
+    # An __init__ with more arguments than it passes on is rebuilt without calling it.
+    e = _wire(WireError.of(TransferFailedError("broke", {"a.weight"}))).rebuild()
+    assert type(e) is TransferFailedError and e.loaded == {"a.weight"} and str(e) == "broke"
+
+    class Local(Exception):  # not importable by name on the other side: a RuntimeError with the message
+        pass
+    e = _wire(WireError.of(Local("odd"))).rebuild()
+    assert type(e) is RuntimeError and "odd" in str(e)
+
+
+def test_the_published_sleep_state_crosses_whole():
+    from types import MappingProxyType
+    state = SleepState(level=1, tag_states=MappingProxyType({"weights": "offloaded", "kv_cache": "discarded"}),
+                       weights_valid=True, weight_version="v3")
+    again = _wire(state)
+    assert again == state and again.as_dict() == state.as_dict() and again.refusal == state.refusal
+    assert isinstance(again.tag_states, MappingProxyType)
