@@ -81,7 +81,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "auto", choices=("auto", "float32", "bfloat16", "float16")),
     Option("--max-model-len", "context length in tokens, prompt plus output (default: the model's)", None,
            positive_int, metavar="N"),
-    Option("--max-num-seqs", "most sequences in one batch", 64, positive_int, metavar="N"),
+    Option("--max-num-seqs", "most sequences in one batch", 256, positive_int, metavar="N"),
     Option("--max-num-batched-tokens", "most tokens in one step (default: 512 on CPU, 8192 on CUDA)", None,
            positive_int, metavar="N"),
     Option("--block-size", "tokens per KV-cache block", 16, positive_int, choices=None, metavar="N"),

@@ -30,7 +30,7 @@ class EngineConfig:
     device: str = "auto"                      # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes for the KV cache; default: CPU 1 GiB, GPU from utilization

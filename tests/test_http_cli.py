@@ -30,7 +30,7 @@ def test_defaults():
     v = resolve([])
     assert v["host"] == "127.0.0.1" and v["port"] == 8000 and v["dev_mode"] is False and v["model"] is None
     settings, engine = split_options(v)
-    assert settings.api_key is None and engine["enable_prefix_caching"] is True and engine["max_num_seqs"] == 64
+    assert settings.api_key is None and engine["enable_prefix_caching"] is True and engine["max_num_seqs"] == 256
 
 
 def test_every_flag_reads_its_environment_variable():

@@ -27,12 +27,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sleepserve.engine")
 
-_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-
-
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in _BUCKETS if b < max_num_seqs]
-    return sizes + [max_num_seqs]
+    """vLLM's capture ladder: 1, 2, 4, then every 8 up to 256 and every 16 beyond, ending at
+    max_num_seqs: a decode batch pads at most 7 (15) rows. 35 graphs for 256; they share one logits
+    buffer and the pool's graph memory, so more sizes cost capture time (~20 ms each), not memory."""
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_num_seqs, 16))
+    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
 class DecodeGraphs:
@@ -55,7 +55,9 @@ class DecodeGraphs:
         self.host = torch.zeros(self.stage.shape, dtype=torch.long, pin_memory=True)
         self.host_np = self.host.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # Every graph writes its logits (model dtype) into the first rows of this one buffer.
+        model = runner.model
+        self.logits = pool.empty((B, model.config.vocab_size), model.output_weight().dtype, CUDA_GRAPH)
         self.device = dev
 
     def _forward(self, batch: int) -> torch.Tensor:
@@ -63,7 +65,8 @@ class DecodeGraphs:
                                block_tables=self.tables[:batch], context_lens=self.lens[:batch],
                                max_decode_context=None)
         model = self.runner.model
-        return model.compute_logits(model(self.input_ids[:batch], self.positions[:batch], ctx))
+        hidden = model(self.input_ids[:batch], self.positions[:batch], ctx)
+        return model.compute_logits(hidden, out=self.logits[:batch])
 
     @classmethod
     @torch.inference_mode()
@@ -81,7 +84,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool.graph_pool(CUDA_GRAPH), stream=stream):
-                self.logits[batch] = self._forward(batch)
+                self._forward(batch)
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.buckets),
@@ -100,14 +103,18 @@ class DecodeGraphs:
             h[i * B:i * B + n] = values
             h[i * B + n:i * B + bucket] = self.padding[i]
         base = 4 * B
-        h[base:base + bucket * w] = NULL_BLOCK
-        for r, t in enumerate(hb.decode_tables):
-            h[base + r * w:base + r * w + len(t)] = t
+        # The tables, padded to width w, as one flat list: one copy into numpy instead of one per row.
+        flat: list[int] = []
+        for t in hb.decode_tables:
+            flat += t
+            flat += [NULL_BLOCK] * (w - len(t))
+        h[base:base + n * w] = flat
+        h[base + n * w:base + bucket * w] = NULL_BLOCK
         used = base + bucket * w
         # The host buffer is rewritten only after this step's results were read (a sync), so the
         # asynchronous copy never races with the next fill.
         self.stage[:used].copy_(self.host[:used], non_blocking=True)
         self.tables[:bucket, :w].copy_(self.stage[base:used].view(bucket, w))
         self.graphs[bucket].replay()
-        logits = self.logits[bucket]
-        return logits[:n] if len(hb.sample_rows) == n else logits[hb.sample_rows]
+        logits = self.logits[:n] if len(hb.sample_rows) == n else self.logits[hb.sample_rows]
+        return logits.float()

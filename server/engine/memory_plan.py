@@ -93,7 +93,8 @@ def plan_kv_cache(config: EngineConfig, model: LlamaForCausalLM, pool, dtype: to
     else:
         from server.engine.profile import measure_activation_peak
 
-        peak = measure_activation_peak(model, config.batched_tokens(device), config.block_size, dtype)
+        peak = measure_activation_peak(model, config.batched_tokens(device), config.block_size, dtype,
+                                       num_logit_rows=config.max_num_seqs)
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         budget = int(total * config.gpu_memory_utilization) - used - peak - GRAPH_RESERVE_BYTES

@@ -35,8 +35,10 @@ def measure_activation_peak(model: LlamaForCausalLM, num_tokens: int, block_size
         ids = torch.randint(0, cfg.vocab_size, (n,), device=dev)
         hidden = model(ids, torch.arange(n, device=dev), ctx)
         logits = model.compute_logits(hidden[-min(n, num_logit_rows):])
-        # The sampler's sort for top-p/top-k holds about two more copies of the logits.
+        # Sampling at temperature > 0 with top-p holds about eight [rows, vocab] fp32 tensors at once
+        # (scaled, sorted + order, the drop mask, probs, cumsum, noise): the sort plus four more.
         _ = logits.sort(-1, descending=True)
+        _more = [torch.empty_like(logits) for _ in range(4)]
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
     finally:

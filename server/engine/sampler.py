@@ -6,6 +6,7 @@ all constrained rows at once. Prompt log-probs are scored here too, from the pre
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -92,26 +93,35 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
 
 
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], tokenizer) -> list[TokenLogprobs | None]:
+    """The sampled token's log-prob and rank, plus the top-k, for every row that asks: computed for
+    all those rows at once and read back in one transfer (RL rollouts ask for logprobs=0 on every
+    token; a few syncs per row cost milliseconds a step at batch 256)."""
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     result: list[TokenLogprobs | None] = [None] * len(seqs)
     if not want:
         return result
     # Extreme penalties make ±inf logits and NaN log-probs, which JSON cannot carry: report them as
     # vLLM does, -9999.0 for anything not finite (and for -inf, the log-prob of a masked token).
-    rows = logits[want].log_softmax(-1)
+    rows = logits if len(want) == len(seqs) else logits[want]
+    rows = rows.log_softmax(-1)
     rows = torch.nan_to_num(rows, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
+    chosen_ids = [tokens[i] for i in want]
+    chosen = rows.gather(1, torch.tensor(chosen_ids, device=rows.device)[:, None])
+    parts = [chosen, ((rows > chosen).sum(-1, keepdim=True) + 1).to(torch.float64)]
+    k = max(seqs[i].params.logprobs or 0 for i in want)
+    if k:
+        top_v, top_i = rows.topk(k, dim=-1)
+        parts += [top_v, top_i]
+    # One device-to-host transfer for everything (float64 holds every id and rank exactly).
+    table = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()
     for j, i in enumerate(want):
-        row = rows[j]
-        tok = tokens[i]
-        chosen = float(row[tok])
+        row = table[j]
+        tok = chosen_ids[j]
         entry: TokenLogprobs = {}
-        k = seqs[i].params.logprobs
-        if k:
-            vals, ids = row.topk(k)
-            for rank, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
-                entry[t] = Logprob(v, rank, _piece(tokenizer, t))
-        rank = int((row > chosen).sum()) + 1
-        entry[tok] = Logprob(chosen, rank, _piece(tokenizer, tok))
+        for r in range(seqs[i].params.logprobs or 0):
+            t = int(row[2 + k + r])
+            entry[t] = Logprob(row[2 + r], r + 1, _piece(tokenizer, t))
+        entry[tok] = Logprob(row[0], int(row[1]), _piece(tokenizer, tok))
         result[i] = entry
     return result
 
@@ -144,4 +154,10 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidd
 
 
 def _piece(tokenizer, token_id: int) -> str | None:
-    return None if tokenizer is None else tokenizer.decode([token_id])
+    return None if tokenizer is None else _decoded_piece(tokenizer, token_id)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _decoded_piece(tokenizer, token_id: int) -> str:
+    # A token's text never changes: decode each once (tokenizer.decode costs ~5 us a call).
+    return tokenizer.decode([token_id])

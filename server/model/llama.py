@@ -136,5 +136,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, ctx, self.ops)
         return self.model.norm(x, residual, self.ops)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [T, vocab]. With `out` (a CUDA graph's static buffer, in the model's dtype) the
+        same matmul writes there instead and `out` is returned, for the caller to convert: one buffer
+        serves every graph, where a fp32 output per graph would cost ~0.5 MB x batch x graphs."""
+        if out is not None:
+            return torch.mm(hidden, self.output_weight().t(), out=out)
         return F.linear(hidden, self.output_weight()).float()
