@@ -32,3 +32,29 @@ def test_find_stop_only_looks_at_new_text():
     assert find_stop("abc STOP def", ["STOP"], new_chars=8) == (4, "STOP")
     assert find_stop("STOP then more", ["STOP"], new_chars=4) is None
     assert find_stop("xx ab", ["b", "ab"], new_chars=2) == (3, "ab")
+
+
+def test_a_step_of_many_sequences_detokenizes_as_one_at_a_time(tokenizer):
+    """core.postprocess decodes a step's windows in one call; each sequence's text must be what its
+    own incremental decode gives, special tokens skipped or not."""
+    from server.engine.detokenizer import decode_many, detokenize_step
+
+    texts = ["Émojis 🙂🚀 and CJK 漢字かな", "def f(x):\n    return x", "naïve café, 1 2 3"]
+    streams = [tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts]
+    prompt = tokenizer("Context:").input_ids
+    for skip in (True, False):
+        alone = [IncrementalDetokenizer(tokenizer, prompt, skip) for _ in streams]
+        together = [IncrementalDetokenizer(tokenizer, prompt, skip) for _ in streams]
+        got: list[list[str]] = [[] for _ in streams]
+        want: list[list[str]] = [[] for _ in streams]
+        for step in range(max(map(len, streams))):
+            live = [i for i, s in enumerate(streams) if step < len(s)]
+            for i, text in zip(live, detokenize_step([(together[i], streams[i][step]) for i in live])):
+                got[i].append(text)
+            for i in live:
+                want[i].append(alone[i].add(streams[i][step]))
+        assert got == want
+        assert "".join(got[1]).startswith("def f(x):")
+    windows = [s[:k] for s in streams for k in (1, 3, len(s))]
+    for skip in (True, False):
+        assert decode_many(tokenizer, windows, skip) == [tokenizer.decode(w, skip_special_tokens=skip) for w in windows]

@@ -16,6 +16,7 @@ import torch
 
 from allocator import MemoryPool
 from server.config import EngineConfig
+from server.engine.detokenizer import detokenize_step
 from server.engine.errors import EngineUnavailableError, InvalidRequestError
 from server.engine.kv_cache import BlockManager, usable_blocks
 from server.engine.memory_plan import KVPlan
@@ -201,11 +202,19 @@ class EngineCore:
         self.scheduler.advance(batch)
         for req, entries in scored:
             req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
+        # Tokens first, then every continuing sequence's text in one detokenizer call, then the
+        # checks that need the text (stop strings, grammar, length).
+        texts = []
+        for seq, token, logprobs in sampled:
+            detok = seq.append_token(token, logprobs, self.eos_ids, self.tokenizer)
+            if detok is not None:
+                texts.append((seq, detok, token))
+        for (seq, _, _), delta in zip(texts, detokenize_step([(d, t) for _, d, t in texts])):
+            seq.append_text(delta, self.max_model_len)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, token, logprobs in sampled:
+        for seq, _, _ in sampled:
             req = seq.request
-            seq.append(token, logprobs, self.eos_ids, self.max_model_len, self.tokenizer)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now

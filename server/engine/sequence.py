@@ -67,7 +67,16 @@ class Sequence:
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int],
                max_model_len: int, tokenizer) -> None:
-        """Record a sampled token and decide whether the sequence is done."""
+        """Record a sampled token and decide whether the sequence is done. (A step does the same for
+        all its sequences in three passes, so their detokenization is one call: core.postprocess.)"""
+        detok = self.append_token(token_id, logprobs, eos_ids, tokenizer)
+        if detok is not None:
+            self.append_text(detok.add(token_id), max_model_len)
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int],
+                     tokenizer) -> IncrementalDetokenizer | None:
+        """First half of append: record the token, finish on EOS or a stop token. Returns the
+        detokenizer that must turn the token into text next, or None when the sequence finished."""
         p = self.params
         self.token_ids.append(token_id)
         if self.matcher is not None:
@@ -81,10 +90,15 @@ class Sequence:
             self.finish_reason = "stop"
             self.stop_reason = None if is_eos and token_id not in p.stop_token_ids else token_id
             self._finish_text()
-            return
+            return None
         if self.detok is None:
             self.detok = IncrementalDetokenizer(tokenizer, self.request.prompt_token_ids, p.skip_special_tokens)
-        delta = self.detok.add(token_id)
+        return self.detok
+
+    def append_text(self, delta: str, max_model_len: int) -> None:
+        """Second half: the new token's text: stop strings, a completed grammar, the length limits."""
+        p = self.params
+        n_out = self.num_output_tokens
         if delta:
             self.text += delta
             if p.stop and n_out >= p.min_tokens and self._check_stop_strings(len(delta)):
@@ -131,7 +145,7 @@ class Sequence:
         if self.logprobs is not None:
             delta_lp = self.logprobs[self._emitted_tokens:]
         out = CompletionOutput(
-            index=self.index, text=text, token_ids=list(out_ids),
+            index=self.index, text=text, token_ids=out_ids,  # a fresh list already (a slice)
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
