@@ -22,7 +22,10 @@ class Device:
 
     @classmethod
     def measure(cls, device: torch.device, dtype: torch.dtype) -> "Device":
-        return cls(memory_bandwidth(device), matmul_flops(device, dtype))
+        measured = cls(memory_bandwidth(device), matmul_flops(device, dtype))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # give the test matrices back before an engine sizes its cache
+        return measured
 
 
 def memory_bandwidth(device: torch.device) -> float:

@@ -370,6 +370,10 @@ def report(result: dict) -> None:
                   f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-"] for r in sat],
                 ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)"]))
+    eng = {r["key"]: r["output_tok_s"] for r in sat if r["path"] == "engine"}
+    if len(eng) > 1:
+        lo, hi = min(eng), max(eng)
+        print(f"in-process tok/s at {hi} concurrent / at {lo}: {eng[hi] / eng[lo]:.2f}x (target >= 2.5x for 256 / 64)")
     failed = sum(r["failed"] for r in result["rows"])
     if failed:
         errs = {e for r in result["rows"] for e in r.get("errors", [])}

@@ -49,9 +49,10 @@ for stage in $stages; do
   case $stage in
     tests)      run tests $PY -m pytest -m gpu -q -x --timeout=900 tests/gpu -p no:cacheprovider ;;
     pool)       run pool $PY bench/pool_table.py --out "$RESULTS" ;;
-    throughput) run throughput $PY bench/throughput.py --device cuda --model llama-1b --out "$RESULTS" ;;
+    throughput) run throughput $PY bench/throughput.py --device cuda --model llama-1b --batches 1,8,64,256 --out "$RESULTS" ;;
     sleepwake)  run sleepwake $PY bench/sleep_wake.py --device cuda --out "$RESULTS" ;;
-    profile)    run profile $PY bench/step_profile.py --out "$RESULTS" ;;
+    profile)    run profile $PY bench/step_profile.py --out "$RESULTS"
+                run profile-rl $PY bench/step_profile.py --temperature 1 --logprobs 0 --out "$RESULTS" ;;
     e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
     weights)    run weights $PY bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out "$RESULTS" ;;
     weights-nccl) run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
