@@ -108,6 +108,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            negation="--no-dev-mode"),
     Option("--weight-transfer-config", 'weight transfer without disk, as vLLM\'s flag: JSON such as '
            '\'{"backend": "nccl"}\' (nccl, ipc; gloo, shm on CPU); needs --dev-mode', None, metavar="JSON"),
+    Option("--tensor-parallel-size", "ranks of tensor parallelism: one process per GPU (gloo on CPU), started by the "
+           "server; rank 0 is the server's own process", 1, positive_int, metavar="N"),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),
@@ -231,8 +233,9 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "kv_cache_memory": values["kv_cache_memory"], "gpu_memory_utilization": values["gpu_memory_utilization"],
         "load_format": values["load_format"], "served_model_name": values["served_model_name"],
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
-        "seed": values["seed"], "offload_dir": values["offload_dir"],
-        "prepare_backups": values["prepare_backups"], "kv_wake_chunk": values["kv_wake_chunk"],
+        "seed": values["seed"], "tensor_parallel_size": values["tensor_parallel_size"],
+        "offload_dir": values["offload_dir"], "prepare_backups": values["prepare_backups"],
+        "kv_wake_chunk": values["kv_wake_chunk"],
         "while_asleep": values["while_asleep"],
         "max_held_requests": values["max_held_requests"], "held_request_timeout": values["held_request_timeout"],
     }

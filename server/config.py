@@ -41,6 +41,9 @@ class EngineConfig:
     enable_sleep_mode: bool = True
     enforce_eager: bool = False               # no CUDA graphs
     seed: int = 0
+    # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes
+    # it starts (server/engine/parallel/), one GPU each (gloo on CPU).
+    tensor_parallel_size: int = 1
     offload_dir: str | None = None            # CPU backend: where offloaded tags are written while asleep
     # Allocate the host backups of level 1 at start-up, in the background: on | off | auto (on where
     # backups are kept between cycles (CUDA) and take at most half of the host memory free at start-up).
@@ -75,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"max_held_requests must be at least 0, got {self.max_held_requests}")
         if not self.held_request_timeout > 0:
             raise ValueError(f"held_request_timeout must be above 0 seconds, got {self.held_request_timeout}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be from 1 to 64, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
 

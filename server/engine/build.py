@@ -1,23 +1,29 @@
 """build_engine(config): read the model, make the pool, load the weights, size the KV cache, and hand
-the parts to EngineCore. Every check that can fail on a bad flag fails here, before anything serves."""
+the parts to EngineCore. Every check that can fail on a bad flag fails here, before anything serves.
+
+build_rank is the part every tensor-parallel rank runs (rank 0 here, the others in their worker
+processes: server/engine/parallel/)."""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
-from allocator import create_pool
+from allocator import MemoryPool, create_pool
 from server.config import EngineConfig
 from server.engine.core import EngineCore
 from server.engine.kv_cache import BlockManager
-from server.engine.memory_plan import KVChunks, plan_kv_cache
+from server.engine.memory_plan import KVChunks, KVPlan, plan_kv_cache
 from server.engine.sleep_plan import OFFLOADED_TAGS
 from server.engine.tags import KV_CACHE, WEIGHTS
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.model.config import ModelConfig
-from server.model.loader import build_model, init_dummy_weights, load_checkpoint, resolve_model
+from server.model.llama import LlamaForCausalLM
+from server.model.loader import ModelSource, build_model, init_dummy_weights, load_checkpoint, resolve_model
+from server.model.shard import TensorParallel
 from server.model.tokenizer import load_tokenizer
 
 log = logging.getLogger("sleepserve.engine")
@@ -45,18 +51,42 @@ def prepare_backups(pool, only_if_room: bool) -> None:
                  "(--prepare-backups on forces it)")
 
 
-def build_engine(config: EngineConfig) -> EngineCore:
+@dataclass
+class RankParts:
+    """What one rank builds: its pool, its (shard of the) model, its KV cache and runner."""
+    pool: MemoryPool
+    model: LlamaForCausalLM
+    runner: ModelRunner
+    plan: KVPlan
+    load_seconds: float
+    weight_version: str
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r of a tensor-parallel group drives the r-th GPU after the one --device names."""
     device = config.torch_device()
-    source = resolve_model(config.model)
-    model_config = ModelConfig.from_folder(source.folder)
+    if device.type == "cuda" and rank:
+        device = torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelConfig, tp: TensorParallel,
+               runner_class: type[ModelRunner] = ModelRunner, **runner_args) -> RankParts:
+    """Pool, model (this rank's shard), weights, KV plan and runner. Every rank of a tensor-parallel
+    group runs this in step: the memory plan and the CUDA-graph capture run collectives."""
+    if tp.enabled and config.kv_wake_chunk:
+        # A KV cache mapped chunk by chunk after a wake is one rank's residency; the ranks' chunks would
+        # differ (their KV heads do): with tensor parallelism a wake maps the whole cache on every rank.
+        config = replace(config, kv_wake_chunk=0)
+    device = rank_device(config, tp.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dtype = config.torch_dtype(device, model_config.torch_dtype)
-    tokenizer = load_tokenizer(source.folder)
     torch.manual_seed(config.seed)
     positions = position_limit(config, model_config)
-
     pool = create_pool(device, backup_dir=config.offload_dir)
     t0 = time.perf_counter()
-    model = build_model(model_config, pool, dtype, positions)
+    model = build_model(model_config, pool, dtype, positions, tp)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
         weight_version = "dummy"
@@ -68,21 +98,39 @@ def build_engine(config: EngineConfig) -> EngineCore:
         pool.check_backup_space([WEIGHTS])  # level 1 offloads them: say now if they cannot fit
 
     plan = plan_kv_cache(config, model, pool, dtype)
+    if tp.enabled:  # one block manager (rank 0's) indexes every rank's cache: all hold the fewest blocks
+        plan = replace(plan, num_blocks=tp.min(plan.num_blocks))
     if config.max_model_len and config.max_model_len > plan.capacity_tokens:
         raise ValueError(
             f"the KV cache holds {plan.capacity_tokens} tokens, fewer than --max-model-len {config.max_model_len}; "
             "give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len")
-    runner = ModelRunner(model, pool, plan.num_blocks, config.block_size, dtype, plan.chunk_bounds)
-    blocks = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
-    if runner.kv_chunked:
-        blocks.residency = KVChunks(pool, KV_CACHE, plan.chunk_bounds)
-    scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(device))
+    runner = runner_class(model, pool, plan.num_blocks, config.block_size, dtype, plan.chunk_bounds, **runner_args)
     runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
     if config.enable_sleep_mode and config.prepare_backups != "off":
         prepare_backups(pool, config.prepare_backups == "auto")
+    return RankParts(pool, model, runner, plan, load_seconds, weight_version)
+
+
+def build_engine(config: EngineConfig) -> EngineCore:
+    source = resolve_model(config.model)
+    model_config = ModelConfig.from_folder(source.folder)
+    tokenizer = load_tokenizer(source.folder)
+    positions = position_limit(config, model_config)
+    if config.tensor_parallel_size > 1:
+        from server.engine.parallel.executor import build_parallel
+
+        parts, pool = build_parallel(config, source, model_config)
+    else:
+        parts = build_rank(config, source, model_config, TensorParallel(model_config))
+        pool = parts.pool
+    plan = parts.plan
+    blocks = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
+    if parts.runner.kv_chunked:
+        blocks.residency = KVChunks(parts.pool, KV_CACHE, plan.chunk_bounds)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(parts.pool.device))
     return EngineCore(
-        config=config, device=device, dtype=dtype, model_path=source.folder, model_config=model_config,
-        served_model_name=config.served_model_name or source.name, tokenizer=tokenizer, pool=pool, model=model,
-        runner=runner, blocks=blocks, scheduler=scheduler, kv_plan=plan,
-        max_model_len=min(positions, plan.capacity_tokens), load_seconds=load_seconds,
-        weight_version=weight_version)
+        config=config, device=parts.pool.device, dtype=parts.runner.dtype, model_path=source.folder,
+        model_config=model_config, served_model_name=config.served_model_name or source.name, tokenizer=tokenizer,
+        pool=pool, model=parts.model, runner=parts.runner, blocks=blocks, scheduler=scheduler, kv_plan=plan,
+        max_model_len=min(positions, plan.capacity_tokens), load_seconds=parts.load_seconds,
+        weight_version=parts.weight_version)

@@ -30,8 +30,8 @@ from server.engine.sleep_controller import SleepController
 from server.engine.sleep_state import SleepState
 from server.engine.structured import GrammarCompiler
 from server.model.config import ModelConfig
-from server.model.loader import (WeightLoadError, check_checkpoint, checkpoint_shapes, copy_weights, describe,
-                                 init_dummy_weights, iter_checkpoint, parameter_names, safetensors_files)
+from server.model.loader import (WeightLoadError, check_checkpoint, checkpoint_shapes, describe, parameter_names,
+                                 safetensors_files)
 from server.model.tokenizer import render_chat
 
 log = logging.getLogger("sleepserve.engine")
@@ -256,18 +256,17 @@ class EngineCore:
             named = dict(named_tensors)
             whole = read_from is not None and (not weights_valid or served)
             check_checkpoint(self.model, describe(named), require_all=whole)
-            loaded = copy_weights(self.model, named.items())
+            loaded = self.runner.load_weights(named.items())
             source = read_from or "tensors"
         elif path is None and self.config.load_format == "dummy":
             # "Reload the served checkpoint" of a dummy model: the same seeded random weights.
-            init_dummy_weights(self.model, self.config.seed)
-            loaded, source = parameter_names(self.model), "dummy"
+            loaded, source = self.runner.load_dummy(self.config.seed), "dummy"
         else:
             folder = Path(path).expanduser() if path else self.model_path
             files = safetensors_files(folder)
             shapes = checkpoint_shapes(files)
             check_checkpoint(self.model, shapes, require_all=not weights_valid or path is None)
-            loaded = copy_weights(self.model, iter_checkpoint(files))
+            loaded = self.runner.load_files(files)
             source = str(folder)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from server.engine.params import InvalidRequestError
 
-__all__ = ["InvalidRequestError", "EngineUnavailableError", "ConflictError", "EngineDeadError"]
+__all__ = ["InvalidRequestError", "EngineUnavailableError", "ConflictError", "EngineDeadError", "WorkerLostError"]
 
 
 class EngineUnavailableError(RuntimeError):
@@ -22,3 +22,8 @@ class ConflictError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error; the server must be restarted."""
+
+
+class WorkerLostError(EngineDeadError):
+    """A tensor-parallel worker process died: no rank can run without the others (HTTP 503; the server
+    exits with code 3)."""

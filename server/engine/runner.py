@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -19,6 +21,7 @@ from server.engine.sequence import Request, Sequence
 from server.engine.tags import KV_CACHE
 from server.model.attention import AttentionContext, PrefillSpan
 from server.model.llama import LlamaForCausalLM
+from server.model.loader import copy_weights, init_dummy_weights, iter_checkpoint, parameter_names
 from server.model.ops import ops_for
 
 log = logging.getLogger("sleepserve.engine")
@@ -56,6 +59,7 @@ class ModelRunner:
         self.cfg = model.config
         self.pool = pool
         self.device = pool.device
+        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         c = self.cfg
@@ -80,12 +84,41 @@ class ModelRunner:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
         CUDA graphs for decode batches (captured once, their memory in the pool)."""
         self.model.ops = ops_for(self.device)
+        self.max_num_seqs = max_num_seqs
         if self.device.type != "cuda":
             return
         if not enforce_eager:
             from server.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self, max_num_seqs)
+
+    def after_group_recreated(self) -> None:
+        """The tensor-parallel group was destroyed for a sleep and created again: decode graphs that
+        captured the old communicator's collectives are captured again (their memory is the same
+        pool tag). Without graphs (CPU, --enforce-eager) there is nothing to do."""
+        if self.graphs is not None:
+            from server.engine.graphs import DecodeGraphs
+
+            self.graphs = None
+            self.graphs = DecodeGraphs.capture(self, self.max_num_seqs)
+
+    # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Whole checkpoint tensors, already checked, copied in place. Returns the names loaded."""
+        return copy_weights(self.model, named)
+
+    def load_files(self, files: list[Path]) -> set[str]:
+        """Checked safetensors files, read slice by slice (a rank reads only what it holds)."""
+        return copy_weights(self.model, iter_checkpoint(files, self.model), sliced=True)
+
+    def load_dummy(self, seed: int) -> set[str]:
+        init_dummy_weights(self.model, seed)
+        return parameter_names(self.model)
+
+    def watch(self, on_lost: Callable[[BaseException], None]) -> None:
+        """on_lost(error) is called, from any thread, if this runner can no longer run (a tensor-
+        parallel worker process died). One process cannot lose a part of itself: nothing to watch."""
 
     # -- inputs --------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from server.model.attention import AttentionContext, attend
 from server.model.config import ModelConfig
 from server.model.ops import TorchOps
 from server.model.rope import cos_sin_table
+from server.model.shard import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -29,8 +30,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """With tensor parallelism, cfg is this rank's (its heads) and o_proj's partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv, bias = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, q, bias=bias)
@@ -60,12 +64,13 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
         q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention)
-        return self.o_proj(out.reshape(T, self.num_heads * D))
+        return self.tp.all_reduce(self.o_proj(out.reshape(T, self.num_heads * D)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -76,14 +81,14 @@ class MLP(nn.Module):
         return {"gate_up": [self.gate_proj, self.up_proj]}
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.down_proj(ops.gate_up_act(self, x))
+        return self.tp.all_reduce(self.down_proj(ops.gate_up_act(self, x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -98,21 +103,44 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, ops), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class VocabEmbedding(nn.Module):
+    """The embedding; with tensor parallelism each rank holds tp.vocab_shard rows (its slice of the
+    vocabulary), looks up the tokens in it and zeros the others, and one all-reduce sums the rows."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(tp.vocab_shard, cfg.hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        lo, hi = self.tp.vocab
+        outside = (ids < lo) | (ids >= hi)
+        x = F.embedding((ids - lo).masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    """`tp`: this rank's tensor-parallel layout (server/model/shard.py); None for one device. `config`
+    is then this rank's (its heads and MLP rows): the KV cache and the memory plan read it."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp = tp or TensorParallel(cfg)
+        cfg = tp.config
         self.config = cfg
         self.max_positions = max_positions
-        self.model = LlamaModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, tp.vocab_shard, bias=False)
         # Derived from the config, not the checkpoint: init_buffers() refills them after a reload.
         self.register_buffer("rope_cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
@@ -140,6 +168,9 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits [T, vocab]. With `out` (a CUDA graph's static buffer, in the model's dtype) the
         same matmul writes there instead and `out` is returned, for the caller to convert: one buffer
         serves every graph, where a fp32 output per graph would cost ~0.5 MB x batch x graphs."""
+        if self.tp.enabled:  # each rank's vocabulary slice, gathered (in the model's dtype: half the bytes)
+            logits = self.tp.gather_vocab(F.linear(hidden, self.output_weight()))
+            return logits.float() if out is None else out.copy_(logits)
         if out is not None:
             return torch.mm(hidden, self.output_weight().t(), out=out)
         return F.linear(hidden, self.output_weight()).float()

@@ -14,6 +14,7 @@ from server.engine.tags import WEIGHTS
 from server.model.config import ModelConfig
 from server.model.default_model import DEFAULT_NAME, ModelNotFoundError, converted_folder, default_gguf_path
 from server.model.llama import LlamaForCausalLM
+from server.model.shard import Shard, TensorParallel
 
 log = logging.getLogger("sleepserve.model")
 
@@ -71,9 +72,10 @@ def materialize(model: nn.Module, pool, dtype: torch.dtype) -> None:
                 module._buffers[name] = pool.empty(b.shape, dtype if b.is_floating_point() else b.dtype, WEIGHTS)
 
 
-def build_model(cfg: ModelConfig, pool, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, pool, dtype: torch.dtype, max_positions: int,
+                tp: TensorParallel | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
     materialize(model, pool, dtype)
     model.init_buffers()
     return model.eval()
@@ -142,15 +144,23 @@ def checkpoint_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str
     return shapes
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(files: list[Path], model: LlamaForCausalLM | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor; with a tensor-parallel model, only the slice its
+    rank holds is read from the file (no rank reads the whole checkpoint)."""
     from safetensors import safe_open
 
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    if not _skip(name):
+                    if _skip(name):
+                        continue
+                    shard = model.tp.shard(name) if model is not None else None
+                    if shard is None:
                         yield name, st.get_tensor(name)
+                    else:
+                        sl = st.get_slice(name)
+                        yield name, sl[shard.index(len(sl.get_shape()))]
         except WeightLoadError:
             raise
         except Exception as e:
@@ -165,6 +175,12 @@ _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
 def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters()}
+
+
+def full_shape(model: LlamaForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
+    """The checkpoint's shape of a parameter (its whole shape, whatever slice this rank holds)."""
+    shard = model.tp.shard(name)
+    return tuple(param.shape) if shard is None else shard.full_shape(tuple(param.shape))
 
 
 def _alias(name: str, model: LlamaForCausalLM) -> str | None:
@@ -188,8 +204,9 @@ def check_checkpoint(model: LlamaForCausalLM, shapes: dict[str, tuple[tuple[int,
             problems.append(f"unexpected tensor {name!r}")
             continue
         seen.add(target)
-        if tuple(targets[target].shape) != tuple(shape):
-            problems.append(f"{name}: shape {list(shape)} but the model has {list(targets[target].shape)}")
+        expected = full_shape(model, target, targets[target])
+        if expected != tuple(shape):
+            problems.append(f"{name}: shape {list(shape)} but the model has {list(expected)}")
         if dt not in _FLOAT_DTYPES:
             problems.append(f"{name}: dtype {dt} is not a floating-point type")
     if require_all:
@@ -209,15 +226,20 @@ def describe(named: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...],
 
 
 @torch.no_grad()
-def copy_weights(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy checked tensors into the existing parameters (addresses unchanged). Returns the names set."""
+def copy_weights(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]], sliced: bool = False) -> set[str]:
+    """Copy checked tensors into the existing parameters (addresses unchanged). Returns the names set.
+    Tensors are whole checkpoint tensors, or (sliced, from iter_checkpoint(files, model)) this rank's slices."""
     targets = _targets(model)
     loaded: set[str] = set()
     for name, tensor in named:
         target = _alias(name, model)
         if target is None:
             continue
-        targets[target].copy_(tensor)
+        shard = model.tp.shard(target)
+        if shard is None:
+            targets[target].copy_(tensor)
+        else:
+            shard.place(targets[target], tensor if sliced else shard.take(tensor))
         loaded.add(target)
     model.init_buffers()
     return loaded
@@ -226,12 +248,14 @@ def copy_weights(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tenso
 def load_checkpoint(model: LlamaForCausalLM, path: Path) -> set[str]:
     files = safetensors_files(path)
     check_checkpoint(model, checkpoint_shapes(files), require_all=True)
-    return copy_weights(model, iter_checkpoint(files))
+    return copy_weights(model, iter_checkpoint(files, model), sliced=True)
 
 
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
-    """Random weights of a realistic scale, for benchmarks of sizes that cannot be downloaded here."""
+    """Random weights of a realistic scale, for benchmarks of sizes that cannot be downloaded here.
+    A tensor-parallel rank draws each whole tensor and keeps its slice, so every world size serves
+    the same model (one whole tensor at a time on the device: the embedding of 8B is 1 GiB)."""
     gen = torch.Generator(device=model.output_weight().device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -239,7 +263,13 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
         elif name.endswith(".bias"):
             p.zero_()
         else:
-            p.normal_(0.0, 0.02, generator=gen)
+            shard: Shard | None = model.tp.shard(name)
+            if shard is None:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                whole = torch.empty(shard.full_shape(tuple(p.shape)), dtype=p.dtype, device=p.device)
+                shard.place(p, shard.take(whole.normal_(0.0, 0.02, generator=gen)))
+                del whole
     model.init_buffers()
 
 

@@ -1,0 +1,269 @@
+"""Rank 0's side of tensor parallelism: it starts the worker processes (ranks 1..N-1), talks to each
+over one pipe, hosts the group's store, and watches that every worker lives.
+
+Everything the engine core asks goes through two facades built here, so the core has no tensor-
+parallel branch: ParallelRunner (runner.py: each step's inputs to every rank, weights loaded on every
+rank) and ParallelPool (pool.py: sleep and wake on every rank, all or nothing, with the group released
+while asleep).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from server.config import EngineConfig
+from server.engine.errors import WorkerLostError
+from server.engine.parallel.group import Group
+from server.engine.parallel.worker import cpu_threads
+from server.model.config import ModelConfig
+from server.model.loader import ModelSource
+from server.model.shard import TensorParallel
+
+log = logging.getLogger("sleepserve.engine")
+
+Outcome = Any  # a command's result on one rank, or the exception it raised there
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Workers:
+    """The worker processes of ranks 1..N-1 and rank 0's group membership.
+
+    Workers are new interpreters (`python -m server.engine.parallel.worker`), not multiprocessing
+    children: nothing of the embedding program (its __main__, a notebook, pytest) is re-imported, and
+    no CUDA context is ever forked. Each connects back to a listener of rank 0 with a random key."""
+
+    def __init__(self, config: EngineConfig, world: int):
+        self.world = world
+        from server.engine.build import rank_device
+
+        self.group = Group(0, 0, world, rank_device(config, 0))
+        self.conns: dict[int, Connection] = {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.lost: WorkerLostError | None = None
+        self.listeners: list[Callable[[BaseException], None]] = []
+        self._closing = False
+        self._exited = threading.Event()
+        key = secrets.token_bytes(32)
+        level = logging.getLogger("sleepserve").getEffectiveLevel()
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            env = {**os.environ, "SLEEPSERVE_TP_KEY": key.hex(), "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[3]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+            for rank in range(1, world):
+                cmd = [sys.executable, "-m", "server.engine.parallel.worker", str(rank),
+                       f"{listener.address[0]}:{listener.address[1]}"]
+                self.procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+            for _ in range(1, world):
+                conn = self._accept(listener)
+                rank = conn.recv()
+                conn.send((config, world, self.group.port, level))
+                self.conns[rank] = conn
+        for rank, proc in self.procs.items():
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"sleepserve-tp{rank}-monitor",
+                             daemon=True).start()
+
+    def _accept(self, listener: Listener) -> Connection:
+        """The next worker's connection; a worker that died before connecting fails the start at once."""
+        sock = listener._listener._socket  # type: ignore[attr-defined]
+        sock.settimeout(0.5)
+        while True:
+            dead = [(r, p.returncode) for r, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                self._kill_all()
+                raise ValueError(f"tensor-parallel worker rank {dead[0][0]} exited with code {dead[0][1]} before "
+                                 "it connected (its error is in the log above)")
+            try:
+                return listener.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+
+    # -- liveness ----------------------------------------------------------------------------------
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        self._exited.set()
+        if self._closing or self.lost is not None:
+            return
+        self.lost = WorkerLostError(
+            f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(code)}; "
+            f"the {self.world} ranks cannot run without it")
+        log.critical("%s: the engine stops", self.lost)
+        for fn in list(self.listeners):
+            try:
+                fn(self.lost)
+            except Exception:
+                log.exception("a worker-lost listener failed")
+
+    def check(self) -> None:
+        if self.lost is not None:
+            raise self.lost
+
+    def explain(self, error: BaseException) -> BaseException:
+        """A collective that failed because a rank died is reported as that rank's death."""
+        self._exited.wait(1.0)
+        for rank, proc in self.procs.items():
+            if proc.poll() is not None:
+                return self.lost or WorkerLostError(
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)}")
+        return error
+
+    # -- the channel -------------------------------------------------------------------------------
+
+    def send_all(self, op: str, arg: Any = None, args: dict[int, Any] | None = None) -> None:
+        """One message to every worker (`args`: a different argument per rank)."""
+        self.check()
+        for rank, conn in self.conns.items():
+            try:
+                conn.send((op, args[rank] if args is not None else arg))
+            except (BrokenPipeError, ConnectionError, OSError) as e:
+                raise self.explain(e) from e
+
+    def send_one(self, rank: int, op: str, arg: Any = None) -> Any:
+        """One command to one worker; its result, or its exception raised here."""
+        self.check()
+        try:
+            self.conns[rank].send((op, arg))
+        except (BrokenPipeError, ConnectionError, OSError) as e:
+            raise self.explain(e) from e
+        value = self._recv(rank)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def _recv(self, rank: int) -> Outcome:
+        conn, proc = self.conns[rank], self.procs[rank]
+        while not conn.poll(0.5):
+            if proc.poll() is not None:
+                raise self.explain(EOFError(f"rank {rank} closed its pipe"))
+        try:
+            status, value = conn.recv()
+        except (EOFError, OSError) as e:
+            raise self.explain(e) from e
+        return value if status == "ok" else value if isinstance(value, BaseException) else RuntimeError(value)
+
+    def run(self, op: str, arg: Any, local: Callable[[], Any], args: dict[int, Any] | None = None
+            ) -> dict[int, Outcome]:
+        """The command on every worker and `local()` on rank 0 at the same time (commands such as the
+        group's rendezvous need every rank at once). Returns each rank's result or exception; raises
+        only when a worker is lost."""
+        self.send_all(op, arg, args)
+        outcomes: dict[int, Outcome] = {}
+        try:
+            outcomes[0] = local()
+        except Exception as e:
+            outcomes[0] = e
+        for rank in self.conns:
+            outcomes[rank] = self._recv(rank)
+        return outcomes
+
+    def run_all(self, op: str, arg: Any, local: Callable[[], Any], args: dict[int, Any] | None = None) -> Any:
+        """run(), raising the first rank's error; returns rank 0's result."""
+        outcomes = self.run(op, arg, local, args)
+        for rank, value in outcomes.items():
+            if isinstance(value, BaseException):
+                if rank:
+                    log.error("rank %d failed %s: %s", rank, op, value)
+                raise value
+        return outcomes[0]
+
+    def wait_ready(self) -> list[dict]:
+        infos = []
+        for rank in self.conns:
+            value = self._recv(rank)
+            if isinstance(value, BaseException):
+                raise ValueError(str(value))
+            infos.append(value)
+        return infos
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every worker (each frees its pool and leaves the group), then leave the group."""
+        if self._closing:
+            return
+        self._closing = True
+        for conn in self.conns.values():
+            try:
+                conn.send(("close", None))
+            except OSError:
+                pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for conn in self.conns.values():
+            conn.close()
+        try:
+            self.group.down()
+        except Exception:  # a group whose peers died may fail to tear down cleanly
+            log.debug("destroying the group failed", exc_info=True)
+
+    def _kill_all(self) -> None:
+        self._closing = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+
+
+def check_layout(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Refuse a size the model or the machine cannot take, before any process starts."""
+    world = config.tensor_parallel_size
+    for rank in range(world):
+        TensorParallel(model_config, rank, world)  # raises ValueError naming the problem
+    device = config.torch_device()
+    if device.type == "cuda":
+        first = device.index or 0
+        if first + world > torch.cuda.device_count():
+            raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs from cuda:{first}; this machine has "
+                             f"{torch.cuda.device_count()}")
+
+
+def build_parallel(config: EngineConfig, source: ModelSource, model_config: ModelConfig):
+    """Start the workers and build rank 0 beside them. Returns (rank 0's RankParts, the ParallelPool)."""
+    from server.engine.build import build_rank
+    from server.engine.parallel.pool import ParallelPool
+    from server.engine.parallel.runner import ParallelRunner
+
+    check_layout(config, model_config)
+    world = config.tensor_parallel_size
+    if config.torch_device().type == "cpu":
+        torch.set_num_threads(cpu_threads(world))
+    workers = Workers(config, world)
+    try:
+        workers.wait_ready()  # every worker read the model's config and is about to join
+        workers.group.up(0)
+        parts = build_rank(config, source, model_config, TensorParallel(model_config, 0, world),
+                           runner_class=ParallelRunner, workers=workers)
+        infos = workers.wait_ready()
+    except BaseException as e:
+        lost = workers.lost
+        workers.close()
+        if lost is not None and not isinstance(e, ValueError):
+            raise ValueError(f"tensor parallelism could not start: {lost}") from e
+        raise
+    log.info("tensor parallelism: %d ranks (%s); rank 0 is pid %d", world,
+             ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['device']}" for i in infos), os.getpid())
+    return parts, ParallelPool(parts.pool, workers, parts.runner)

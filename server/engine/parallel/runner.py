@@ -1,0 +1,58 @@
+"""Rank 0's runner with tensor parallelism: the ModelRunner the engine core calls, which also sends
+each step's inputs to every worker (they run the same forward; the collectives join the ranks) and
+loads weights on every rank. Sampling stays on rank 0."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from server.engine.parallel.executor import Workers
+from server.engine.parallel.steps import pack_step
+from server.engine.runner import HostBatch, ModelRunner
+from server.model.shard import TensorParallel
+
+
+class ParallelRunner(ModelRunner):
+    def __init__(self, model, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 kv_chunk_bounds: tuple[int, ...] = (), *, workers: Workers):
+        super().__init__(model, pool, num_blocks, block_size, dtype, kv_chunk_bounds)
+        self.workers = workers
+
+    @torch.inference_mode()
+    def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.workers.send_all("step", pack_step(hb))
+        try:
+            return super().forward(hb)
+        except Exception as e:  # a collective that failed because a rank died says so
+            raise self.workers.explain(e) from e
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Whole tensors (in rank 0's memory): each worker gets its slices (CPU tensors travel through
+        shared memory, not the pipe)."""
+        named = list(named)
+        full = self.model.tp.full_config
+        args = {}
+        for rank in self.workers.conns:
+            tp = TensorParallel(full, rank, self.workers.world)
+            parts = []
+            for name, t in named:
+                shard = tp.shard(name)
+                part = t if shard is None else shard.take(t)
+                parts.append((name, part.detach().to("cpu").contiguous()))
+            args[rank] = parts
+        return self.workers.run_all("load_sliced", None, lambda: super(ParallelRunner, self).load_weights(named),
+                                    args=args)
+
+    def load_files(self, files: list[Path]) -> set[str]:
+        return self.workers.run_all("load_files", files, lambda: super(ParallelRunner, self).load_files(files))
+
+    def load_dummy(self, seed: int) -> set[str]:
+        return self.workers.run_all("load_dummy", seed, lambda: super(ParallelRunner, self).load_dummy(seed))
+
+    def watch(self, on_lost: Callable[[BaseException], None]) -> None:
+        self.workers.listeners.append(on_lost)
+
+
+__all__ = ["ParallelRunner"]

@@ -1,0 +1,167 @@
+"""A tensor-parallel worker: ranks 1..N-1, each in its own process (spawned by rank 0, see executor.py).
+
+It builds its shard of the model in its own pool (build_rank, the same code as rank 0), then obeys
+rank 0 over one pipe: a step's inputs (it runs the forward with rank 0; only rank 0 samples), and
+the memory and weight commands, each answered with ("ok", result) or ("error", exception). A step
+that fails here leaves the ranks out of step, so the worker exits and rank 0 reports it lost.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from server.config import EngineConfig
+from server.engine.build import build_rank, rank_device
+from server.engine.parallel.group import Group
+from server.engine.parallel.steps import unpack_step
+from server.engine.sampler import PROMPT_ROWS_PER_PASS
+from server.model.config import ModelConfig
+from server.model.loader import resolve_model
+from server.model.shard import TensorParallel
+
+log = logging.getLogger("sleepserve.engine")
+
+
+def cpu_threads(world: int) -> int:
+    """Threads per rank on CPU: the ranks share the cores (oversubscribed, gloo collectives stall)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int, world: int, conn: Connection, port: int):
+        self.conn = conn
+        self.rank = rank
+        source = resolve_model(config.model)
+        model_config = ModelConfig.from_folder(source.folder)
+        tp = TensorParallel(model_config, rank, world)
+        device = rank_device(config, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        conn.send(("ok", "joining"))  # rank 0 joins the group only once every rank got this far
+        self.group = Group(port, rank, world, device)
+        self.group.up(0)
+        self.parts = build_rank(config, source, model_config, tp)
+        self.runner = self.parts.runner
+        self.pool = self.parts.pool
+        self.fail_next: dict[str, str] = {}  # op -> message: a failure armed by a test (inject_failure)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                op, arg = self.conn.recv()
+            except (EOFError, OSError):
+                return  # rank 0 is gone: nothing left to serve
+            if op == "step":
+                self.step(arg)
+                continue
+            if op == "close":
+                return
+            try:
+                armed = self.fail_next.pop(op, None)
+                if armed is not None:
+                    from allocator import PoolError
+
+                    raise PoolError(armed)
+                reply: tuple[str, Any] = ("ok", getattr(self, "op_" + op)(arg))
+            except Exception as e:
+                reply = ("error", e)
+            try:
+                self.conn.send(reply)
+            except Exception as e:  # an exception that does not pickle: send its text
+                self.conn.send(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}; ({e})")))
+
+    @torch.inference_mode()
+    def step(self, packed: tuple) -> None:
+        hb = unpack_step(packed)
+        _, prompt_hidden = self.runner.forward(hb)
+        if prompt_hidden is not None:  # rank 0 scores prompt log-probs in these chunks: gather the same
+            for lo in range(0, prompt_hidden.shape[0], PROMPT_ROWS_PER_PASS):
+                self.runner.model.compute_logits(prompt_hidden[lo:lo + PROMPT_ROWS_PER_PASS])
+        if self.runner.device.type == "cuda":
+            # The graph's pinned staging buffer is refilled by the next step: let this one's copy finish.
+            torch.cuda.current_stream(self.runner.device).synchronize()
+
+    # -- commands (each mirrors what rank 0 does on its own rank at the same time) ----------------
+
+    def op_sleep(self, tags: tuple[list[str], list[str]]):
+        return self.pool.sleep(offload_tags=tags[0], discard_tags=tags[1])
+
+    def op_wake(self, tags: list[str] | None):
+        return self.pool.wake_up(tags)
+
+    def op_comm_down(self, _: Any) -> None:
+        self.group.down()
+
+    def op_comm_up(self, generation: int) -> None:
+        self.group.up(generation)
+
+    def op_recapture(self, _: Any) -> None:
+        self.runner.after_group_recreated()
+
+    def op_load_files(self, files) -> int:
+        return len(self.runner.load_files(files))
+
+    def op_load_sliced(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        from server.model.loader import copy_weights
+
+        return len(copy_weights(self.runner.model, named, sliced=True))
+
+    def op_load_dummy(self, seed: int) -> int:
+        return len(self.runner.load_dummy(seed))
+
+    def op_stats(self, _: Any):
+        return self.pool.stats()
+
+    def op_check_backup_space(self, tags: list[str]) -> None:
+        self.pool.check_backup_space(tags)
+
+    def op_inject_failure(self, arg: tuple[str, str]) -> None:
+        op, message = arg
+        self.fail_next[op] = message
+
+    def close(self) -> None:
+        try:
+            self.pool.close()
+        finally:
+            self.group.down()
+
+
+def worker_main(rank: int, address: str) -> int:
+    """The worker process (rank >= 1): connect to rank 0, build, serve. Exit code 0 when rank 0 closed
+    it, 1 on any failure (its traceback is logged first)."""
+    from multiprocessing.connection import Client
+
+    host, port = address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("SLEEPSERVE_TP_KEY")))
+    conn.send(rank)
+    config, world, store_port, log_level = conn.recv()
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    if config.torch_device().type == "cpu":
+        torch.set_num_threads(cpu_threads(world))
+    try:
+        worker = Worker(config, rank, world, conn, store_port)
+    except BaseException as e:
+        log.exception("rank %d could not start", rank)
+        try:
+            conn.send(("error", RuntimeError(f"rank {rank} could not start: {type(e).__name__}: {e}")))
+        except OSError:
+            pass
+        return 1
+    conn.send(("ok", {"rank": rank, "pid": os.getpid(), "device": str(worker.runner.device)}))
+    try:
+        worker.serve()
+    except BaseException:
+        log.exception("rank %d failed; the other ranks cannot run without it", rank)
+        return 1
+    worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(int(sys.argv[1]), sys.argv[2]))

@@ -1,0 +1,175 @@
+"""Tensor parallelism for the Llama family (Megatron layout): which slice of each checkpoint tensor a
+rank holds, and the two collectives the model calls.
+
+Column-parallel (split the output rows): q/k/v (by KV-head group, so each rank's query heads read
+its own KV heads), gate/up, the vocabulary of the embedding and of the LM head. Row-parallel (split
+the input columns, partial sums added by one all-reduce): o_proj and down_proj. Norms are whole on
+every rank. KV heads fewer than ranks are replicated (each rank holds the one its query heads read).
+Sizes that do not divide evenly split into chunks that differ by at most one head or row (the
+embedded SmolLM2 has 9 query and 3 KV heads); the vocabulary is padded to equal shards so the
+logits gather in one all-gather.
+
+With one rank every shard is None and every collective is the identity: the single-GPU model is
+this same code.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+from server.model.config import ModelConfig
+
+
+def split(n: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of rank's chunk when n items split into `world` contiguous chunks whose sizes
+    differ by at most one (the first ranks take the larger)."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of one checkpoint tensor: [start, stop) of the full tensor along `dim`, held
+    in a local dimension of `size` (>= stop - start: vocabulary shards are padded with zeros).
+    `first_only`: a row-parallel bias, held by rank 0 (zeros elsewhere) so the all-reduce adds it once."""
+    dim: int
+    start: int
+    stop: int
+    full: int
+    size: int
+    first_only: bool = False
+    rank: int = 0
+
+    def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(local)
+        shape[self.dim] = self.full
+        return tuple(shape)
+
+    def index(self, ndim: int) -> tuple[slice, ...]:
+        """The slice of the full tensor to read (safetensors' get_slice takes it)."""
+        if self.first_only:
+            return (slice(None),) * ndim
+        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.first_only else full.narrow(self.dim, self.start, self.stop - self.start)
+
+    @torch.no_grad()
+    def place(self, param: torch.Tensor, part: torch.Tensor) -> None:
+        """Copy this rank's part (already sliced) into the local parameter; padding becomes zero."""
+        if self.first_only and self.rank != 0:
+            param.zero_()
+            return
+        n = part.shape[self.dim]
+        param.narrow(self.dim, 0, n).copy_(part)
+        if n < param.shape[self.dim]:
+            param.narrow(self.dim, n, param.shape[self.dim] - n).zero_()
+
+
+_COLUMN_Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
+_COLUMN_KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
+_ROW_O = re.compile(r"\.self_attn\.o_proj\.(weight|bias)$")
+_COLUMN_MLP = re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias)$")
+_ROW_MLP = re.compile(r"\.mlp\.down_proj\.(weight|bias)$")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class TensorParallel:
+    """One rank's view: its layout (heads, rows, vocabulary it holds) and the collectives over the
+    default process group (looked up at each call, so a group re-created after a sleep is used)."""
+
+    def __init__(self, cfg: ModelConfig, rank: int = 0, world: int = 1):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a world of {world}")
+        self.rank, self.world, self.full_config = rank, world, cfg
+        H, KV = cfg.num_heads, cfg.num_kv_heads
+        if H % KV:
+            raise ValueError(f"{H} query heads do not group evenly over {KV} KV heads")
+        group = H // KV
+        if KV >= world:
+            self.kv = split(KV, world, rank)
+            self.q = (self.kv[0] * group, self.kv[1] * group)
+        elif world % KV == 0 and H % world == 0:
+            # Fewer KV heads than ranks: each is replicated on world / KV ranks, whose query heads read it.
+            kv = rank * KV // world
+            self.kv = (kv, kv + 1)
+            self.q = split(H, world, rank)
+        else:
+            raise ValueError(f"--tensor-parallel-size {world} cannot split {KV} KV heads: use a size that "
+                             f"divides {KV} evenly or that is at most {KV}")
+        if cfg.intermediate_size < world:
+            raise ValueError(f"--tensor-parallel-size {world} is larger than the MLP width {cfg.intermediate_size}")
+        self.inter = split(cfg.intermediate_size, world, rank)
+        self.vocab_shard = -(-cfg.vocab_size // world)
+        v0 = rank * self.vocab_shard
+        self.vocab = (v0, min(v0 + self.vocab_shard, cfg.vocab_size))
+        # The config of this rank's modules: its heads and MLP rows (the vocabulary stays whole there:
+        # tokens are validated against it; the embedding and LM head take vocab_shard rows).
+        self.config = replace(cfg, num_heads=self.q[1] - self.q[0], num_kv_heads=self.kv[1] - self.kv[0],
+                              intermediate_size=self.inter[1] - self.inter[0])
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    def shard(self, name: str) -> Shard | None:
+        """How the checkpoint tensor `name` is split on this rank; None when every rank holds it whole."""
+        if self.world == 1:
+            return None
+        cfg, D = self.full_config, self.full_config.head_dim
+        r = self.rank
+        if name in _VOCAB:
+            return Shard(0, *self.vocab, cfg.vocab_size, self.vocab_shard, rank=r)
+        if _COLUMN_Q.search(name):
+            return Shard(0, self.q[0] * D, self.q[1] * D, cfg.num_heads * D, (self.q[1] - self.q[0]) * D, rank=r)
+        if _COLUMN_KV.search(name):
+            return Shard(0, self.kv[0] * D, self.kv[1] * D, cfg.num_kv_heads * D, (self.kv[1] - self.kv[0]) * D,
+                         rank=r)
+        if _COLUMN_MLP.search(name):
+            return Shard(0, *self.inter, cfg.intermediate_size, self.inter[1] - self.inter[0], rank=r)
+        row = _ROW_O.search(name) or _ROW_MLP.search(name)
+        if row:
+            if name.endswith(".bias"):
+                return Shard(0, 0, cfg.hidden_size, cfg.hidden_size, cfg.hidden_size, first_only=True, rank=r)
+            lo, hi, full = ((self.q[0] * D, self.q[1] * D, cfg.num_heads * D) if _ROW_O.search(name)
+                            else (*self.inter, cfg.intermediate_size))
+            return Shard(1, lo, hi, full, hi - lo, rank=r)
+        return None
+
+    # -- collectives (identity with one rank) ------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the partial results of a row-parallel layer over the ranks, in place."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x)
+        return x
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's value (e.g. how many KV blocks fit)."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.long)
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[T, vocab_shard] per rank -> [T, vocab] on every rank."""
+        if self.world == 1:
+            return logits
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(logits) for _ in range(self.world)]
+        dist.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)[:, :self.full_config.vocab_size]
+
+
+__all__ = ["Shard", "TensorParallel", "split"]
