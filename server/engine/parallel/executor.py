@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
+import multiprocessing as mp
 import signal
 import socket
 import subprocess
@@ -25,7 +25,6 @@ import torch
 from server.config import EngineConfig
 from server.engine.errors import WorkerLostError
 from server.engine.parallel.group import Group
-from server.engine.parallel.worker import cpu_threads
 from server.model.config import ModelConfig
 from server.model.loader import ModelSource
 from server.model.shard import TensorParallel
@@ -64,7 +63,9 @@ class Workers:
         self.listeners: list[Callable[[BaseException], None]] = []
         self._closing = False
         self._exited = threading.Event()
-        key = secrets.token_bytes(32)
+        # The process key of rank 0: torch shares CPU tensors (weights sent to a worker) through
+        # multiprocessing's resource sharer, which authenticates with it.
+        key = bytes(mp.current_process().authkey)
         level = logging.getLogger("sleepserve").getEffectiveLevel()
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             env = {**os.environ, "SLEEPSERVE_TP_KEY": key.hex(), "PYTHONPATH": os.pathsep.join(
@@ -249,8 +250,6 @@ def build_parallel(config: EngineConfig, source: ModelSource, model_config: Mode
 
     check_layout(config, model_config)
     world = config.tensor_parallel_size
-    if config.torch_device().type == "cpu":
-        torch.set_num_threads(cpu_threads(world))
     workers = Workers(config, world)
     try:
         workers.wait_ready()  # every worker read the model's config and is about to join

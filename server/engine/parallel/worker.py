@@ -136,8 +136,12 @@ def worker_main(rank: int, address: str) -> int:
     it, 1 on any failure (its traceback is logged first)."""
     from multiprocessing.connection import Client
 
+    import multiprocessing
+
     host, port = address.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("SLEEPSERVE_TP_KEY")))
+    key = bytes.fromhex(os.environ.pop("SLEEPSERVE_TP_KEY"))
+    multiprocessing.current_process().authkey = key  # rank 0's: tensors it sends are shared under it
+    conn = Client((host, int(port)), authkey=key)
     conn.send(rank)
     config, world, store_port, log_level = conn.recv()
     logging.basicConfig(level=log_level, stream=sys.stderr,

@@ -1,0 +1,150 @@
+"""Tensor parallelism in process (LLM(tensor_parallel_size=2), gloo on CPU): the same greedy tokens as one
+rank, and sleep, wake and weight updates applied on every rank, all or nothing. One TP=2 engine (two
+processes) serves the whole module; each test leaves it awake with the served weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from allocator import PoolError
+from server import LLM, SamplingParams
+from tests.conftest import PROMPTS
+from tests.models import write_trained_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+ARGS = dict(device="cpu", kv_cache_memory="64MiB", max_model_len=512)
+
+
+def tokens(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def tp2(default_model_folder):
+    llm = LLM(model=str(default_model_folder), tensor_parallel_size=2, **ARGS)
+    procs = list(llm.engine.runner.workers.procs.values())
+    yield llm
+    llm.close()
+    assert [p.wait(30) for p in procs] == [0], "a worker did not exit cleanly on close"
+
+
+@pytest.fixture(scope="module")
+def reference(llm, default_model_folder, tmp_path_factory):
+    """One rank's greedy tokens, with the served weights and with a 'trained' checkpoint."""
+    served = tokens(llm)
+    trained = write_trained_checkpoint(default_model_folder, tmp_path_factory.mktemp("tp") / "trained", seed=7)
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.update_weights(path=str(trained))
+    after = tokens(llm)
+    llm.update_weights()
+    assert after != served, "the trained checkpoint should change the greedy tokens"
+    return {"served": served, "trained": after, "trained_path": trained}
+
+
+def rank_states(llm) -> list[dict[str, str]]:
+    return [{t: s.state for t, s in stats.tags.items()} for stats in llm.engine.pool.stats_per_rank()]
+
+
+def test_two_ranks_give_one_rank_greedy_tokens(tp2, reference):
+    assert tp2.engine.model.tp.world == 2
+    assert tp2.engine.model.config.num_heads == 6  # 3 KV heads split 2 + 1, their 9 query heads 6 + 3
+    assert tokens(tp2) == reference["served"]
+
+
+def test_level1_offloads_every_rank_and_restores_the_outputs(tp2, reference):
+    report = tp2.sleep(level=1)
+    assert report.changed
+    per_rank = rank_states(tp2)
+    assert len(per_rank) == 2
+    for states in per_rank:
+        assert states["weights"] == "offloaded" and states["kv_cache"] == "discarded"
+    assert not tp2.engine.runner.workers.group.up_now  # the group is released while asleep
+    tp2.wake_up()
+    assert all(set(s.values()) == {"awake"} for s in rank_states(tp2))
+    assert tokens(tp2) == reference["served"]
+
+
+def test_level2_and_update_weights_from_disk_on_every_rank(tp2, reference):
+    tp2.sleep(level=2)
+    assert all(s["weights"] == "discarded" for s in rank_states(tp2))
+    tp2.wake_up()
+    tp2.update_weights(path=str(reference["trained_path"]))  # each rank reads only its slices
+    assert tokens(tp2) == reference["trained"]
+    tp2.update_weights()  # the served checkpoint again
+    assert tokens(tp2) == reference["served"]
+
+
+def test_update_weights_from_tensors_gives_each_rank_its_slices(tp2, reference):
+    from safetensors.torch import load_file
+
+    named = load_file(str(reference["trained_path"] / "model.safetensors"))
+    tp2.pause()
+    tp2.update_weights(named_tensors=named.items())
+    tp2.resume()
+    assert tokens(tp2) == reference["trained"]
+    tp2.update_weights()
+    assert tokens(tp2) == reference["served"]
+
+
+def test_a_rank_failing_its_wake_leaves_every_rank_asleep(tp2, reference):
+    tp2.sleep(level=1)
+    tp2.engine.pool.inject_failure(1, "wake", "out of memory on rank 1 (injected)")
+    with pytest.raises(PoolError, match="rank 1.*out of memory.*put back to sleep"):
+        tp2.wake_up()
+    assert tp2.is_sleeping()
+    for states in rank_states(tp2):  # rank 0 had woken: it was put back to sleep as it was
+        assert states["weights"] == "offloaded" and states["kv_cache"] == "discarded"
+    assert not tp2.engine.runner.workers.group.up_now
+    tp2.wake_up()
+    assert tokens(tp2) == reference["served"]
+
+
+def test_a_rank_failing_its_sleep_leaves_every_rank_awake(tp2, reference):
+    tp2.engine.pool.inject_failure(1, "sleep", "backup write failed on rank 1 (injected)")
+    with pytest.raises(PoolError, match="rank 1.*backup write failed"):
+        tp2.sleep(level=1)
+    assert not tp2.is_sleeping()
+    assert all(set(s.values()) == {"awake"} for s in rank_states(tp2))
+    assert tokens(tp2) == reference["served"]
+
+
+def test_layout_is_checked_before_any_process_starts(default_model_folder):
+    with pytest.raises(ValueError, match="cannot split 3 KV heads"):
+        LLM(model=str(default_model_folder), tensor_parallel_size=4, **ARGS)
+
+
+def test_shards_cover_every_checkpoint_tensor_exactly_once():
+    """Column slices tile the rows, row-parallel slices tile the columns, the padded vocabulary tiles the
+    vocabulary: put the ranks' slices back together and get the whole tensor. KV heads fewer than ranks
+    are replicated: each rank holds the one its query heads read."""
+    from server.model.config import ModelConfig
+    from server.model.shard import TensorParallel
+
+    def config(heads: int, kv: int) -> ModelConfig:
+        return ModelConfig.from_dict(dict(model_type="llama", vocab_size=101, hidden_size=24, intermediate_size=30,
+                                          num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv,
+                                          head_dim=4))
+
+    cfg = config(12, 4)
+    names = {"model.embed_tokens.weight": (101, 24), "model.layers.0.self_attn.q_proj.weight": (48, 24),
+             "model.layers.0.self_attn.k_proj.weight": (16, 24), "model.layers.0.self_attn.o_proj.weight": (24, 48),
+             "model.layers.0.mlp.gate_proj.weight": (30, 24), "model.layers.0.mlp.down_proj.weight": (24, 30)}
+    for world in (2, 3, 4):
+        for name, shape in names.items():
+            whole = torch.arange(shape[0] * shape[1], dtype=torch.float32).view(shape)
+            parts, dim = [], 0
+            for rank in range(world):
+                shard = TensorParallel(cfg, rank, world).shard(name)
+                dim = shard.dim
+                local = torch.empty(shard.size if dim == 0 else shape[0], shard.size if dim == 1 else shape[1])
+                shard.place(local, shard.take(whole))
+                parts.append(local.narrow(dim, 0, shard.stop - shard.start))
+            assert torch.equal(torch.cat(parts, dim), whole), (world, name)
+    replicated = config(8, 2)
+    k = torch.arange(8 * 24, dtype=torch.float32).view(8, 24)
+    for rank in range(4):
+        tp = TensorParallel(replicated, rank, 4)
+        assert tp.config.num_kv_heads == 1 and tp.config.num_heads == 2
+        kv = rank // 2  # query heads 2r, 2r+1 read KV head r // 2
+        assert torch.equal(tp.shard("model.layers.0.self_attn.k_proj.weight").take(k), k[kv * 4:(kv + 1) * 4])
