@@ -465,6 +465,10 @@ class MemoryPool:
         with self._lock:
             return {tag: state.value for tag, state in self._sleeping.items()}
 
+    def stats_per_rank(self) -> list[PoolStats]:
+        """One pool per rank; a tensor-parallel engine's pool facade lists every rank's."""
+        return [self.stats()]
+
     def stats(self) -> PoolStats:
         with self._lock:
             self._check_open()

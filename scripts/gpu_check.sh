@@ -2,7 +2,9 @@
 # `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
 # Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
 # goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile sleepwake e2e weights rlloop
-# structured flows serve rollout (default: all of these) and weights-nccl (two GPUs: run it on the 2-GPU host, by name).
+# structured flows serve rollout (default: all of these), and by name on the 2-GPU host: weights-nccl and tp
+# (TP=2 vs TP=1 on an 8B shape: decode tok/s, sleep/wake per level, per-rank memory asleep against NCCL and
+# CUDA references; bench/tensor_parallel.py).
 # serve: bench/serve.py, Poisson arrivals through HTTP vs in-process (1B shape); rollout: bench/rollout.py,
 # 256 prompts x n=8 x 512 tokens through HTTP as TRL sends them, in-process and transformers (rollout-1b and
 # rollout-8b run one shape each).
@@ -55,6 +57,7 @@ for stage in $stages; do
                 run profile-rl $PY bench/step_profile.py --temperature 1 --logprobs 0 --out "$RESULTS" ;;
     e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
     weights)    run weights $PY bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out "$RESULTS" ;;
+    tp)         run tp $PY bench/tensor_parallel.py --world 2 --out "$RESULTS" ;;
     weights-nccl) run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
     rlloop)     run rlloop $PY examples/rl_colocated.py --device cuda --model llama-1b --iterations 3 --prompts 8 \
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
@@ -74,7 +77,7 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver)" "$LOG" || true
+grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|tensor parallel)" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
 grep -h -E "^iter [0-9]+:" "$LOG" || true
 grep -h -A30 -E "^README sleep flows" "$LOG" || true

@@ -81,7 +81,10 @@ def startup_lines(engine: EngineClient, settings: ServerSettings) -> list[str]:
     return [
         f"sleepserve {__version__}: model {info.served_model_name!r} from {info.model_path}",
         f"engine process pid {info.pid} (API process pid {os.getpid()}): device {info.device}, dtype {info.dtype}, "
-        f"weights loaded in {info.load_seconds:.1f} s (weight_version {engine.state.weight_version!r})",
+        f"weights loaded in {info.load_seconds:.1f} s (weight_version {engine.state.weight_version!r})"
+        + (f"; tensor parallel over {len(info.ranks)} ranks: "
+           + ", ".join(f"rank {r['rank']} pid {r['pid']} on {r['device']}" for r in info.ranks)
+           if len(info.ranks) > 1 else ""),
         f"KV cache: {plan.usable_blocks} blocks of {plan.block_size} tokens = {plan.bytes / 2**30:.2f} GiB "
         f"({plan.capacity_tokens} tokens); max model len {info.max_model_len}, "
         f"max num seqs {info.config.max_num_seqs}, prefix caching "

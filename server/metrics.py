@@ -174,11 +174,12 @@ class ServerMetrics:
             self.wake_seconds.labels(str(report.level)).observe(report.seconds)
             self.bytes_restored.inc(report.bytes_restored)
 
-    def render(self, pool: dict | None) -> bytes:
+    def render(self, ranks: list[dict] | None) -> bytes:
+        """ranks: each rank's pool stats (one rank without tensor parallelism), None when not read."""
         registry = CollectorRegistry(auto_describe=False)
         for metric in self._own:
             registry.register(metric)
-        registry.register(EngineCollector(self.engine.state, asdict(self.engine.stats), pool,
+        registry.register(EngineCollector(self.engine.state, asdict(self.engine.stats), ranks,
                                           self.engine.info.config, self.engine.info.kv_plan, self.model_name))
         return generate_latest(registry)
 
@@ -186,9 +187,10 @@ class ServerMetrics:
 class EngineCollector:
     """Gauges read from one scrape's snapshot of the engine (and of the pool, when it answered)."""
 
-    def __init__(self, state: SleepState, stats: dict, pool: dict | None, config: Any, kv_plan: Any,
+    def __init__(self, state: SleepState, stats: dict, ranks: list[dict] | None, config: Any, kv_plan: Any,
                  model_name: str):
-        self.state, self.stats, self.pool = state, stats, pool
+        self.state, self.stats, self.ranks = state, stats, ranks
+        self.pool = ranks[0] if ranks else None  # rank 0's pool (the only one without tensor parallelism)
         self.config, self.kv_plan, self.model_name = config, kv_plan, model_name
 
     def collect(self) -> Iterable[Metric]:
@@ -241,6 +243,18 @@ class EngineCollector:
                         self.pool.get("host_backup_bytes", 0))
             yield gauge("device_memory_free_bytes", "Free device memory", self.pool.get("device_free", 0))
             yield gauge("device_memory_total_bytes", "Total device memory", self.pool.get("device_total", 0))
+            yield gauge("tensor_parallel_size", "Ranks of tensor parallelism (one process and pool each)",
+                        len(self.ranks or ()))
+            per_rank = GaugeMetricFamily(P + "rank_pool_bytes", "Bytes reserved in each rank's memory pool, by tag",
+                                         labels=["rank", "tag", "state"])
+            free = GaugeMetricFamily(P + "rank_device_memory_free_bytes", "Free device memory of each rank's device",
+                                     labels=["rank"])
+            for rank, pool in enumerate(self.ranks or ()):
+                for tag, t in sorted(pool.get("tags", {}).items()):
+                    per_rank.add_metric([str(rank), tag, t["state"]], t["bytes"])
+                free.add_metric([str(rank)], pool.get("device_free", 0))
+            yield per_rank
+            yield free
 
     def _vllm(self) -> Iterable[Metric]:
         s, st = self.stats, self.state

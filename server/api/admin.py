@@ -79,7 +79,7 @@ async def reset_prefix_cache(request: Request) -> dict[str, Any]:
 @router.get("/memory")
 async def memory(request: Request) -> dict[str, Any]:
     snap = await request.app.state.engine.snapshot()
-    return {**snap["pool"], "state": snap["state"]}
+    return {**snap["pool"], "state": snap["state"], "ranks": snap["ranks"]}
 
 
 @router.post("/update_weights")
@@ -117,7 +117,8 @@ async def server_info(request: Request) -> dict[str, Any]:
                    "api_key_set": settings.api_key is not None,
                    "admin_api_key_set": settings.effective_admin_key is not None,
                    "log_level": settings.log_level},
-        "world_size": 1,
+        "world_size": info.config.tensor_parallel_size,
+        "tensor_parallel": {"size": info.config.tensor_parallel_size, "ranks": info.ranks},
         "weight_transfer_config": _transfer_config(request),
         "weight_version": engine.state.weight_version,
     }
@@ -133,5 +134,5 @@ def _transfer_config(request: Request) -> dict[str, Any] | None:
 
 @router.get("/get_world_size")
 async def get_world_size(request: Request) -> dict[str, int]:
-    """One process drives one GPU: no tensor or pipeline parallelism yet."""
-    return {"world_size": 1}
+    """Ranks of tensor parallelism (no pipeline parallelism): vLLM's tensor x pipeline world size."""
+    return {"world_size": request.app.state.engine.info.config.tensor_parallel_size}

@@ -50,13 +50,13 @@ async def load(request: Request) -> dict[str, Any]:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     engine = request.app.state.engine
-    pool = None
+    ranks = None
     try:
         # Pool stats are read on the engine thread; a sleep or wake in progress holds the pool, and a
         # scrape must not hang on it: past the timeout, this scrape goes without the pool gauges.
-        pool = (await asyncio.wait_for(engine.snapshot(), POOL_SCRAPE_TIMEOUT_S))["pool"]
+        ranks = (await asyncio.wait_for(engine.snapshot(), POOL_SCRAPE_TIMEOUT_S))["ranks"]
     except asyncio.TimeoutError:
         log.debug("pool stats not ready within %.1f s; scraping without them", POOL_SCRAPE_TIMEOUT_S)
     except Exception as e:  # a dead engine still has metrics worth reading
         log.debug("pool stats unavailable: %s", e)
-    return Response(request.app.state.metrics.render(pool), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.render(ranks), media_type=CONTENT_TYPE_LATEST)

@@ -58,6 +58,7 @@ class EngineInfo:
     load_seconds: float
     config: EngineConfig
     kv_plan: KVPlan
+    ranks: list = field(default_factory=list)  # each tensor-parallel rank's {"rank", "pid", "device"}
 
     @property
     def device_type(self) -> str:

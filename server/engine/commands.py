@@ -102,7 +102,8 @@ class EngineCommands:
     def snapshot(self) -> dict:
         """Sleep state, engine stats and pool stats, read consistently between two steps."""
         core = self.core
-        return {"state": core.sleep_state.as_dict(), "stats": asdict(core.stats()), "pool": core.pool.stats().as_dict()}
+        ranks = [s.as_dict() for s in core.pool.stats_per_rank()]  # one per tensor-parallel rank
+        return {"state": core.sleep_state.as_dict(), "stats": asdict(core.stats()), "pool": ranks[0], "ranks": ranks}
 
     # -- weights -----------------------------------------------------------------------------------
 

@@ -65,6 +65,25 @@ class EngineServer:
             transfers = WeightTransferService(transfer_config, core, self.on_engine)
         self.transfers = transfers
         self.commands = EngineCommands(core, self.on_engine, self._emit, transfers)
+        core.runner.watch(self._rank_lost)
+
+    def _rank_lost(self, error: BaseException) -> None:
+        """A tensor-parallel worker died (any thread): nothing can run again. The step that was running
+        fails with the worker's error (its requests get 503 naming the rank), the status says dead,
+        then this process exits and the API process, as for any engine death, exits with code 3."""
+        self.dead = str(error)
+        self._wake.set()
+
+        def exit_soon() -> None:
+            deadline = time.monotonic() + 10
+            while self.core.requests and time.monotonic() < deadline:
+                time.sleep(0.05)  # the step that failed ends its requests with the worker's error...
+            time.sleep(0.5)  # ...and its frame reaches the API before the channel closes
+            log.critical("the engine process exits: %s", error)
+            logging.shutdown()
+            os._exit(3)
+
+        threading.Thread(target=exit_soon, name="sleepserve-rank-lost", daemon=True).start()
 
     # -- from other threads ------------------------------------------------------------------------
 
@@ -241,7 +260,7 @@ def info_of(core: EngineCore) -> EngineInfo:
                       model_type=core.model_config.model_type, dtype=str(core.dtype).removeprefix("torch."),
                       device=str(core.device), max_model_len=core.max_model_len,
                       vocab_size=core.model_config.vocab_size, load_seconds=core.load_seconds, config=core.config,
-                      kv_plan=core.kv_plan)
+                      kv_plan=core.kv_plan, ranks=core.runner.ranks())
 
 
 def _die_with_parent(parent: int) -> None:

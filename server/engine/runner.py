@@ -6,6 +6,7 @@ pool only (weights under `weights`, the cache under `kv_cache`); the runner neve
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -115,6 +116,10 @@ class ModelRunner:
     def load_dummy(self, seed: int) -> set[str]:
         init_dummy_weights(self.model, seed)
         return parameter_names(self.model)
+
+    def ranks(self) -> list[dict]:
+        """Each rank's process and device (GET /server_info)."""
+        return [{"rank": 0, "pid": os.getpid(), "device": str(self.device)}]
 
     def watch(self, on_lost: Callable[[BaseException], None]) -> None:
         """on_lost(error) is called, from any thread, if this runner can no longer run (a tensor-

@@ -63,6 +63,9 @@ class WeightTransferService:
     """Owns the receiver and the one thread that blocks on transfers."""
 
     def __init__(self, config: WeightTransferConfig, core: EngineCore, on_engine: OnEngine):
+        if core.config.tensor_parallel_size > 1:
+            raise ValueError("--weight-transfer-config does not work with --tensor-parallel-size above 1 yet; "
+                             "load new weights from disk with POST /update_weights {\"path\": ...}")
         self.config = config
         self.core = core
         self.on_engine = on_engine

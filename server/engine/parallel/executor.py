@@ -60,6 +60,7 @@ class Workers:
         self.conns: dict[int, Connection] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.lost: WorkerLostError | None = None
+        self.infos: list[dict] = []  # each worker's rank, pid and device, once it is ready
         self.listeners: list[Callable[[BaseException], None]] = []
         self._closing = False
         self._exited = threading.Event()
@@ -256,7 +257,7 @@ def build_parallel(config: EngineConfig, source: ModelSource, model_config: Mode
         workers.group.up(0)
         parts = build_rank(config, source, model_config, TensorParallel(model_config, 0, world),
                            runner_class=ParallelRunner, workers=workers)
-        infos = workers.wait_ready()
+        infos = workers.infos = workers.wait_ready()
     except BaseException as e:
         lost = workers.lost
         workers.close()

@@ -51,6 +51,9 @@ class ParallelRunner(ModelRunner):
     def load_dummy(self, seed: int) -> set[str]:
         return self.workers.run_all("load_dummy", seed, lambda: super(ParallelRunner, self).load_dummy(seed))
 
+    def ranks(self) -> list[dict]:
+        return super().ranks() + self.workers.infos
+
     def watch(self, on_lost: Callable[[BaseException], None]) -> None:
         self.workers.listeners.append(on_lost)
 

@@ -1,0 +1,102 @@
+"""Tensor parallelism through the real server: one TP=2 server (two processes, gloo on CPU; the size set
+through SLEEPSERVE_TENSOR_PARALLEL_SIZE) serves this module, started once; the last test kills its
+worker. One-rank answers come from the shared hold server (same model, same greedy decoding)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+from http_server import BASE_ARGS, ServerProcess, hold_server, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess([*BASE_ARGS, "--dev-mode"], env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2"}).start()
+    yield proc
+    proc.stop()
+
+
+def greedy(server, max_tokens: int = 8) -> list[str]:
+    r = httpx.post(server.url + "/v1/completions", timeout=300,
+                   json={"prompt": PROMPTS, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return greedy(hold_server())
+
+
+def post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(server.url + path, timeout=300, **kwargs)
+
+
+def test_two_ranks_answer_as_one_rank(server, reference):
+    assert greedy(server) == reference
+
+
+def test_world_size_and_per_rank_reports(server):
+    assert httpx.get(server.url + "/get_world_size").json() == {"world_size": 2}
+    info = httpx.get(server.url + "/server_info").json()
+    assert info["world_size"] == 2 and info["engine_config"]["tensor_parallel_size"] == 2
+    ranks = info["tensor_parallel"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
+    memory = httpx.get(server.url + "/memory").json()
+    assert len(memory["ranks"]) == 2
+    assert all(r["tags"]["weights"]["bytes"] > 50e6 for r in memory["ranks"])  # each holds about half
+    assert server.metric("sleepserve_tensor_parallel_size") == 2
+    assert server.metric("sleepserve_rank_pool_bytes", '{rank="1",state="awake",tag="weights"}') > 50e6
+
+
+def test_sleep_levels_and_update_weights_keep_the_outputs(server, reference):
+    assert post(server, "/sleep", params={"level": 1}).status_code == 200
+    ranks = httpx.get(server.url + "/memory").json()["ranks"]
+    assert [r["tags"]["weights"]["state"] for r in ranks] == ["offloaded", "offloaded"]
+    assert post(server, "/wake_up").status_code == 200
+    assert greedy(server) == reference
+    assert post(server, "/sleep", params={"level": 2}).status_code == 200
+    assert post(server, "/wake_up").status_code == 200
+    r = post(server, "/update_weights", json={})  # the served checkpoint, each rank reading its slices
+    assert r.status_code == 200, r.text
+    assert r.json()["state"]["weights_valid"]
+    assert greedy(server) == reference
+
+
+def test_weight_transfer_is_refused_with_a_clear_400(server):
+    r = post(server, "/init_weight_transfer_engine", json={"init_info": {"master_port": 1, "world_size": 2}})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "weight_transfer_unsupported"
+    assert "tensor-parallel" in r.json()["error"]["message"]
+
+
+def test_killing_a_worker_answers_503_and_exits(server):
+    """Last: it ends the server. A request in flight gets 503 (engine_dead) and the server exits with 3."""
+    worker = httpx.get(server.url + "/server_info").json()["tensor_parallel"]["ranks"][1]["pid"]
+    answer: dict = {}
+
+    def long_request() -> None:
+        try:
+            answer["r"] = httpx.post(server.url + "/v1/completions", timeout=300,
+                                     json={"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True})
+        except httpx.TransportError as e:
+            answer["error"] = e
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    wait_for(lambda: httpx.get(server.url + "/load").json()["running"] > 0, timeout=60, what="the request to run")
+    os.kill(worker, signal.SIGKILL)
+    t.join(120)
+    assert "r" in answer, answer
+    assert answer["r"].status_code == 503, answer["r"].text
+    assert answer["r"].json()["error"]["code"] == "engine_dead"
+    assert f"rank 1 (pid {worker}) was killed by SIGKILL" in answer["r"].json()["error"]["message"]
+    assert server.proc.wait(90) == 3
+    assert f"tensor-parallel worker rank 1 (pid {worker}) was killed by SIGKILL" in server.log_text()
