@@ -51,8 +51,11 @@ class ParallelPool:
 
     def stats_per_rank(self) -> list[PoolStats]:
         """Each rank's pool (GET /memory, /metrics)."""
-        return [self.workers.run_all("stats", None, self.local.stats)] + [
-            v for r, v in sorted(self.workers.run("stats", None, lambda: None).items()) if r]
+        outcomes = self.workers.run("stats", None, self.local.stats)
+        for value in outcomes.values():
+            if isinstance(value, BaseException):
+                raise value
+        return [outcomes[rank] for rank in sorted(outcomes)]
 
     def check_backup_space(self, tags) -> None:
         self.workers.run_all("check_backup_space", _tags(tags), lambda: self.local.check_backup_space(tags))
