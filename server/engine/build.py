@@ -79,7 +79,8 @@ def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelCon
         # differ (their KV heads do): with tensor parallelism a wake maps the whole cache on every rank.
         config = replace(config, kv_wake_chunk=0)
     device = rank_device(config, tp.rank)
-    if device.type == "cuda":
+    # Plain "cuda" (no index) is the current device already; set_device refuses it.
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     dtype = config.torch_dtype(device, model_config.torch_dtype)
     torch.manual_seed(config.seed)

@@ -40,7 +40,7 @@ class Worker:
         model_config = ModelConfig.from_folder(source.folder)
         tp = TensorParallel(model_config, rank, world)
         device = rank_device(config, rank)
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         conn.send(("ok", "joining"))  # rank 0 joins the group only once every rank got this far
         self.group = Group(port, rank, world, device)
