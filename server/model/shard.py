@@ -78,13 +78,15 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 class TensorParallel:
-    """One rank's view: its layout (heads, rows, vocabulary it holds) and the collectives over the
-    default process group (looked up at each call, so a group re-created after a sleep is used)."""
+    """One rank's view: its layout (heads, rows, vocabulary it holds) and its collectives, which run on
+    `comm`, the device communicator the engine sets (server/engine/parallel/comm.py) and replaces
+    when it re-creates it after a sleep."""
 
     def __init__(self, cfg: ModelConfig, rank: int = 0, world: int = 1):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world}")
         self.rank, self.world, self.full_config = rank, world, cfg
+        self.comm = None  # all_reduce(x) -> x, all_gather(x) -> [x of each rank], set while awake
         H, KV = cfg.num_heads, cfg.num_kv_heads
         if H % KV:
             raise ValueError(f"{H} query heads do not group evenly over {KV} KV heads")
@@ -144,10 +146,13 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the partial results of a row-parallel layer over the ranks, in place."""
         if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(x)
+            self._comm().all_reduce(x)
         return x
+
+    def _comm(self):
+        if self.comm is None:
+            raise RuntimeError("the tensor-parallel communicator is released (the engine sleeps); wake it first")
+        return self.comm
 
     def min(self, value: int) -> int:
         """The smallest of every rank's value (e.g. how many KV blocks fit)."""
@@ -155,9 +160,7 @@ class TensorParallel:
             return value
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.long)
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
+        t = torch.tensor([value], dtype=torch.long)  # over the control group (gloo, CPU)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
@@ -165,11 +168,7 @@ class TensorParallel:
         """[T, vocab_shard] per rank -> [T, vocab] on every rank."""
         if self.world == 1:
             return logits
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(logits) for _ in range(self.world)]
-        dist.all_gather(parts, logits.contiguous())
-        return torch.cat(parts, dim=-1)[:, :self.full_config.vocab_size]
+        return torch.cat(self._comm().all_gather(logits), dim=-1)[:, :self.full_config.vocab_size]
 
 
 __all__ = ["Shard", "TensorParallel", "split"]

@@ -52,11 +52,11 @@ class Workers:
     children: nothing of the embedding program (its __main__, a notebook, pytest) is re-imported, and
     no CUDA context is ever forked. Each connects back to a listener of rank 0 with a random key."""
 
-    def __init__(self, config: EngineConfig, world: int):
+    def __init__(self, config: EngineConfig, world: int, tp: TensorParallel):
         self.world = world
         from server.engine.build import rank_device
 
-        self.group = Group(0, 0, world, rank_device(config, 0))
+        self.group = Group(0, 0, world, rank_device(config, 0), tp)
         self.conns: dict[int, Connection] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.lost: WorkerLostError | None = None
@@ -218,7 +218,7 @@ class Workers:
         for conn in self.conns.values():
             conn.close()
         try:
-            self.group.down()
+            self.group.close()
         except Exception:  # a group whose peers died may fail to tear down cleanly
             log.debug("destroying the group failed", exc_info=True)
 
@@ -251,12 +251,12 @@ def build_parallel(config: EngineConfig, source: ModelSource, model_config: Mode
 
     check_layout(config, model_config)
     world = config.tensor_parallel_size
-    workers = Workers(config, world)
+    tp = TensorParallel(model_config, 0, world)
+    workers = Workers(config, world, tp)
     try:
         workers.wait_ready()  # every worker read the model's config and is about to join
-        workers.group.up(0)
-        parts = build_rank(config, source, model_config, TensorParallel(model_config, 0, world),
-                           runner_class=ParallelRunner, workers=workers)
+        workers.group.start()
+        parts = build_rank(config, source, model_config, tp, runner_class=ParallelRunner, workers=workers)
         infos = workers.infos = workers.wait_ready()
     except BaseException as e:
         lost = workers.lost

@@ -1,8 +1,12 @@
-"""The process group of the tensor-parallel ranks, which can be released and re-created.
+"""The ranks' groups: a control group for life, and the device communicator the model's collectives
+run on, which is released for a sleep and created again on wake.
 
-A TCP store hosted by rank 0 outlives the groups; each generation of the group rendezvous under its
-own prefix, so a group destroyed for a sleep (NCCL's buffers are ~838 MiB per rank on an H200, not
-pool memory) is re-created on wake by the same code on every rank. gloo on CPU takes the same path.
+A TCP store hosted by rank 0 outlives everything. The control group (torch.distributed's default
+group, gloo, CPU tensors) carries the rare agreements (how many KV blocks every rank holds) and stays
+for the server's life: it holds no device memory. The device communicator (comm.py: raw NCCL on CUDA,
+a second gloo group on CPU) is what holds memory outside the pool (NCCL: ~838 MiB per H200 rank after
+its first collective), so a sleep releases it on every rank and the wake creates a new one, each
+generation under its own store key. CPU runs the same path as CUDA.
 """
 from __future__ import annotations
 
@@ -12,6 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from server.engine.parallel.comm import DeviceComm, GlooComm, NcclComm
+from server.model.shard import TensorParallel
+
 log = logging.getLogger("sleepserve.engine")
 
 # A collective waits this long for a slow rank (loading 8B on one rank while the others wait in the
@@ -20,32 +27,43 @@ TIMEOUT = timedelta(seconds=600)
 
 
 class Group:
-    def __init__(self, port: int, rank: int, world: int, device: torch.device, host: str = "127.0.0.1"):
-        self.rank, self.world, self.device = rank, world, device
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
-        # Rank 0 hosts the store (port 0: the system picks one, the workers get it at spawn).
+    def __init__(self, port: int, rank: int, world: int, device: torch.device, tp: TensorParallel,
+                 host: str = "127.0.0.1"):
+        self.rank, self.world, self.device, self.tp = rank, world, device, tp
+        # Rank 0 hosts the store (port 0: the system picks one, the workers get it at start).
         self.store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT,
                                    wait_for_workers=False)
         self.port = self.store.port
         self.generation = -1
-        self.up_now = False
+        self.comm: DeviceComm | None = None
+
+    @property
+    def up_now(self) -> bool:
+        return self.comm is not None
+
+    def start(self) -> None:
+        """Join the control group and create the first device communicator (every rank at once)."""
+        dist.init_process_group("gloo", store=dist.PrefixStore("control", self.store), rank=self.rank,
+                                world_size=self.world, timeout=TIMEOUT)
+        self.up(0)
 
     def up(self, generation: int) -> None:
-        """Join generation `generation` of the group (every rank calls it) and run one collective, so
-        the communicator exists now (NCCL creates it lazily) and not inside a CUDA-graph capture."""
-        kwargs = {"device_id": self.device} if self.backend == "nccl" else {}
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"tp{generation}", self.store),
-                                rank=self.rank, world_size=self.world, timeout=TIMEOUT, **kwargs)
-        probe = torch.ones(1, device=self.device)
-        dist.all_reduce(probe)
+        """Create generation `generation` of the device communicator (every rank calls it)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.generation, self.up_now = generation, True
+            self.comm = NcclComm(self.store, f"nccl-{generation}", self.rank, self.world, self.device)
+        else:
+            self.comm = GlooComm()
+        self.tp.comm = self.comm
+        self.generation = generation
 
     def down(self) -> None:
-        """Destroy the group: NCCL frees its communicator's buffers (what stays is measured in the README)."""
-        if self.up_now:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+        """Release the device communicator; a collective before the next up() raises."""
+        if self.comm is not None:
+            self.tp.comm = None
+            comm, self.comm = self.comm, None
+            comm.close()
+
+    def close(self) -> None:
+        self.down()
+        if dist.is_initialized():
             dist.destroy_process_group()
-            self.up_now = False

@@ -65,6 +65,10 @@ class ParallelPool:
     def sleep(self, offload_tags: str | Iterable[str] = (), discard_tags: str | Iterable[str] = ()) -> SleepReport:
         offload, discard = _tags(offload_tags), _tags(discard_tags)
         before = self.local.sleeping_tags()
+        first = not before and bool(offload or discard)
+        if first:  # the communicator goes after this sleep: graphs that captured it go first
+            self.workers.run_all("drop_graphs", None, self.runner.drop_graphs)
+            self._graphs_stale = True
         outcomes = self.workers.run("sleep", (offload, discard),
                                     lambda: self.local.sleep(offload_tags=offload, discard_tags=discard))
         failed = {r: v for r, v in outcomes.items() if isinstance(v, BaseException)}
@@ -72,6 +76,7 @@ class ParallelPool:
             # Wake what this call put to sleep on every rank (a failed rank may have released some).
             slept = [t for t in offload + discard if t not in before]
             self._on_ranks(list(outcomes), "wake", slept, lambda: self.local.wake_up(slept))
+            self._refresh_graphs()
             raise PoolError(f"sleep failed on {self._name(failed)}; the ranks that had slept were woken again, "
                             "so every rank is as before the call")
         if not before and self.local.sleeping_tags():
@@ -111,7 +116,6 @@ class ParallelPool:
         group = self.workers.group
         if op == "comm_down":
             self.workers.run_all(op, None, group.down)
-            self._graphs_stale = True
         else:
             self.workers.run_all(op, generation, lambda: group.up(generation))  # type: ignore[arg-type]
 

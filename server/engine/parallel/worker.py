@@ -43,8 +43,8 @@ class Worker:
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         conn.send(("ok", "joining"))  # rank 0 joins the group only once every rank got this far
-        self.group = Group(port, rank, world, device)
-        self.group.up(0)
+        self.group = Group(port, rank, world, device, tp)
+        self.group.start()
         self.parts = build_rank(config, source, model_config, tp)
         self.runner = self.parts.runner
         self.pool = self.parts.pool
@@ -100,6 +100,9 @@ class Worker:
     def op_comm_up(self, generation: int) -> None:
         self.group.up(generation)
 
+    def op_drop_graphs(self, _: Any) -> None:
+        self.runner.drop_graphs()
+
     def op_recapture(self, _: Any) -> None:
         self.runner.after_group_recreated()
 
@@ -128,7 +131,7 @@ class Worker:
         try:
             self.pool.close()
         finally:
-            self.group.down()
+            self.group.close()
 
 
 def worker_main(rank: int, address: str) -> int:

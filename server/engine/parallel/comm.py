@@ -1,0 +1,95 @@
+"""The device communicator the model's collectives run on, one per rank; released for a sleep and
+created again on wake (group.py decides when).
+
+CUDA: a raw NCCL communicator called through ctypes (server/weight_transfer/nccl.py), enqueued on the
+current stream. Not torch's ProcessGroupNCCL: its per-collective host bookkeeping advances once when a
+CUDA graph captures a collective and never on replay, and destroy_process_group can hang once graphs
+captured its collectives; a raw communicator has no host state per call, is captured like any kernel,
+and ncclCommAbort frees it alone. CPU: a gloo group of torch.distributed (CI runs TP=2 on it).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class DeviceComm(Protocol):
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+class GlooComm:
+    """A gloo group beside the control group, so it can be destroyed and re-created alone."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self.world = dist.get_world_size()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)
+
+
+_NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9, torch.int64: 4,
+                torch.int32: 2}
+_SUM = 0
+
+
+class NcclComm:
+    """ncclCommInitRank from a unique id that rank 0 publishes in the group's store."""
+
+    def __init__(self, store: dist.Store, key: str, rank: int, world: int, device: torch.device):
+        from server.weight_transfer.nccl import NcclLibrary, _UniqueId
+
+        self.nccl = NcclLibrary()
+        lib = self.lib = self.nccl.lib
+        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        lib.ncclAllGather.argtypes = [vp, vp, sz, i, vp, vp]
+        self.rank, self.world, self.device = rank, world, device
+        if rank == 0:
+            store.set(key, self.nccl.unique_id())
+        uid = _UniqueId()
+        ctypes.memmove(ctypes.byref(uid), store.get(key), 128)
+        self.comm = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            self.nccl.check(lib.ncclCommInitRank(ctypes.byref(self.comm), world, uid, rank))
+            probe = torch.ones(1, device=device)
+            self.all_reduce(probe)
+            torch.cuda.synchronize(device)
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.nccl.check(self.lib.ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), _NCCL_DTYPES[x.dtype], _SUM,
+                                              self.comm, self._stream()))
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        x = x.contiguous()
+        out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
+        self.nccl.check(self.lib.ncclAllGather(x.data_ptr(), out.data_ptr(), x.numel(), _NCCL_DTYPES[x.dtype],
+                                              self.comm, self._stream()))
+        return list(out.unbind(0))
+
+    def close(self) -> None:
+        # ncclCommAbort frees this rank's communicator without a collective finalize (ncclCommDestroy in
+        # NCCL 2.28.9 waits for every peer); every collective has completed (synchronize) by then.
+        if self.comm:
+            torch.cuda.synchronize(self.device)
+            self.lib.ncclCommAbort(self.comm)
+            self.comm = ctypes.c_void_p()
