@@ -10,6 +10,7 @@ every sequence is masked and both runs decode exactly the same number of tokens.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -57,7 +58,8 @@ def main() -> int:
                                                    "embedded SmolLM2-135M)")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on CPU, 256 on CUDA")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each setting; the best is kept")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved pairs of runs (without, with the mask) "
+                                                           "per batch size; medians and the spread are printed")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -82,15 +84,28 @@ def main() -> int:
 
     rows, results = [], []
     for batch in [int(b) for b in args.batches.split(",")]:
-        plain = max(decode_rate(llm, batch, new_tokens, None, device, f"plain{r}") for r in range(args.repeats))
-        masked = max(decode_rate(llm, batch, new_tokens, spec, device, f"masked{r}") for r in range(args.repeats))
-        ratio = masked / plain
-        results.append({"batch": batch, "plain_tok_s": plain, "masked_tok_s": masked, "ratio": ratio})
-        rows.append([batch, f"{plain:,.1f}", f"{masked:,.1f}", f"{ratio:.3f} ({(1 - ratio) * 100:+.1f}% cost)"])
+        # Interleaved pairs (the order alternates), so drift in the machine's speed (other work, clocks,
+        # caches) hits both sides alike; each pair gives one ratio, and the median and spread are reported.
+        plain, masked = [], []
+        for r in range(args.repeats):
+            order = ((None, plain), (spec, masked)) if r % 2 == 0 else ((spec, masked), (None, plain))
+            for structured, into in order:
+                into.append(decode_rate(llm, batch, new_tokens, structured, device, f"{r}-{structured is None}"))
+        ratios = [m / p for m, p in zip(masked, plain)]
+        ratio = statistics.median(ratios)
+        results.append({"batch": batch, "plain_tok_s": statistics.median(plain),
+                        "masked_tok_s": statistics.median(masked), "ratio": ratio, "ratio_min": min(ratios),
+                        "ratio_max": max(ratios), "plain_runs": plain, "masked_runs": masked})
+        rows.append([batch, f"{statistics.median(plain):,.1f}", f"{statistics.median(masked):,.1f}",
+                     f"{ratio:.3f} ({(1 - ratio) * 100:.1f}% cost)", f"{min(ratios):.3f}-{max(ratios):.3f}"])
     name = args.model or "SmolLM2-135M (embedded)"
     print(f"structured outputs mask cost: {name} on {hardware(device)}, {new_tokens} new tokens, greedy, "
-          f"JSON schema on every sequence ({now_iso()})")
-    print(table(rows, ["batch", "no mask tok/s (reference)", "with mask tok/s", "with / without"]))
+          f"JSON schema on every sequence, {args.repeats} interleaved pairs per batch ({now_iso()})")
+    print(table(rows, ["batch", "no mask tok/s (median)", "with mask tok/s (median)", "with / without (median)",
+                       f"spread of {args.repeats} pairs"]))
+    for r in results:
+        print(f"structured mask ratio at batch {r['batch']}: {r['ratio']:.3f} "
+              f"(min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f}, {args.repeats} interleaved pairs)")
     write_json(args.out, f"structured-mask-{device.type}", {"model": name, "device": hardware(device),
                                                             "new_tokens": new_tokens, "when": now_iso(),
                                                             "results": results})

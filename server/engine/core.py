@@ -204,13 +204,15 @@ class EngineCore:
             req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         # Tokens first, then every continuing sequence's text in one detokenizer call, then the
         # checks that need the text (stop strings, grammar, length).
+        # Grammars consume their tokens first (in parallel), and start on the next step's masks.
+        complete = self.runner.masks.advance([(seq, token) for seq, token, _ in sampled])
         texts = []
         for seq, token, logprobs in sampled:
             detok = seq.append_token(token, logprobs, self.eos_ids, self.tokenizer)
             if detok is not None:
                 texts.append((seq, detok, token))
         for (seq, _, _), delta in zip(texts, detokenize_step([(d, t) for _, d, t in texts])):
-            seq.append_text(delta, self.max_model_len)
+            seq.append_text(delta, self.max_model_len, seq.seq_id in complete)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, _, _ in sampled:
@@ -282,6 +284,7 @@ class EngineCore:
 
     def close(self) -> None:
         self.abort_all()
+        self.runner.masks.close()
         self.pool.close()
 
 

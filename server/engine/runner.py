@@ -14,12 +14,13 @@ from typing import Callable, Iterable
 import torch
 
 from allocator import PoolError
+from server.engine.grammar_masks import GrammarMasks, bit_values_on
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.outputs import TokenLogprobs
 from server.engine.sampler import prompt_logprobs, sample
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Request, Sequence
-from server.engine.tags import KV_CACHE
+from server.engine.tags import CUDA_GRAPH, KV_CACHE
 from server.model.attention import AttentionContext, PrefillSpan
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import copy_weights, init_dummy_weights, iter_checkpoint, parameter_names
@@ -80,6 +81,13 @@ class ModelRunner:
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
         self.graphs = None  # set by enable_cuda_graphs(): decode-only batches replay captured graphs
+        # Structured outputs: grammar token masks, computed while the forward runs (grammar_masks.py).
+        # On CUDA its 128-byte table of bit values lives in the pool (restored by every wake, as the graphs').
+        bits = None
+        if self.device.type == "cuda":
+            bits = pool.empty((32,), torch.int32, CUDA_GRAPH)
+            bits.copy_(bit_values_on(self.device))
+        self.masks = GrammarMasks(c.vocab_size, self.device, bits)
 
     def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
@@ -232,5 +240,7 @@ class ModelRunner:
     def sample(self, hb: HostBatch, logits: torch.Tensor, eos_ids: frozenset[int], tokenizer) -> list[Sampled]:
         if not hb.sample_seqs:
             return []
+        # The grammar first: what it forbids is never sampled, whatever else applies.
+        self.masks.apply(logits, hb.sample_seqs)
         tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer)
         return list(zip(hb.sample_seqs, tokens, logprobs))

@@ -1,8 +1,9 @@
 """Turn logits into tokens: penalties, bias, min_tokens, temperature, top-k/top-p/min-p, seeds, log-probs.
 
 Rows that need no history (the common case) are handled as one batch; only rows that ask for
-penalties, a bias or min_tokens touch their own slice. Grammar masks (structured outputs) apply to
-all constrained rows at once. Prompt log-probs are scored here too, from the prefill's hidden states.
+penalties, a bias or min_tokens touch their own slice. Grammar masks (structured outputs) are applied
+before this, by the runner (grammar_masks.py). Prompt log-probs are scored here too, from the
+prefill's hidden states.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 
 from server.engine.outputs import Logprob, TokenLogprobs
 from server.engine.sequence import Sequence
-from server.engine.structured import apply_masks
 
 LOGPROB_FLOOR = -9999.0
 
@@ -64,10 +64,7 @@ def _filter(scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
            tokenizer=None) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits [N, V] float32, one row per sequence that needs a token."""
-    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
-    if constrained:  # the grammar first: what it forbids is never sampled, whatever else applies
-        apply_masks(logits, constrained, [seqs[i].matcher for i in constrained])
+    """logits [N, V] float32, one row per sequence that needs a token (grammar masks already applied)."""
     for i, s in enumerate(seqs):
         p = s.params
         if p.logit_bias or p.needs_penalties or (p.min_tokens and s.num_output_tokens < p.min_tokens):

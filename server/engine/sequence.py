@@ -43,7 +43,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.num_cached_tokens = 0
         self.detok: IncrementalDetokenizer | None = None
-        # Structured outputs: this sequence's grammar state, advanced by every token it samples.
+        # Structured outputs: this sequence's grammar state. Only GrammarMasks (grammar_masks.py) touches
+        # it after this: it consumes each sampled token and computes the next mask off the engine thread.
         self.matcher = self.params.grammar.matcher() if self.params.grammar is not None else None
         # What has been handed out already, so each output carries only the new part as its delta.
         self._emitted_text = 0
@@ -66,12 +67,12 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int],
-               max_model_len: int, tokenizer) -> None:
+               max_model_len: int, tokenizer, grammar_complete: bool = False) -> None:
         """Record a sampled token and decide whether the sequence is done. (A step does the same for
         all its sequences in three passes, so their detokenization is one call: core.postprocess.)"""
         detok = self.append_token(token_id, logprobs, eos_ids, tokenizer)
         if detok is not None:
-            self.append_text(detok.add(token_id), max_model_len)
+            self.append_text(detok.add(token_id), max_model_len, grammar_complete)
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int],
                      tokenizer) -> IncrementalDetokenizer | None:
@@ -79,8 +80,6 @@ class Sequence:
         detokenizer that must turn the token into text next, or None when the sequence finished."""
         p = self.params
         self.token_ids.append(token_id)
-        if self.matcher is not None:
-            self.matcher.consume_token(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
@@ -95,16 +94,16 @@ class Sequence:
             self.detok = IncrementalDetokenizer(tokenizer, self.request.prompt_token_ids, p.skip_special_tokens)
         return self.detok
 
-    def append_text(self, delta: str, max_model_len: int) -> None:
-        """Second half: the new token's text: stop strings, a completed grammar, the length limits."""
+    def append_text(self, delta: str, max_model_len: int, grammar_complete: bool = False) -> None:
+        """Second half: the new token's text: stop strings, a completed grammar (grammar_complete: having
+        consumed this token, it admits nothing more), the length limits."""
         p = self.params
         n_out = self.num_output_tokens
         if delta:
             self.text += delta
             if p.stop and n_out >= p.min_tokens and self._check_stop_strings(len(delta)):
                 return
-        if self.matcher is not None and self.matcher.is_stopped() and not self.matcher.is_error():
-            # The grammar is complete and admits nothing more (not even EOS): the output is whole.
+        if grammar_complete:  # not even EOS may follow: the output is whole
             self.finish_reason = "stop"
             self._finish_text()
             return

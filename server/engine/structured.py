@@ -1,20 +1,14 @@
-"""Structured outputs: grammars (JSON schema, regex, choice, Lark/GBNF) compiled by llguidance, and
-their token masks applied to the logits in the sampler.
+"""Structured outputs: grammars (JSON schema, regex, choice, Lark/GBNF) compiled by llguidance.
 
 Compiling can take long for a big schema, so the server compiles off the engine thread (the API
 awaits `GrammarCompiler.compile` in a worker thread) and caches by spec; each sequence then gets a
-cheap copy of the compiled matcher. On every step the masks of all constrained rows are computed
-on the CPU (llguidance, in parallel, without the GIL), copied to the device in one transfer and
-applied to their rows at once.
+cheap copy of the compiled matcher. Its token masks, step by step, are grammar_masks.py's.
 """
 from __future__ import annotations
 
 import json
 import threading
 from collections import OrderedDict
-
-import numpy as np
-import torch
 
 from server.engine.params import InvalidRequestError, StructuredOutputs
 
@@ -95,63 +89,3 @@ class GrammarCompiler:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
-
-
-_executor = None
-
-
-def _llg_executor():
-    global _executor
-    if _executor is None:
-        import llguidance
-
-        _executor = llguidance.LLExecutor()
-    return _executor
-
-
-class _Staging:
-    """The packed masks of one step: [rows, words] int32, one bit per token. Reused across steps
-    (pinned on CUDA, so the copy to the device is one asynchronous transfer)."""
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-        self.shifts: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, rows: int, words: int, pin: bool) -> torch.Tensor:
-        b = self.buffer
-        if b is None or b.shape[0] < rows or b.shape[1] != words or b.is_pinned() != pin:
-            b = self.buffer = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=pin)
-        return b[:rows]
-
-
-_staging = _Staging()
-
-
-def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-    """Set to -inf every logit the grammar forbids, for the given rows of logits [N, V], in place.
-    Columns past the tokenizer's vocabulary (padded embedding rows) are always forbidden."""
-    import llguidance.torch as llt
-
-    V = logits.shape[-1]
-    words = (V + 31) // 32
-    dev = logits.device
-    packed = _staging.get(len(rows), words, pin=dev.type == "cuda")
-    llt.fill_next_token_bitmask_par(_llg_executor(), [(m, i) for i, m in enumerate(matchers)], packed)
-    if dev.type == "cuda":
-        # 32x less to copy than a bool mask; the device unpacks it.
-        shifts = _staging.shifts.get(dev)
-        if shifts is None:
-            shifts = _staging.shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-        bits = packed.to(dev, non_blocking=True)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :V].bool()
-    else:
-        # Bit j of word w is token 32 w + j: on a little-endian host that is byte order, bit by bit.
-        # unpackbits writes 0/1 bytes: valid bools as they are, so the view costs nothing.
-        unpacked = np.unpackbits(packed.numpy().view(np.uint8), axis=-1, bitorder="little")
-        allowed = torch.from_numpy(unpacked).view(torch.bool)[:, :V]
-    forbidden = allowed.logical_not_()
-    if len(rows) == logits.shape[0]:  # rows are always in order: all of them, or a subset
-        logits.masked_fill_(forbidden, float("-inf"))
-    else:
-        index = torch.tensor(rows, device=dev)
-        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
