@@ -7,12 +7,11 @@ the roofline a run reaches compares like with like.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from bench.common import copy_bandwidth, sync
+from bench.common import copy_bandwidth, timed
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ def memory_bandwidth(device: torch.device) -> float:
     a = torch.empty(64 << 20, dtype=torch.float32).normal_()  # 256 MiB: well past every CPU cache
     b = torch.empty_like(a)
     b.copy_(a)
-    best = min(_seconds(lambda: b.copy_(a), device) for _ in range(5))
+    best = min(timed(lambda: b.copy_(a), device) for _ in range(5))
     return 2 * a.numel() * a.element_size() / best
 
 
@@ -45,16 +44,8 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     for _ in range(3):
         a @ b
     reps = 10 if device.type == "cuda" else 3
-    best = min(_seconds(lambda: a @ b, device) for _ in range(reps))
+    best = min(timed(lambda: a @ b, device) for _ in range(reps))
     return 2 * n ** 3 / best
-
-
-def _seconds(fn, device: torch.device) -> float:
-    sync(device)
-    t = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t
 
 
 @dataclass(frozen=True)
