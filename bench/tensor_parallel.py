@@ -112,6 +112,8 @@ def bench_world(folder: Path, world: int, idle: list[int], kv: str, max_tokens: 
     before = tokens(llm, prompts)
     res["tokens"] = before
     res["decode_tok_s"] = {str(b): decode_tps(llm, b, max_tokens) for b in (1, 64)}
+    # Progress lines: a run cut short by a time limit still leaves these figures in the log.
+    print(f"TP={world}: started in {res['start_s']:.1f} s, decode tok/s {res['decode_tok_s']}", flush=True)
     for level in (1, 2):
         rows = []
         for _ in range(3):
@@ -129,6 +131,7 @@ def bench_world(folder: Path, world: int, idle: list[int], kv: str, max_tokens: 
                                 "wake_s": statistics.median(r["wake_s"] for r in rows[1:]),
                                 "asleep_used": rows[-1]["asleep_used"],
                                 "identical": all(r["identical"] for r in rows)}
+        print(f"TP={world} level {level}: {res[f'level{level}']}", flush=True)
     llm.close()
     return res
 
@@ -159,6 +162,7 @@ def main() -> None:
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     idle = gpu_used(world)
     refs = {kind: reference(kind, world) for kind in ("cuda", "nccl", "nccl-destroyed")}
+    print(f"references (bytes per GPU): {refs}", flush=True)
     folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
     runs = [bench_world(folder, w, idle, args.kv_cache_memory, args.max_tokens) for w in (1, world)]
     result = {"date": now_iso(), "hardware": hardware(torch.device("cuda")), "nccl": nccl, "model": args.model,
