@@ -254,9 +254,9 @@ def main() -> None:
     args = ap.parse_args()
     try:
         import openai  # noqa: F401
-    except ImportError:
-        raise SystemExit("bench/serve.py measures through the official `openai` client: pip install openai "
-                         "(on the GPU host, scripts/gpu_assets.sh carries its wheels)")
+    except ImportError as e:
+        raise SystemExit(f"bench/serve.py measures through the official `openai` client ({e}): pip install openai "
+                         "(on the GPU host, scripts/gpu_assets.sh carries its wheels)") from e
 
     cuda = args.device == "cuda"
     if args.model is None:

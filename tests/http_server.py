@@ -45,6 +45,16 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _end_with_parent() -> None:
+    """In the server's process before exec: SIGTERM it when the process that started it dies. Its own
+    session keeps it out of a terminal's Ctrl-C, so without this a test run or benchmark killed by a
+    time limit would leave a server (and its engine's device memory) behind."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None, api_key: str | None = None):
         self.args = list(args)
@@ -59,7 +69,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "server", "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(self.env), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_end_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -23,6 +23,8 @@ class DeviceComm(Protocol):
 
     def close(self) -> None: ...
 
+    def abort(self) -> None: ...
+
 
 class GlooComm:
     """A gloo group beside the control group, so it can be destroyed and re-created alone."""
@@ -42,6 +44,9 @@ class GlooComm:
 
     def close(self) -> None:
         dist.destroy_process_group(self.group)
+
+    def abort(self) -> None:
+        """Nothing to do: a gloo collective fails by itself once a peer's sockets close."""
 
 
 _NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9, torch.int64: 4,
@@ -93,3 +98,11 @@ class NcclComm:
             torch.cuda.synchronize(self.device)
             self.lib.ncclCommAbort(self.comm)
             self.comm = ctypes.c_void_p()
+
+    def abort(self) -> None:
+        """From any thread, when a peer died: a collective waiting for it never completes, so a thread
+        blocked on it (a synchronize) waits forever; ncclCommAbort ends the communicator's kernels and
+        the next call on this communicator fails (a null communicator), so the failure surfaces."""
+        comm, self.comm = self.comm, ctypes.c_void_p()
+        if comm:
+            self.lib.ncclCommAbort(comm)

@@ -110,6 +110,12 @@ class Workers:
             f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(code)}; "
             f"the {self.world} ranks cannot run without it")
         log.critical("%s: the engine stops", self.lost)
+        # Rank 0 may be inside a collective that waits for the dead rank (during the start: the memory
+        # plan's forward, a graph capture): end it so the error reaches rank 0's caller, not a hang.
+        try:
+            self.group.abort()
+        except Exception:
+            log.exception("aborting the device communicator failed")
         for fn in list(self.listeners):
             try:
                 fn(self.lost)

@@ -63,6 +63,12 @@ class Group:
             comm, self.comm = self.comm, None
             comm.close()
 
+    def abort(self) -> None:
+        """A rank died (called from its monitor thread): unblock this rank's collectives on it."""
+        comm = self.comm
+        if comm is not None:
+            comm.abort()
+
     def close(self) -> None:
         self.down()
         if dist.is_initialized():
