@@ -195,6 +195,7 @@ def main() -> None:
     if not args.no_hf:
         result["hf"] = hf_in_subprocess(args, folder, prompts)
         result["hf"]["prompts_per_call"] = args.hf_prompts
+        progress("transformers", result["hf"])
     from tests.http_server import ServerProcess
 
     server = ServerProcess([*flags, "--log-level", "warning"]).start()
@@ -205,6 +206,7 @@ def main() -> None:
         http_rollout(server.url, "EMPTY", served, prompts[:2], 1, 4, args.temperature)  # warm-up
         result["http"] = http_rollout(server.url, "EMPTY", served, prompts, args.n, args.max_tokens,
                                       args.temperature, args.requests)
+        progress("HTTP", result["http"])
     finally:
         server.stop()
 
@@ -218,6 +220,7 @@ def main() -> None:
     in_thread(engine_rollout, llm, prompts[:2], 1, 4, args.temperature)  # warm-up
     recorder = StepRecorder(llm.engine)
     result["engine"] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature)
+    progress("in-process", result["engine"])
     cost = ModelCost.of(llm.engine.model)
     roof_s = recorder.roofline_seconds(cost, measured)
     steps = recorder.steps
@@ -237,6 +240,11 @@ def main() -> None:
     write_json(args.out, f"rollout-{name}-{args.device}", result)
     plot(result, args.out / f"rollout-{name}-{args.device}.png")
     report(result)
+
+
+def progress(path: str, res: dict) -> None:
+    """One line per finished path: a run cut short by a time limit still leaves its figures."""
+    print(f"{path}: {res['sequences']} sequences in {res['seconds']:.2f} s, {res['tok_s']:.0f} tok/s", flush=True)
 
 
 def report(r: dict) -> None:
