@@ -166,10 +166,83 @@ def test_pushed_weights_serve_like_a_disk_load(servers, references, perturbed, b
     rc, report = trainer(server, backend, perturbed, "--weight-version", f"step-{backend}")
     assert rc == 0, report
     assert report["server"]["weights_valid"] is True and report["server"]["tensors"] > 100
+    if backend == "gloo":
+        # Sorted names, 16 MiB buckets: the embedding is a bucket alone and lands straight in its
+        # parameter; the other buckets mix layers' tensors and are unpacked from a slot buffer.
+        timings = report["update"]["timings"]
+        assert timings["direct"] >= 1 and timings["staged"] >= 1, timings
+        assert report["sender"]["staged"] >= 1, report["sender"]
     assert admin(server, "GET", "/get_weight_version").json() == {"weight_version": f"step-{backend}"}
     assert admin(server, "POST", "/wake_up", params={"tags": "kv_cache"}).status_code == 200
     assert greedy(server) == expected
     assert load_from_disk(server) == original
+
+
+@pytest.mark.parametrize("how", ["--unpacked", "--flat"])
+def test_copy_free_paths_serve_like_a_disk_load(servers, references, perturbed, how):
+    """--unpacked: one broadcast per tensor, each received straight into its parameter (no bucket, no
+    unpack). --flat: the trainer's tensors lie back to back in one buffer, so every bucket is
+    broadcast from it without packing."""
+    server = servers["gloo"]
+    original, expected = references["gloo"]
+    rc, report = trainer(server, "gloo", perturbed, how)
+    assert rc == 0, report
+    timings, sender = report["update"]["timings"], report["sender"]
+    if how == "--unpacked":
+        assert timings["direct"] == report["update"]["tensors"] > 100 and timings["staged"] == 0, timings
+    else:
+        assert sender["direct"] > 1 and sender["staged"] == 0, sender
+    assert state(server)["weights_valid"] is True
+    assert greedy(server) == expected
+    assert load_from_disk(server) == original
+
+
+def test_a_bucket_lands_in_place_when_the_parameters_line_up():
+    """In one process over gloo (two threads): a bucket that is exactly a fused q|k|v block in the
+    announced order is broadcast into the block itself; one that is not (another order, a cast) goes
+    through a slot buffer; both end equal to what was sent."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from server.weight_transfer.broadcast_receive import BroadcastReceive
+    from server.weight_transfer.group import GlooGroup
+    from server.weight_transfer.protocol import region
+
+    fused = torch.zeros(10, 4)
+    q, k, v = fused.split([4, 3, 3])
+    targets = {"q": q, "k": k, "v": v, "o": torch.zeros(4, 4), "n": torch.zeros(4)}
+    assert region([q, k, v]) is not None and region([k, q]) is None and region([q, targets["o"]]) is None
+    sent = {name: torch.randn(t.shape) for name, t in targets.items()}
+    sent["n"] = sent["n"].double()  # cast on copy: never in place
+    order = ["q", "k", "v", "o", "n"]
+    metas = [TensorMeta(n, sent[n].dtype, tuple(sent[n].shape)) for n in order]
+    bucket = sum(m.nbytes for m in metas[:3]) - 1  # bucket 0 closes exactly after v
+    assert plan_buckets([m.nbytes for m in metas], bucket)[0] == range(0, 3)
+    store = dist.HashStore()
+    groups: dict[int, GlooGroup] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = GlooGroup(store, rank, 2, 30)
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+
+    def send() -> None:
+        for r in plan_buckets([m.nbytes for m in metas], bucket):
+            buf = torch.empty(sum(metas[i].nbytes for i in r), dtype=torch.uint8)
+            pack_into(buf, [sent[order[i]] for i in r])
+            groups[0].broadcast(buf)
+    sender = threading.Thread(target=send)
+    sender.start()
+    loaded: set[str] = set()
+    stats = BroadcastReceive(groups[1], targets, torch.device("cpu")).run(metas, True, bucket, loaded)
+    sender.join(timeout=60)
+    assert (stats.direct, stats.staged) == (1, 1), stats
+    assert loaded == set(order)
+    for name in order:
+        assert torch.equal(targets[name], sent[name].to(targets[name].dtype)), name
+    assert torch.equal(fused[:4], sent["q"])  # written through the block's own memory
 
 
 def test_a_mismatch_is_refused_before_any_byte_moves(servers, references, perturbed):

@@ -4,7 +4,9 @@ and pushes its tensors into a running server with WeightSender.
     python tests/weight_trainer.py URL BACKEND CHECKPOINT_DIR ADMIN_KEY [--bucket-bytes N] [--pause-after K]
 
 Prints one JSON line with the send report. --pause-after K: after bucket K has gone, print
-PAUSED and wait forever (the test kills it there, mid-send).
+PAUSED and wait forever (the test kills it there, mid-send). --unpacked: one broadcast per tensor
+(vLLM's packed: false). --flat: hold the tensors in one flat buffer, back to back in the order sent
+(as trainers with flat parameter buffers do), so the sender broadcasts buckets from it without packing.
 """
 from __future__ import annotations
 
@@ -16,9 +18,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from server.weight_transfer.sender import WeightSender, WeightSendError  # noqa: E402
+
+
+def flatten(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The same tensors as views of one buffer, back to back in this order."""
+    flat = torch.empty(sum(t.numel() * t.element_size() for _, t in named), dtype=torch.uint8)
+    out, offset = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        assert offset % t.element_size() == 0, "a flat buffer needs aligned starts"
+        view = flat[offset:offset + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append((name, view))
+        offset += n
+    return out
 
 
 def main() -> int:
@@ -31,6 +48,8 @@ def main() -> int:
     ap.add_argument("--pause-after", type=int, default=None)
     ap.add_argument("--weight-version", default=None)
     ap.add_argument("--rename", default=None, help="send the first tensor under this name instead")
+    ap.add_argument("--unpacked", action="store_true")
+    ap.add_argument("--flat", action="store_true")
     args = ap.parse_args()
     tensors = {}
     for f in sorted(Path(args.checkpoint).glob("*.safetensors")):
@@ -38,6 +57,8 @@ def main() -> int:
     named = sorted(tensors.items())
     if args.rename:
         named[0] = (args.rename, named[0][1])
+    if args.flat:
+        named = flatten(named)
 
     def after(i: int) -> None:
         if args.pause_after is not None and i >= args.pause_after:
@@ -46,7 +67,7 @@ def main() -> int:
                 time.sleep(1)
 
     sender = WeightSender(args.url, backend=args.backend, api_key=args.key, bucket_bytes=args.bucket_bytes,
-                          after_bucket=after, timeout_s=60)
+                          after_bucket=after, timeout_s=60, packed=not args.unpacked)
     try:
         sender.init()
         report = sender.send(named, weight_version=args.weight_version)

@@ -17,6 +17,9 @@ from server.weight_transfer import rendezvous
 class Group(Protocol):
     rank: int
     world_size: int
+    # The CUDA stream the transfers run on (NCCL), or None for a synchronous group (gloo): the
+    # packed-bucket code orders its copies against it with events instead of host waits.
+    stream: Any
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
         """Start a broadcast; returns a token for wait_for (it may already be complete)."""
@@ -30,6 +33,7 @@ class GlooGroup:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size = rank, world_size
+        self.stream = None
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("sleepserve/gloo/", store), rank, world_size,
                                         timedelta(seconds=timeout_s))
 

@@ -6,7 +6,10 @@
   the limit is still in it), then the next bucket starts. Sender and receiver both derive the
   split from the announced sizes, so only `packed_buffer_size_bytes` has to agree.
 - Each bucket is broadcast from rank 0 (the trainer) as one uint8 tensor; unpacked, each tensor
-  is a byte slice of it viewed as its dtype and shape.
+  is a byte slice of it viewed as its dtype and shape. So when a bucket's tensors already lie one
+  after another in one storage (fused q|k|v and gate|up parameters, a trainer's flat buffer), that
+  storage's bytes *are* the bucket: `region` gives them, and no pack or unpack copy is needed.
+- Unpacked (packed: false), each tensor is one broadcast of its own, in the announced order.
 """
 from __future__ import annotations
 
@@ -72,3 +75,19 @@ def pack_into(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> int:
         buffer[offset:offset + flat.numel()].copy_(flat, non_blocking=True)
         offset += flat.numel()
     return offset
+
+
+def region(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The uint8 view of the bytes the tensors occupy if they lie back to back, in this order, in one
+    storage (so writing the view writes them, reading it reads them); else None."""
+    if not tensors or any(t.numel() == 0 or not t.is_contiguous() for t in tensors):
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage()
+    end = first.data_ptr()
+    for t in tensors:
+        if t.device != first.device or t.untyped_storage().data_ptr() != storage.data_ptr() or t.data_ptr() != end:
+            return None
+        end += t.numel() * t.element_size()
+    start = first.data_ptr() - storage.data_ptr()
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (end - first.data_ptr(),), (1,))

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from server.weight_transfer import handles, rendezvous
+from server.weight_transfer.broadcast_receive import BroadcastReceive
 from server.weight_transfer.config import WeightTransferConfig
 from server.weight_transfer.group import Group, open_group
-from server.weight_transfer.protocol import DTYPES, TensorMeta, plan_buckets, unpack
+from server.weight_transfer.protocol import DTYPES, TensorMeta, unpack
 
 log = logging.getLogger("sleepserve.weights")
 
@@ -67,6 +68,8 @@ class WeightReceiver:
         self.group: Group | None = None
         self.store: Any = None
         self.importer = handles.CudaImporter(device) if config.backend == "ipc" else None
+        self._receiving: BroadcastReceive | None = None
+        self.last_stats: dict = {}   # the last receive's timings (broadcast_receive.ReceiveStats)
 
     # -- checks (before any byte) ----------------------------------------------------------------
 
@@ -161,14 +164,19 @@ class WeightReceiver:
     # -- receiving -------------------------------------------------------------------------------
 
     def receive(self, update: Update) -> set[str]:
-        """Move the bytes and copy them into the parameters. Returns the names written."""
+        """Move the bytes and copy them into the parameters. Returns the names written; `last_stats`
+        says where the time went."""
         loaded: set[str] = set()
+        self.last_stats = {}
         try:
             with self._on_device():
                 self._receive(update, loaded)
         except Exception as e:
             if self.config.distributed:
                 self.close(abort=True)  # a broken group cannot be reused: the trainer must init again
+                if self._receiving is not None:
+                    self._receiving.drain()
+                    self._receiving = None
             raise TransferFailedError(f"the weight transfer failed after {len(loaded)} of {len(update.metas)} "
                                       f"tensors: {type(e).__name__}: {e}", loaded) from e
         return loaded
@@ -194,30 +202,11 @@ class WeightReceiver:
                     loaded.add(name)
 
     def _receive_broadcast(self, update: Update, loaded: set[str]) -> None:
-        group = self.group
-        assert group is not None
-        if not update.packed:
-            for m in update.metas:
-                buf = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-                group.wait_for(group.broadcast(buf))
-                self._copy([(m.name, buf)], loaded)
-            return
-        # Two buckets in flight: bucket i+1 arrives (on NCCL's stream) while bucket i is copied.
-        prev: tuple[list[TensorMeta], torch.Tensor, Any] | None = None
-        for r in plan_buckets([m.nbytes for m in update.metas], update.bucket_bytes):
-            metas = [update.metas[i] for i in r]
-            buf = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=self.device)
-            token = group.broadcast(buf)
-            if token is None:  # a synchronous group (gloo): the bytes are here, copy them now
-                self._copy(unpack(buf, metas), loaded)
-                continue
-            if prev is not None:
-                group.wait_for(prev[2])
-                self._copy(unpack(prev[1], prev[0]), loaded)
-            prev = (metas, buf, token)
-        if prev is not None:
-            group.wait_for(prev[2])
-            self._copy(unpack(prev[1], prev[0]), loaded)
+        assert self.group is not None
+        self._receiving = BroadcastReceive(self.group, self.targets, self.device, self.config.packed_num_buffers)
+        stats = self._receiving.run(update.metas, update.packed, update.bucket_bytes, loaded)
+        self._receiving = None
+        self.last_stats = stats.as_dict()
 
     def _receive_handles(self, update: Update, loaded: set[str]) -> None:
         if update.packed:

@@ -28,7 +28,7 @@ import torch
 from server.weight_transfer import handles, rendezvous, safe_pickle
 from server.weight_transfer.config import DEFAULT_BUCKET_BYTES, WeightTransferConfig
 from server.weight_transfer.group import Group, open_group
-from server.weight_transfer.protocol import dtype_name, pack_into, plan_buckets
+from server.weight_transfer.protocol import dtype_name, pack_into, plan_buckets, region
 
 
 class WeightSendError(RuntimeError):
@@ -43,7 +43,7 @@ class WeightSender:
     def __init__(self, base_url: str, backend: str = "nccl", api_key: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None,
                  master_address: str = "127.0.0.1", timeout_s: float = 300.0,
-                 after_bucket: Callable[[int], None] | None = None):
+                 after_bucket: Callable[[int], None] | None = None, packed: bool = True):
         WeightTransferConfig(backend=backend)  # validates the name
         self.url = base_url.rstrip("/")
         self.backend = backend
@@ -56,9 +56,12 @@ class WeightSender:
         self.master_address = master_address
         self.timeout_s = timeout_s
         self.after_bucket = after_bucket  # test and benchmark hook: called after each bucket left
+        self.packed = packed      # nccl / gloo: packed buckets (vLLM's default), or one broadcast per tensor
         self.group: Group | None = None
         self.store: Any = None
         self._bucket: Any = None
+        self._ring: list[torch.Tensor] = []
+        self._pack_stream: Any = None
 
     # -- HTTP --------------------------------------------------------------------------------------
 
@@ -118,23 +121,30 @@ class WeightSender:
         if self._bucket is not None:
             self._bucket.close()
             self._bucket = None
+        self._ring = []
 
     # -- sending -----------------------------------------------------------------------------------
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> dict:
-        """One complete update: start, the tensors, finish. Returns timings and the server's answer."""
+        """One complete update: start, the tensors, finish. Returns timings and the server's answer:
+        `phases` (seconds of each step, as this process saw them), `sender` (buckets sent straight
+        from the tensors' memory or packed; device time of packing) and the server's `update` answer
+        (its receive timings)."""
         named = [(n, t.detach()) for n, t in named_tensors]
-        t0 = time.perf_counter()
+        clock = _Clock()
         self.post("/start_weight_update", {})
+        clock.lap("start_s")
         if self.backend in ("nccl", "gloo"):
-            self._send_broadcast(named)
+            update, sender = self._send_broadcast(named, clock)
         else:
-            self._send_handles(named)
-        t1 = time.perf_counter()
+            update, sender = self._send_handles(named, clock)
+        send_seconds = clock.elapsed()
         done = self.post("/finish_weight_update", {"weight_version": weight_version} if weight_version else {})
+        clock.lap("finish_s")
+        seconds = clock.elapsed()
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        return {"bytes": nbytes, "send_seconds": t1 - t0, "seconds": time.perf_counter() - t0,
-                "gb_per_s": nbytes / (time.perf_counter() - t0) / 1e9, "server": done}
+        return {"bytes": nbytes, "send_seconds": send_seconds, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
+                "phases": clock.laps, "sender": sender, "update": update, "server": done}
 
     def _meta(self, named: list[tuple[str, torch.Tensor]]) -> dict:
         return {"names": [n for n, _ in named], "dtype_names": [dtype_name(t.dtype) for _, t in named],
@@ -162,29 +172,89 @@ class WeightSender:
                 raise
             raise WeightSendError(f"the server refused the update: {message}")
 
-    def _send_broadcast(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _send_broadcast(self, named: list[tuple[str, torch.Tensor]], clock: "_Clock") -> tuple[dict, dict]:
         if self.group is None:
             raise WeightSendError("call init() before send()")
         key = uuid.uuid4().hex
-        info = {**self._meta(named), "packed": True, "packed_buffer_size_bytes": self.bucket_bytes,
+        info = {**self._meta(named), "packed": self.packed, "packed_buffer_size_bytes": self.bucket_bytes,
                 "sleepserve_ready_key": key}
         answer = self._post_async("/update_weights", {"update_info": info})
         self._wait_ready(key, answer)
-        sizes = [t.numel() * t.element_size() for _, t in named]
-        in_flight: list[tuple[torch.Tensor, Any]] = []
-        for i, r in enumerate(plan_buckets(sizes, self.bucket_bytes)):
-            buf = torch.empty(sum(sizes[j] for j in r), dtype=torch.uint8, device=self.device)
-            pack_into(buf, [named[j][1].to(self.device) for j in r])
-            in_flight.append((buf, self.group.broadcast(buf)))
-            if len(in_flight) > 1:  # two buckets in flight, as vLLM's producer keeps
-                self.group.wait_for(in_flight.pop(0)[1])
-            if self.after_bucket:
-                self.after_bucket(i)
-        for _, token in in_flight:
-            self.group.wait_for(token)
-        answer.result(timeout=self.timeout_s + 30)
+        clock.lap("ready_s")
+        stats = self._broadcast([t for _, t in named])
+        clock.lap("data_s")
+        update = answer.result(timeout=self.timeout_s + 30)
+        clock.lap("answer_s")
+        return update, stats
 
-    def _send_handles(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _broadcast(self, tensors: list[torch.Tensor]) -> dict:
+        """Enqueue every broadcast, then wait for them in order (no host wait per bucket). A bucket
+        whose tensors already lie back to back in one storage (protocol.region) is broadcast from
+        there; any other is packed into one of two reused slots on a pack stream, the next pack into
+        a slot waiting (an event) for the broadcast out of it."""
+        group = self.group
+        assert group is not None
+        cuda = group.stream is not None
+        tensors = [t if t.device == self.device else t.to(self.device) for t in tensors]
+        pending: list[Any] = []
+        timed: list[tuple[Any, Any]] = []
+        direct = staged = 0
+        if not self.packed:  # one broadcast per tensor, from its own memory
+            tensors = [t.contiguous() for t in tensors]  # kept until every broadcast is done
+            for i, t in enumerate(tensors):
+                pending.append(group.broadcast(t))
+                direct += 1
+                if self.after_bucket:
+                    self.after_bucket(i)
+        else:
+            sizes = [t.numel() * t.element_size() for t in tensors]
+            buckets = plan_buckets(sizes, self.bucket_bytes)
+            views = [region([tensors[j] for j in r]) for r in buckets]
+            staged_sizes = [sum(sizes[j] for j in r) for r, v in zip(buckets, views) if v is None]
+            slots = self._slots(max(staged_sizes, default=0), min(2, len(staged_sizes)))
+            free: list[Any] = [None] * len(slots)  # per slot: the broadcast out of it
+            if cuda:
+                if self._pack_stream is None:
+                    self._pack_stream = torch.cuda.Stream(self.device)
+                self._pack_stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensors' producers
+            for k, (r, view) in enumerate(zip(buckets, views)):
+                if view is not None:
+                    pending.append(group.broadcast(view))
+                    direct += 1
+                else:
+                    s = staged % len(slots)
+                    staged += 1
+                    buf = slots[s][:sum(sizes[j] for j in r)]
+                    if not cuda:
+                        pack_into(buf, [tensors[j] for j in r])
+                        pending.append(group.broadcast(buf))
+                    else:
+                        stream = self._pack_stream
+                        if free[s] is not None:
+                            stream.wait_event(free[s])
+                        with torch.cuda.stream(stream):  # the broadcast waits for the current stream: this one
+                            start = _event(stream)
+                            pack_into(buf, [tensors[j] for j in r])
+                            timed.append((start, _event(stream)))
+                            free[s] = group.broadcast(buf)
+                        pending.append(free[s])
+                if self.after_bucket:
+                    self.after_bucket(k)
+        for token in pending:
+            group.wait_for(token)
+        return {"direct": direct, "staged": staged,
+                "pack_gpu_s": sum(a.elapsed_time(b) for a, b in timed) / 1e3}
+
+    def _slots(self, size: int, count: int) -> list[torch.Tensor]:
+        """`count` packing buffers of `size` bytes, kept from one send to the next."""
+        if count == 0:
+            return []
+        if len(self._ring) < count or self._ring[0].numel() < size:
+            self._ring = []  # freed first: two 1 GiB slots, not four
+            self._ring = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        return self._ring[:count]
+
+    def _send_handles(self, named: list[tuple[str, torch.Tensor]], clock: "_Clock") -> tuple[dict, dict]:
         sizes = [t.numel() * t.element_size() for _, t in named]
         capacity = max(min(self.bucket_bytes, sum(sizes)), max(sizes, default=1))
         if self._bucket is None or self._bucket.tensor.numel() < capacity:
@@ -197,6 +267,8 @@ class WeightSender:
         pickled = safe_pickle.dumps_b64(bucket.handle) if self.backend == "ipc" else None
         chunk: list[int] = []
         total = 0
+        update: dict = {}
+        server_s = 0.0
         chunks: list[list[int]] = []
         for i, size in enumerate(sizes):  # vLLM's IPC rule: a chunk never exceeds the buffer
             if chunk and total + size > capacity:
@@ -211,11 +283,37 @@ class WeightSender:
             pack_into(bucket.tensor, [t for _, t in part])
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
+            clock.lap("pack_s")
             info = {**self._meta(part), "packed": True, "tensor_sizes": [sizes[i] for i in idx]}
             if pickled is not None:
                 info["ipc_handles_pickled"] = pickled
             else:
                 info["ipc_handles"] = handle
-            self.post("/update_weights", {"update_info": info})
+            update = self.post("/update_weights", {"update_info": info})
+            server_s += update.get("seconds") or 0.0
+            clock.lap("post_s")
             if self.after_bucket:
                 self.after_bucket(n)
+        return update, {"chunks": len(chunks), "server_copy_s": server_s}
+
+
+class _Clock:
+    """Seconds of each phase of a send, as laps of one clock."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _event(stream: Any) -> Any:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event

@@ -146,7 +146,8 @@ class WeightTransferService:
         if finished is not None:
             self._thread.run(self.receiver.finish)
         return {"tensors": len(loaded), "bytes": update.nbytes, "seconds": seconds,
-                "gb_per_s": update.nbytes / seconds / 1e9 if seconds > 0 else None}
+                "gb_per_s": update.nbytes / seconds / 1e9 if seconds > 0 else None,
+                "timings": self.receiver.last_stats}
 
     def start(self) -> dict:
         return self.on_engine(weight_session.start)
