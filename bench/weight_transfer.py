@@ -4,7 +4,14 @@
   against (a) a plain device-to-device copy of the same bytes in this process and (b) the disk
   path: safetensors written by the trainer, then POST /update_weights {path}.
 --backend nccl (trainer on GPU 0, server on GPU 1; gloo on CPU): push over the group against a
-  raw broadcast of the same bytes in the same bucket size between two bare processes.
+  raw broadcast of the same bytes in the same bucket size between two bare processes (two ways:
+  the receiver waiting for each bucket, and enqueueing them all; the faster is the reference).
+  Beside it, in the same run, where the time goes: pushes in several modes (packed buckets of each
+  size; one broadcast per tensor, received in place: no pack, no unpack; a trainer whose tensors
+  lie in one flat buffer: no pack, the server's unpack alone), each with its phases (start, ready,
+  data, answer, finish) and the server's receive timings (buckets in place / unpacked, device time
+  of the unpack copies); packing alone on the trainer's GPU; an update of one small tensor (the
+  HTTP round trips with no data).
 Random weights of real shapes (--models llama-1b,llama-8b); nothing is downloaded.
 
     python bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out gpu-results/results
@@ -26,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import now_iso, table, write_json  # noqa: E402
+from bench.common import now_iso, table, timed, write_json  # noqa: E402
 from tests.models import model_folder  # noqa: E402
 from server.weight_transfer import rendezvous  # noqa: E402
 from server.weight_transfer.group import open_group  # noqa: E402
-from server.weight_transfer.protocol import plan_buckets  # noqa: E402
+from server.weight_transfer.protocol import pack_into, plan_buckets  # noqa: E402
 from server.weight_transfer.sender import WeightSender  # noqa: E402
 from tests.http_server import ServerProcess  # noqa: E402
 
@@ -94,20 +101,31 @@ sys.path.insert(0, sys.argv[1])
 from server.weight_transfer import rendezvous
 from server.weight_transfer.group import open_group
 from server.weight_transfer.protocol import plan_buckets
-port, backend, dev, sizes, bucket, rounds = int(sys.argv[2]), sys.argv[3], sys.argv[4], [int(x) for x in sys.argv[5].split(',')], int(sys.argv[6]), int(sys.argv[7])
+port, backend, dev, sizes, bucket, rounds, pipelined = int(sys.argv[2]), sys.argv[3], sys.argv[4], [int(x) for x in sys.argv[5].split(',')], int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "1"
 device = torch.device(dev)
 store = rendezvous.join_store("127.0.0.1", port, 2, 300)
 group = open_group(backend, store, 1, 2, device, 300)
+plan = plan_buckets(sizes, bucket)
+largest = max(sum(sizes[i] for i in r) for r in plan)
+slots = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2)]
 for _ in range(rounds):
-    for r in plan_buckets(sizes, bucket):
-        buf = torch.empty(sum(sizes[i] for i in r), dtype=torch.uint8, device=device)
-        group.wait_for(group.broadcast(buf))
+    pending = []
+    for k, r in enumerate(plan):
+        buf = slots[k % 2][:sum(sizes[i] for i in r)]
+        if pipelined:  # enqueue all: the stream orders them (the bytes are dropped)
+            pending.append(group.broadcast(buf))
+        else:
+            group.wait_for(group.broadcast(buf))
+    for p in pending:
+        group.wait_for(p)
 print("done", flush=True)
 """
 
 
-def raw_broadcast_s(named, backend: str, device: torch.device, peer_device: str, bucket: int, rounds: int = 3) -> float:
-    """The ceiling for nccl/gloo: the same bytes, same buckets, between two bare processes."""
+def raw_broadcast_s(named, backend: str, device: torch.device, peer_device: str, bucket: int, rounds: int = 3,
+                    pipelined: bool = False) -> float:
+    """The ceiling for nccl/gloo: the same bytes, same buckets, between two bare processes. The
+    receiver waits for each bucket before the next (pipelined=False) or enqueues them all."""
     sizes = [t.numel() * t.element_size() for _, t in named]
     port = rendezvous.free_port()
     env = dict(os.environ)
@@ -115,18 +133,20 @@ def raw_broadcast_s(named, backend: str, device: torch.device, peer_device: str,
         env["CUDA_VISIBLE_DEVICES"] = peer_device
     peer = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(Path(__file__).resolve().parents[1]), str(port),
                              backend, "cuda:0" if device.type == "cuda" else "cpu", ",".join(map(str, sizes)),
-                             str(bucket), str(rounds)], env=env)
+                             str(bucket), str(rounds), "1" if pipelined else "0"], env=env)
     store = rendezvous.host_store("127.0.0.1", port, 2, 300)
     group = open_group(backend, store, 0, 2, device, 300)
+    plan = plan_buckets(sizes, bucket)
+    largest = max(sum(sizes[i] for i in r) for r in plan)
+    slots = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2)]
     best = float("inf")
     for _ in range(rounds):
         sync(device)
         t0 = time.perf_counter()
         pending = []
-        for r in plan_buckets(sizes, bucket):
-            buf = torch.empty(sum(sizes[i] for i in r), dtype=torch.uint8, device=device)
-            pending.append(group.broadcast(buf))
-            if len(pending) > 1:
+        for k, r in enumerate(plan):
+            pending.append(group.broadcast(slots[k % 2][:sum(sizes[i] for i in r)]))
+            if len(pending) > 1 and not pipelined:
                 group.wait_for(pending.pop(0))
         for p in pending:
             group.wait_for(p)
@@ -135,6 +155,111 @@ def raw_broadcast_s(named, backend: str, device: torch.device, peer_device: str,
     peer.wait(timeout=300)
     group.close()
     return best
+
+
+def pack_alone_s(named: list[tuple[str, torch.Tensor]], device: torch.device, bucket: int) -> float:
+    """The trainer's packing of every bucket on its own (no broadcast): the device copies a push
+    makes on the trainer's GPU, unhidden."""
+    tensors = [t for _, t in named]
+    plan = plan_buckets([t.numel() * t.element_size() for t in tensors], bucket)
+    largest = max(sum(tensors[i].numel() * tensors[i].element_size() for i in r) for r in plan)
+    slots = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def pack_all() -> None:
+        for k, r in enumerate(plan):
+            pack_into(slots[k % 2], [tensors[i] for i in r])
+    pack_all()
+    return min(timed(pack_all, device) for _ in range(3))
+
+
+def flat_copy(named: list[tuple[str, torch.Tensor]], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The same tensors as views of one buffer, back to back in this order (a trainer with a flat
+    parameter buffer): every bucket is then broadcast from it without packing."""
+    flat = torch.empty(sum(t.numel() * t.element_size() for _, t in named), dtype=torch.uint8, device=device)
+    out, offset = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        view = flat[offset:offset + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append((name, view))
+        offset += n
+    return out
+
+
+def best_send(sender: WeightSender, named, rounds: int = 3) -> dict:
+    sender.send(named)  # warm-up: buffers, IPC mapping, the first NCCL buckets
+    return min((sender.send(named) for _ in range(rounds)), key=lambda r: r["seconds"])
+
+
+def breakdown(report: dict) -> dict:
+    """What one send spent where: host phases, the trainer's buckets, the server's receive."""
+    return {"seconds": report["seconds"], "phases": report.get("phases", {}), "sender": report.get("sender", {}),
+            "server": (report.get("update") or {}).get("timings", {}),
+            "server_receive_s": (report.get("update") or {}).get("seconds")}
+
+
+def push_modes(sender: WeightSender, named, buckets: list[int], backend: str, device: torch.device, row: dict) -> None:
+    """Every push mode, best of 3 each; push_s@MODE and its breakdown go into the row."""
+    modes: list[tuple[str, dict, bool]] = [(f"{b >> 20}MiB", {"bucket_bytes": b, "packed": True}, True) for b in buckets]
+    if backend in ("nccl", "gloo"):
+        modes.append(("tensor", {"packed": False}, True))
+        modes.append((f"{buckets[-1] >> 20}MiB-flat", {"bucket_bytes": buckets[-1], "packed": True}, False))
+    row["breakdown"] = {}
+    for label, settings, headline in modes:
+        for k, v in settings.items():
+            setattr(sender, k, v)
+        if label.endswith("-flat"):
+            flat = flat_copy(named, device)
+            best = best_send(sender, flat)
+            del flat
+        else:
+            best = best_send(sender, named)
+        row[f"push_s@{label}"] = best["seconds"]
+        row["breakdown"][label] = breakdown(best)
+        if headline and best["seconds"] < row.get("push_s", float("inf")):
+            row["push_s"], row["push_mode"] = best["seconds"], label
+        print(f"  push {label}: {best['seconds'] * 1e3:.1f} ms", flush=True)
+    sender.packed, sender.bucket_bytes = True, buckets[-1]
+    small = [min(named, key=lambda nt: nt[1].numel())]
+    row["control_s"] = best_send(sender, small)["seconds"]
+
+
+def print_breakdown(rows: list[dict], backend: str) -> None:
+    ms = lambda x: f"{x * 1e3:.1f}" if isinstance(x, (int, float)) else "-"  # noqa: E731
+    for r in rows:
+        if "breakdown" not in r:
+            continue
+        print(f"\nwhere the time goes ({r['model']}, {backend}; ms, best push of 3 per mode)")
+        refs = [f"raw broadcast {ms(r['raw_broadcast_s'])}" if "raw_broadcast_s" in r else None,
+                f"(receiver waiting per bucket {ms(r.get('raw_broadcast_synced_s'))}, "
+                f"all enqueued {ms(r.get('raw_broadcast_pipelined_s'))})" if "raw_broadcast_synced_s" in r else None,
+                f"packing alone on the trainer {ms(r.get('pack_alone_s'))}" if "pack_alone_s" in r else None,
+                f"one-tensor update (HTTP round trips, no data) {ms(r.get('control_s'))}"]
+        print("; ".join(x for x in refs if x))
+        lines = []
+        for label, b in r["breakdown"].items():
+            ph, snd, srv = b["phases"], b["sender"], b["server"]
+            if backend in ("ipc", "shm"):
+                lines.append([label, ms(b["seconds"]), ms(ph.get("start_s")), ms(ph.get("pack_s")),
+                              ms(ph.get("post_s")), ms(snd.get("server_copy_s")), ms(ph.get("finish_s")),
+                              snd.get("chunks", "-")])
+                continue
+            lines.append([label, ms(b["seconds"]), ms(ph.get("start_s")), ms(ph.get("ready_s")), ms(ph.get("data_s")),
+                          ms(ph.get("answer_s")), ms(ph.get("finish_s")),
+                          f"{snd.get('direct', '-')}/{snd.get('staged', '-')}", ms(snd.get("pack_gpu_s")),
+                          f"{srv.get('direct', '-')}/{srv.get('staged', '-')}", ms(srv.get("unpack_gpu_s")),
+                          ms(srv.get("enqueue_s")), ms(srv.get("wait_s")), ms(srv.get("alloc_s")),
+                          ms(b.get("server_receive_s"))])
+        if backend in ("ipc", "shm"):
+            print(table(lines, ["mode", "push", "start", "trainer packs (+sync)", "posts", "server copies (in posts)",
+                                "finish", "chunks"]))
+        else:
+            print(table(lines, ["mode", "push", "start", "ready", "data", "answer", "finish", "trainer in place/packed",
+                                "pack GPU", "server in place/unpacked", "unpack GPU", "server enqueue", "server wait",
+                                "server alloc", "server receive"]))
+            print("start/ready/data/answer/finish: the trainer's host phases (POST start; POST update until the server "
+                  "says it receives; broadcasting until the last bucket left; the update's answer; POST finish). "
+                  "in place = broadcast from/into the tensors' own memory; packed/unpacked = through a bucket buffer.")
 
 
 def main() -> None:
@@ -172,14 +297,15 @@ def main() -> None:
             if backend in ("ipc", "shm"):
                 row["d2d_copy_s"] = d2d_copy_s(named, device)
             else:
-                row["raw_broadcast_s"] = raw_broadcast_s(named, backend, device, "1", buckets[-1])
+                row["raw_broadcast_synced_s"] = raw_broadcast_s(named, backend, device, "1", buckets[-1])
+                row["raw_broadcast_pipelined_s"] = raw_broadcast_s(named, backend, device, "1", buckets[-1],
+                                                                   pipelined=True)
+                row["raw_broadcast_s"] = min(row["raw_broadcast_synced_s"], row["raw_broadcast_pipelined_s"])
+                row["pack_alone_s"] = pack_alone_s(named, device, buckets[-1])
+            print(f"{name}: references done", flush=True)
             sender = WeightSender(server.url, backend=backend, device=device, timeout_s=1800)
             sender.init()
-            for bucket in buckets:
-                sender.bucket_bytes = bucket
-                sender.send(named)  # warm-up: buffers, IPC mapping, the first NCCL buckets
-                best = min((sender.send(named) for _ in range(3)), key=lambda r: r["seconds"])
-                row[f"push_s@{bucket >> 20}MiB"] = best["seconds"]
+            push_modes(sender, named, buckets, backend, device, row)
             sender.close()
             if not args.no_disk and backend in ("ipc", "shm"):
                 row["disk_write_s"], row["disk_load_s"] = disk_s(server, named, root)
@@ -188,8 +314,7 @@ def main() -> None:
         del named
         if cuda:
             torch.cuda.empty_cache()
-        push = min(v for k, v in row.items() if k.startswith("push_s@"))
-        row["push_s"] = push
+        push = row["push_s"]
         row["push_GBps"] = nbytes / push / GB
         ref = row.get("d2d_copy_s") or row.get("raw_broadcast_s")
         row["push_over_reference"] = ref / push
@@ -205,6 +330,7 @@ def main() -> None:
                  for r in rows],
                 ["model", "bytes", "push through HTTP", "push GB/s", ref_name, "reference / push",
                  "disk: write + load"]))
+    print_breakdown(rows, backend)
 
 
 if __name__ == "__main__":

@@ -56,9 +56,14 @@ for stage in $stages; do
     profile)    run profile $PY bench/step_profile.py --out "$RESULTS"
                 run profile-rl $PY bench/step_profile.py --temperature 1 --logprobs 0 --out "$RESULTS" ;;
     e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
-    weights)    run weights $PY bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out "$RESULTS" ;;
+    weights)    run weights-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_weight_transfer_gpu.py -k ipc \
+                  -p no:cacheprovider
+                run weights $PY bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out "$RESULTS" ;;
     tp)         run tp $PY bench/tensor_parallel.py --world 2 --out "$RESULTS" ;;
-    weights-nccl) run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
+    weights-nccl)  # every receive path checked against a disk load first, then timed (with its breakdown)
+                run weights-nccl-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_weight_transfer_gpu.py \
+                  -k nccl -p no:cacheprovider
+                run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
     rlloop)     run rlloop $PY examples/rl_colocated.py --device cuda --model llama-1b --iterations 3 --prompts 8 \
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
     structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
@@ -77,7 +82,7 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|structured outputs|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|tensor parallel)" "$LOG" || true
+grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|tensor parallel)" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
 grep -h -E "^iter [0-9]+:" "$LOG" || true
 grep -h -A30 -E "^README sleep flows" "$LOG" || true

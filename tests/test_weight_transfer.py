@@ -202,7 +202,6 @@ def test_a_bucket_lands_in_place_when_the_parameters_line_up():
     announced order is broadcast into the block itself; one that is not (another order, a cast) goes
     through a slot buffer; both end equal to what was sent."""
     import threading
-    from datetime import timedelta
 
     import torch.distributed as dist
     from server.weight_transfer.broadcast_receive import BroadcastReceive

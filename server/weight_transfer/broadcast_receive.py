@@ -99,6 +99,7 @@ class BroadcastReceive:
                 self.stats.direct += 1
                 continue
             buf = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+            self._keep.append(buf)  # until the broadcast into it is done, even when it is dropped
             self._pending.append(self.group.broadcast(buf))
             self.stats.staged += 1
             if target is not None:  # another dtype (cast on copy); lm_head of a tied model is dropped
@@ -106,7 +107,6 @@ class BroadcastReceive:
                 with self._on(self.group.stream):  # after the broadcast, in its stream's order
                     with torch.no_grad():
                         target.copy_(buf, non_blocking=True)
-                self._keep.append(buf)
 
     def _packed(self, metas: list[TensorMeta], bucket_bytes: int, loaded: set[str]) -> None:
         buckets = [[metas[i] for i in r] for r in plan_buckets([m.nbytes for m in metas], bucket_bytes)]

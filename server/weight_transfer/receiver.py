@@ -5,7 +5,9 @@ the event loop or the engine thread; the route brackets it with the engine's beg
 no step runs on half-written weights. Names, dtypes and shapes are checked against the model
 before the first byte moves. Tensors are copied into the existing parameters (the pool's
 memory): addresses, and so CUDA graphs, stay valid; fused q|k|v and gate|up blocks are filled
-through their per-projection views, which keep the checkpoint's names.
+through their per-projection views, which keep the checkpoint's names. The nccl/gloo receive itself
+(in place where the bytes line up, else through reused buffers on a copy stream) is
+broadcast_receive.py.
 """
 from __future__ import annotations
 

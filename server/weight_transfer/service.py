@@ -144,7 +144,7 @@ class WeightTransferService:
         seconds = time.perf_counter() - t0
         finished = self.on_engine(lambda core: weight_session.end_write(core, loaded, failed=False))
         if finished is not None:
-            self._thread.run(self.receiver.finish)
+            self._release()
         return {"tensors": len(loaded), "bytes": update.nbytes, "seconds": seconds,
                 "gb_per_s": update.nbytes / seconds / 1e9 if seconds > 0 else None,
                 "timings": self.receiver.last_stats}
@@ -154,8 +154,17 @@ class WeightTransferService:
 
     def finish(self, weight_version: str | None) -> dict:
         report = self.on_engine(lambda core: weight_session.finish(core, weight_version))
-        self._thread.run(self.receiver.finish)
+        self._release()
         return report
+
+    def _release(self) -> None:
+        """Free what the update held. IPC: the trainer's mapping goes before we answer (its memory is
+        the trainer's). nccl / gloo: only our bucket buffers' cached memory, freed after the answer
+        (a cudaFree waits for the device; the transfer thread runs it before anything queued later)."""
+        if self.config.distributed:
+            self._thread.submit(self.receiver.finish)
+        else:
+            self._thread.run(self.receiver.finish)
 
     def update_from_tensor(self, serialized: str, weight_version: str | None) -> dict:
         """SGLang's /update_weights_from_tensor: a base64 pickle of [(name, tensor), ...] whose tensors

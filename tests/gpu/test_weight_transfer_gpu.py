@@ -97,17 +97,49 @@ def test_ipc_push_packed_and_per_tensor(folders):
         server.stop()
 
 
+def flat(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The same tensors as views of one device buffer, back to back (a trainer's flat buffer)."""
+    buf = torch.empty(sum(t.numel() * t.element_size() for _, t in named), dtype=torch.uint8, device=named[0][1].device)
+    out, offset = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        out.append((name, buf[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)))
+        offset += n
+    return out
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL transfer needs two GPUs")
 def test_nccl_push_from_another_gpu(folders):
+    """Every receive path on real streams: buckets unpacked on the copy stream (4 MiB buckets of
+    several tensors), buckets broadcast straight into the parameters (1-byte buckets: one tensor
+    each), one broadcast per tensor (packed=False), and a trainer with a flat buffer (no packing).
+    Each push is checked against a disk load of the same weights, from the original weights."""
     base, other, perturbed = folders
     server = serve(base, "nccl", env={"CUDA_VISIBLE_DEVICES": "1"})
     try:
-        _, expected = reference(server, other)
+        original, expected = reference(server, other)
+        named = [(n, t.cuda(0)) for n, t in perturbed.items()]
         sender = WeightSender(server.url, backend="nccl", device="cuda:0", bucket_bytes=4 << 20)
         sender.init()
-        report = sender.send([(n, t.cuda(0)) for n, t in perturbed.items()], weight_version="nccl-1")
-        assert report["server"]["weights_valid"] is True
-        assert greedy(server) == expected
+        cases = [("staged", dict(bucket_bytes=4 << 20, packed=True), named),
+                 ("in place", dict(bucket_bytes=1, packed=True), named),
+                 ("per tensor", dict(packed=False), named),
+                 ("flat trainer", dict(bucket_bytes=4 << 20, packed=True), flat(named))]
+        for what, settings, tensors in cases:
+            for k, v in settings.items():
+                setattr(sender, k, v)
+            report = sender.send(tensors, weight_version=f"nccl-{what}")
+            timings = report["update"]["timings"]
+            assert report["server"]["weights_valid"] is True, (what, report)
+            if what == "staged":
+                assert timings["staged"] >= 1, timings
+            elif what == "flat trainer":
+                assert report["sender"]["staged"] == 0 and timings["staged"] >= 1, (report["sender"], timings)
+            else:
+                assert timings["staged"] == 0 and timings["direct"] == len(named), (what, timings)
+            assert greedy(server) == expected, what
+            assert httpx.post(server.url + "/update_weights", json={}, timeout=300).status_code == 200
+            assert greedy(server) == original, what
         sender.close()
     finally:
         server.stop()
