@@ -101,22 +101,6 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs.capture(self, max_num_seqs)
 
-    def drop_graphs(self) -> None:
-        """Before a tensor-parallel communicator is released: decode graphs captured its collectives,
-        so they go (decode runs eagerly meanwhile) and after_group_recreated() captures them again.
-        The only re-capture in sleepserve; without graphs (CPU, --enforce-eager) nothing happens."""
-        if self.graphs is not None:
-            torch.cuda.synchronize(self.device)
-            self.graphs = None
-            self._recapture = True
-
-    def after_group_recreated(self) -> None:
-        if getattr(self, "_recapture", False):
-            from server.engine.graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs.capture(self, self.max_num_seqs)
-            self._recapture = False
-
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,5 +1,5 @@
-"""The device communicator the model's collectives run on, one per rank; released for a sleep and
-created again on wake (group.py decides when).
+"""The device communicator the model's collectives run on, one per rank, for the server's life
+(group.py owns it).
 
 CUDA: a raw NCCL communicator called through ctypes (server/weight_transfer/nccl.py), enqueued on the
 current stream. Not torch's ProcessGroupNCCL: its per-collective host bookkeeping advances once when a

@@ -272,4 +272,4 @@ def build_parallel(config: EngineConfig, source: ModelSource, model_config: Mode
         raise
     log.info("tensor parallelism: %d ranks (%s); rank 0 is pid %d", world,
              ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['device']}" for i in infos), os.getpid())
-    return parts, ParallelPool(parts.pool, workers, parts.runner)
+    return parts, ParallelPool(parts.pool, workers)

@@ -1,12 +1,12 @@
-"""The ranks' groups: a control group for life, and the device communicator the model's collectives
-run on, which is released for a sleep and created again on wake.
+"""The ranks' groups, both for the server's life: a control group and the device communicator the
+model's collectives run on.
 
 A TCP store hosted by rank 0 outlives everything. The control group (torch.distributed's default
-group, gloo, CPU tensors) carries the rare agreements (how many KV blocks every rank holds) and stays
-for the server's life: it holds no device memory. The device communicator (comm.py: raw NCCL on CUDA,
-a second gloo group on CPU) is what holds memory outside the pool (NCCL: ~838 MiB per H200 rank after
-its first collective), so a sleep releases it on every rank and the wake creates a new one, each
-generation under its own store key. CPU runs the same path as CUDA.
+group, gloo, CPU tensors) carries the rare agreements (how many KV blocks every rank holds): it holds
+no device memory. The device communicator (comm.py: raw NCCL on CUDA, a second gloo group on CPU) holds
+memory outside the pool (NCCL: ~880 MiB per H200 rank) and stays up while the ranks sleep, because the
+decode graphs captured its collectives (parallel/pool.py says what releasing it cost). CPU runs the
+same path as CUDA.
 """
 from __future__ import annotations
 
@@ -34,30 +34,20 @@ class Group:
         self.store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT,
                                    wait_for_workers=False)
         self.port = self.store.port
-        self.generation = -1
         self.comm: DeviceComm | None = None
 
-    @property
-    def up_now(self) -> bool:
-        return self.comm is not None
-
     def start(self) -> None:
-        """Join the control group and create the first device communicator (every rank at once)."""
+        """Join the control group and create the device communicator (every rank at once)."""
         dist.init_process_group("gloo", store=dist.PrefixStore("control", self.store), rank=self.rank,
                                 world_size=self.world, timeout=TIMEOUT)
-        self.up(0)
-
-    def up(self, generation: int) -> None:
-        """Create generation `generation` of the device communicator (every rank calls it)."""
         if self.device.type == "cuda":
-            self.comm = NcclComm(self.store, f"nccl-{generation}", self.rank, self.world, self.device)
+            self.comm = NcclComm(self.store, "nccl", self.rank, self.world, self.device)
         else:
             self.comm = GlooComm()
         self.tp.comm = self.comm
-        self.generation = generation
 
     def down(self) -> None:
-        """Release the device communicator; a collective before the next up() raises."""
+        """Release the device communicator (at close); a collective after this raises."""
         if self.comm is not None:
             self.tp.comm = None
             comm, self.comm = self.comm, None

@@ -94,18 +94,6 @@ class Worker:
     def op_wake(self, tags: list[str] | None):
         return self.pool.wake_up(tags)
 
-    def op_comm_down(self, _: Any) -> None:
-        self.group.down()
-
-    def op_comm_up(self, generation: int) -> None:
-        self.group.up(generation)
-
-    def op_drop_graphs(self, _: Any) -> None:
-        self.runner.drop_graphs()
-
-    def op_recapture(self, _: Any) -> None:
-        self.runner.after_group_recreated()
-
     def op_load_files(self, files) -> int:
         return len(self.runner.load_files(files))
 
