@@ -215,18 +215,19 @@ class Workers:
                 conn.send(("close", None))
             except OSError:
                 pass
+        # Every rank releases its device communicator at the same time (NCCL's teardown may wait for
+        # its peers), then the workers exit; nothing here waits without a limit.
+        _bounded(self.group.down, "releasing the device communicator")
         for proc in self.procs.values():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
+                log.warning("tensor-parallel worker pid %d did not exit 30 s after close: killed", proc.pid)
                 proc.kill()
                 proc.wait(5)
         for conn in self.conns.values():
             conn.close()
-        try:
-            self.group.close()
-        except Exception:  # a group whose peers died may fail to tear down cleanly
-            log.debug("destroying the group failed", exc_info=True)
+        _bounded(self.group.close, "leaving the control group")
 
     def _kill_all(self) -> None:
         self._closing = True
@@ -234,6 +235,22 @@ class Workers:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(5)
+
+
+def _bounded(fn: Callable[[], None], what: str, seconds: float = 15.0) -> None:
+    """fn() on a daemon thread, waited for at most `seconds`: a teardown that hangs on a peer (a dead
+    rank, a collective teardown) is logged and left behind instead of hanging close()."""
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # a group whose peers died may fail to tear down cleanly
+            log.debug("%s failed", what, exc_info=True)
+
+    t = threading.Thread(target=run, name="sleepserve-tp-teardown", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        log.warning("%s did not finish in %.0f s; the process goes on without it", what, seconds)
 
 
 def check_layout(config: EngineConfig, model_config: ModelConfig) -> None:

@@ -117,6 +117,7 @@ class Worker:
 
     def close(self) -> None:
         try:
+            self.group.down()  # at the same time as rank 0 and the other workers (executor.Workers.close)
             self.pool.close()
         finally:
             self.group.close()
