@@ -32,6 +32,7 @@ import torch
 from . import cumem
 from .backup import Copier, PinnedBackup, groups
 from .driver import DeviceContext
+from .timing import Clock
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
 _serial = count()
@@ -74,30 +75,25 @@ class _ExpandableSegmentsOff:
 _expandable_off = _ExpandableSegmentsOff()
 
 
-class _Clock:
-    """Where a sleep or wake spends its time: wall-clock phases and the driver calls' totals
-    (bench/pool_diag.py reads backend.last_timings)."""
+class _Clock(Clock):
+    """A Clock (allocator/timing.py) that also reports the driver calls' totals over the call: how
+    many cuMemCreate / cuMemMap / cuMemUnmap / cuMemRelease / cuCtxSynchronize calls, their summed
+    and longest milliseconds, and their bytes (bench/pool_diag.py reads backend.last_timings; the
+    pool puts it in every sleep and wake report)."""
 
     def __init__(self, lib: cumem.CuMemLibrary) -> None:
         self._lib = lib
         self._driver0 = lib.driver_stats(reset_max=True)
-        self._start = self._last = time.perf_counter()
-        self.phases: dict[str, float] = {}
+        super().__init__()
 
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
-        self._last = now
-
-    def report(self) -> dict[str, Any]:
+    def report(self, **extra: Any) -> dict[str, Any]:
         driver = {}
         for op, (calls, ns, nbytes, longest) in self._lib.driver_stats().items():
             calls0, ns0, bytes0, _ = self._driver0[op]
             if calls != calls0:
                 driver[op] = {"calls": calls - calls0, "ms": (ns - ns0) / 1e6, "bytes": nbytes - bytes0,
                               "longest_ms": longest / 1e6}
-        return {"total_ms": (self._last - self._start) * 1e3,
-                "phases_ms": {k: v * 1e3 for k, v in self.phases.items()}, "driver": driver}
+        return super().report(driver=driver, **extra)
 
 
 class _DeviceRange:
@@ -345,17 +341,24 @@ class CudaBackend:
         clock.mark("discard")
         # Each group's memory goes as soon as its copies are done, so what is left to release
         # after the last copy is one group, not the whole tag.
+        waited = 0.0
         for event, segs in marks:
+            t = time.perf_counter()
             event.synchronize()
+            waited += time.perf_counter() - t
             try:
                 self._lib.unmap_ptrs([seg.ptr for seg in segs], synchronize=False)
             except PoolError as err:
                 errors.append(str(err))
+        t = time.perf_counter()
         self._copier.wait()
+        waited += time.perf_counter() - t
         copy_seconds = time.perf_counter() - copy_start
-        clock.mark("copies")
+        # From the discard's end to the last copy done: "copies_wait" waiting for copy events,
+        # "unmap_groups" releasing each group as its copies finish.
+        clock.mark_split("copies_wait", waited, "unmap_groups")
         self._unmap(offload, errors)  # whatever is still mapped (a group whose release failed)
-        clock.mark("unmap_offloaded")
+        clock.mark("unmap_rest")
         self._release_torch_caches()
         clock.mark("torch_caches")
         self._shrink_local_memory()
@@ -420,7 +423,7 @@ class CudaBackend:
             # pool, in the background.
             mapped = self._lib.map_ptrs([a.ptr for t in remap for a in self._allocations(t)
                                          if not a.mapped and a.ptr not in defer])
-            clock.mark("map")
+            clock.mark("map_discarded")
             for tag in restore:
                 backup = self.backups[tag]
                 # Allocations freed while the tag slept are gone from the registry: skip them.
@@ -432,13 +435,13 @@ class CudaBackend:
                 for group in groups(segments, self.group_bytes, lambda seg: seg.size):
                     mapped += self._lib.map_ptrs([s.ptr for s in group])
                     restored += self._copier.restore(backup, group)
-                clock.mark("enqueue")
+                clock.mark("map_and_enqueue")
             # Whatever of the restored tags had no backup (unmapped before the sleep), while the
             # copies run.
             mapped += self._lib.map_tags([self._ns + t for t in restore])
             clock.mark("map_rest")
             self._copier.wait()
-            clock.mark("copies")
+            clock.mark("copies_wait")
             self._restore_local_memory()
             clock.mark("local_memory")
         except PoolError:

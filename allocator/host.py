@@ -26,6 +26,7 @@ import torch
 
 from .backup import FileBackup
 from .hostmem import meminfo, protect
+from .timing import Clock
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
 PAGE = mmap.PAGESIZE
@@ -77,6 +78,7 @@ class HostBackend:
         self._dir = Path(backup_dir) if backup_dir is not None else default_backup_dir()
         self._arenas: dict[str, list[_Arena]] = {}
         self.backups: dict[str, FileBackup] = {}  # released by MemoryPool
+        self.last_timings: dict[str, Any] = {}  # the phases of the last sleep or wake (allocator/timing.py)
 
     def _live(self, tag: str) -> list[tuple[_Arena, mmap.mmap]]:
         """The tag's arenas still viewed by some tensor (dead ones are dropped)."""
@@ -173,7 +175,8 @@ class HostBackend:
         return self.backups[tag]
 
     def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost:
-        start = time.perf_counter()
+        clock = Clock()
+        start = clock.start
         offloaded = discarded = 0
         # Every backup is written before any page is released: a full disk fails the call with
         # all memory intact.
@@ -184,15 +187,19 @@ class HostBackend:
                 arena.backup_offset = offset
             offloaded += sum(a.size for a, _ in live)
         copy_seconds = time.perf_counter() - start
+        clock.mark("write_backups")
         for tag in [*offload, *discard]:
             for arena, _ in self._live(tag):
                 arena.release_pages()
                 if tag in discard:
                     discarded += arena.size
+        clock.mark("release")
+        self.last_timings = clock.report()
         return SleepCost(offloaded, discarded, copy_seconds)
 
     def wake(self, restore: Sequence[str], remap: Sequence[str], defer: Collection[int] = ()) -> WakeCost:
-        start = time.perf_counter()
+        clock = Clock()
+        start = clock.start
         restored = mapped = 0
         try:
             for tag in restore:
@@ -206,6 +213,7 @@ class HostBackend:
                         restored += arena.size
                         mapped += arena.size
             copy_seconds = time.perf_counter() - start
+            clock.mark("read_backups")
             for tag in remap:
                 # Released private anonymous pages read back as zeros: nothing to do but count.
                 for arena, _ in self._live(tag):
@@ -223,6 +231,8 @@ class HostBackend:
                 for arena, _ in self._live(tag):
                     arena.release_pages()
             raise
+        clock.mark("map")
+        self.last_timings = clock.report()
         return WakeCost(restored, mapped, copy_seconds)
 
     # ------------------------------------------------------------------ lifetime

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
+from .timing import Clock
 from .types import (
     Backend,
     PoolError,
@@ -62,6 +63,11 @@ class _Chunks:
         self.cancel = threading.Event()
         self.error: PoolError | None = None
         self.active = False  # a mapper runs (or is about to): more chunks may come
+        # The last background mapping, for the reports: when it started (perf_counter), how long
+        # after that each chunk was ready, and when it ended (None while it runs).
+        self.started: float | None = None
+        self.chunk_seconds: list[float] = []
+        self.ended: float | None = None
 
     def set_ready(self, n: int) -> None:
         with self.cond:
@@ -71,13 +77,26 @@ class _Chunks:
     def start(self, target: Any) -> None:
         with self.cond:
             self.active = True
+            self.started, self.chunk_seconds, self.ended = time.perf_counter(), [], None
         self.mapper = threading.Thread(target=target, daemon=True, name="sleepserve-map-chunks")
         self.mapper.start()
 
     def finish(self) -> None:
         with self.cond:
+            if self.active and self.ended is None:
+                self.ended = time.perf_counter()
             self.active = False
             self.cond.notify_all()  # waiters learn that nothing more comes
+
+    def describe(self) -> dict[str, Any]:
+        """The chunks mapped now and the last background mapping: ms from its start to each chunk
+        ready, whether it still runs, how long it ran (or has run so far), and why it stopped early."""
+        with self.cond:
+            now = time.perf_counter()
+            ran = None if self.started is None else ((self.ended or now) - self.started) * 1e3
+            return {"ready": self.ready, "total": len(self.pieces), "mapping": self.active,
+                    "chunk_ready_ms": [round(t * 1e3, 3) for t in self.chunk_seconds],
+                    "ran_ms": ran, "error": str(self.error) if self.error else None}
 
 
 class MemoryPool:
@@ -224,6 +243,8 @@ class MemoryPool:
                     break
             else:
                 chunks.set_ready(c + 1)
+                if chunks.started is not None:
+                    chunks.chunk_seconds.append(time.perf_counter() - chunks.started)
                 continue
             break
         chunks.finish()
@@ -345,11 +366,14 @@ class MemoryPool:
         both = sorted(set(offload) & set(discard))
         if both:
             raise PoolError(f"tags {both} are both offloaded and discarded; pick one for each")
-        start = time.perf_counter()
+        clock = Clock()
         # A backup still being prepared in the background is finished before it is used, and chunks
         # still being mapped stop; both waited for outside the lock, so stats() keeps answering.
         self._join_preparation()
+        clock.mark("wait_prepare")
+        mappers = {t: c.describe() for t, c in self._chunks.items() if t in offload or t in discard}
         self._stop_mapping([*offload, *discard])
+        clock.mark("stop_kv_mapper")
         chunked = sorted(set(offload) & set(self._chunks))
         if chunked:
             raise PoolError(f"tags {chunked} hold a chunked tensor, which can only be discarded")
@@ -365,7 +389,9 @@ class MemoryPool:
                     "leave it first (its allocations would land in released memory)"
                 )
             if not todo_offload and not todo_discard:
-                return SleepReport(0, 0, time.perf_counter() - start)
+                clock.mark("check")
+                return SleepReport(0, 0, clock.elapsed, timings=clock.report())
+            clock.mark("check")
             try:
                 cost = self._backend.sleep(todo_offload, todo_discard)
             except PoolError as err:
@@ -383,24 +409,45 @@ class MemoryPool:
                 self._sleeping[tag] = TagState.DISCARDED
                 if tag in self._chunks:
                     self._chunks[tag].set_ready(0)
-        return SleepReport(cost.bytes_offloaded, cost.bytes_discarded,
-                           time.perf_counter() - start, cost.copy_seconds)
+            backend = self._backend_phases(clock)
+        # kv_mapper: how far the background mapping of the last wake had got when this sleep came
+        # (a sleep right after a wake stops it and releases only what it mapped).
+        return SleepReport(cost.bytes_offloaded, cost.bytes_discarded, clock.elapsed, cost.copy_seconds,
+                           timings=clock.report(**backend, kv_mapper=mappers))
+
+    def _backend_phases(self, clock: Clock) -> dict[str, Any]:
+        """Close the phase since the last mark (the backend's call and the state update) as the
+        backend's own phases plus "state" (the rest), so the phases still add up to the call; returns
+        what else the backend reported (driver calls)."""
+        spent = clock.mark("backend")
+        del clock.phases["backend"]
+        timings = dict(getattr(self._backend, "last_timings", None) or {})
+        inner = 0.0
+        for phase, ms in timings.pop("phases_ms", {}).items():
+            clock.add(phase, ms / 1e3)
+            inner += ms / 1e3
+        clock.add("state", max(0.0, spent - inner))
+        timings.pop("total_ms", None)
+        timings.pop("gc", None)  # the pool's clock counts the collections of the whole call
+        return timings
 
     def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
         """Re-create the memory of sleeping tags (all of them when tags is None) and restore
         offloaded content. All or nothing: on failure (e.g. out of memory) everything this call
         re-created is released again, the tags stay asleep, and PoolError says why."""
         wanted = None if tags is None else _tag_list(tags)
-        start = time.perf_counter()
+        clock = Clock()
         with self._lock:
             self._check_open()
             targets = [t for t in (self._sleeping if wanted is None else wanted) if t in self._sleeping]
             restore = [t for t in targets if self._sleeping[t] is TagState.OFFLOADED]
             remap = [t for t in targets if self._sleeping[t] is TagState.DISCARDED]
             if not targets:
-                return WakeReport(0, 0, time.perf_counter() - start)
+                clock.mark("check")
+                return WakeReport(0, 0, clock.elapsed, timings=clock.report())
             lazy = [t for t in remap if t in self._chunks]
             defer = {a for t in lazy for chunk in self._chunks[t].pieces[1:] for a in chunk}
+            clock.mark("check")
             try:
                 cost = self._backend.wake(restore, remap, defer)
             except PoolError as err:
@@ -415,6 +462,7 @@ class MemoryPool:
                 ) from err
             for tag in targets:
                 del self._sleeping[tag]
+            backend = self._backend_phases(clock)
             for tag in lazy:
                 chunks = self._chunks[tag]
                 chunks.error = None
@@ -422,10 +470,12 @@ class MemoryPool:
                 chunks.set_ready(1)
                 if len(chunks.pieces) > 1:
                     chunks.start(lambda tag=tag, chunks=chunks: self._map_rest(tag, chunks))
+            clock.mark("start_kv_mapper")
             if not self._keep_backups and restore:
                 self._release_backups(restore)
-        return WakeReport(cost.bytes_restored, cost.bytes_mapped,
-                          time.perf_counter() - start, cost.copy_seconds)
+                clock.mark("release_backups")
+        return WakeReport(cost.bytes_restored, cost.bytes_mapped, clock.elapsed, cost.copy_seconds,
+                          timings=clock.report(**backend))
 
     def _needs_sleep(self, tag: str, usage: dict) -> bool:
         return tag not in self._sleeping and tag in usage and usage[tag].bytes > 0
@@ -486,6 +536,7 @@ class MemoryPool:
                 host_backup_bytes=sum(b.nbytes for b in list(self._backend.backups.values())),
                 device_free=free,
                 device_total=total,
+                chunks={tag: c.describe() for tag, c in self._chunks.items()},
             )
 
     # ------------------------------------------------------------------ backups and lifetime

@@ -42,6 +42,10 @@ class SleepReport:
     # From the first backup copy started to the last one done (CUDA: discarded tags are
     # unmapped meanwhile). 0 when nothing was offloaded.
     copy_seconds: float = 0.0
+    # Where the time went (allocator/timing.py): {"total_ms", "phases_ms": {phase: ms}, "gc", and on
+    # CUDA "driver": {call: {"calls", "ms", "bytes", "longest_ms"}}, "kv_mapper": the background
+    # mapping of the last wake, as this sleep found it}. Phases add up to total_ms.
+    timings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class WakeReport:
     bytes_mapped: int  # physical memory re-created, restored tags included
     seconds: float
     copy_seconds: float = 0.0  # from the first restore copy started to the last one done
+    timings: dict[str, Any] = field(default_factory=dict)  # as SleepReport.timings
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,9 @@ class PoolStats:
     host_backup_bytes: int = 0  # pinned host buffers (CUDA) or backup files on disk (CPU)
     device_free: int = 0  # CUDA: cuMemGetInfo; CPU: MemAvailable from /proc/meminfo
     device_total: int = 0
+    # Per tag with a chunked tensor (empty_chunked): chunks mapped now of how many, and the last
+    # background mapping (MemoryPool: _Chunks.describe).
+    chunks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,5 +157,9 @@ class Backend(Protocol):
     def backup_room(self) -> int: ...
 
     def memory_info(self) -> tuple[int, int]: ...
+
+    # The phases of the last sleep() or wake() (allocator/timing.py Clock.report()), read by the pool
+    # right after the call.
+    last_timings: dict[str, Any]
 
     def close(self) -> None: ...

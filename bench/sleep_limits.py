@@ -9,8 +9,13 @@ For each model shape (default 1.24B and 8B Llama, random weights) at the default
     (the host backup is prepared at start-up: --prepare-backups), the wake against
     weights / raw H2D + 50 ms, the first request after the wake against the same request before;
   - level-2 sleep and wake, 3 cycles (wake right after the sleep; then /update_weights);
-  - device memory asleep minus both references.
-Prints a table and writes sleep-limits.json under --out.
+  - device memory asleep minus both references;
+  - per cycle, one line each for the sleep, the wake and the first request after it: the HTTP time split
+    into the engine's and the API's, the engine's and the pool's phases, the driver calls, the Python
+    collector's pauses and the background KV mapper (the answers' `timings`, GET /memory's `chunks`);
+  - one more level-1 cycle whose first request waits for the background KV mapping to end (is the
+    first request slow only while chunks are being mapped?).
+Prints a table and writes sleep-limits.json under --out (with every cycle's timings).
 
     python bench/sleep_limits.py --out $OUT/results
     python bench/sleep_limits.py --device cpu --cycles 2    # the same flow on CPU (a smoke run)
@@ -135,13 +140,51 @@ def used(c) -> int:
     return int(m["device_total"]) - int(m["device_free"])
 
 
-def timed_post(c, path: str, **kw) -> float:
+def timed_post(c, path: str, **kw) -> tuple[float, dict]:
+    """(seconds through HTTP, the answer's JSON)."""
     t = time.perf_counter()
     r = c.post(path, **kw)
     elapsed = time.perf_counter() - t
     if r.status_code != 200:
         raise RuntimeError(f"{path}: {r.status_code} {r.text[:500]}")
-    return elapsed
+    return elapsed, r.json()
+
+
+def kv_chunks(c) -> dict:
+    """The KV cache's chunks mapped now and its background mapper (GET /memory's `chunks`)."""
+    return c.get("/memory").json().get("chunks", {}).get("kv_cache", {})
+
+
+def _ms(phases: dict, floor: float = 0.5) -> str:
+    return " ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= floor) or "-"
+
+
+def describe(http_s: float, answer: dict) -> str:
+    """One line: where a sleep's or a wake's milliseconds went (the answer's `timings`)."""
+    t = answer.get("timings") or {}
+    pool = t.get("pool") or {}
+    rank0 = pool.get("rank0") or {}  # tensor parallelism: the pool facade's phases, then rank 0's
+    inner = rank0 or pool
+    gc = t.get("gc") or {}
+    parts = [f"HTTP {http_s * 1e3:.1f} ms = engine {t.get('total_ms', 0):.1f}"
+             f" + API/channel {http_s * 1e3 - t.get('total_ms', 0):.1f}",
+             f"engine [{_ms(t.get('phases_ms', {}))}]"]
+    if rank0:
+        parts.append(f"ranks [{_ms(pool.get('phases_ms', {}))}]")
+    parts.append(f"pool [{_ms(inner.get('phases_ms', {}))}]")
+    driver = inner.get("driver") or {}
+    if driver:
+        parts.append("driver [" + " ".join(f"{op} {d['calls']}x {d['ms']:.1f} (max {d['longest_ms']:.1f})"
+                                           for op, d in driver.items()) + "]")
+    if gc.get("ms", 0) >= 0.5 or any(gc.get("collections", [0])[1:]):
+        parts.append(f"GC {gc.get('ms', 0):.1f} ms (collections by generation {gc.get('collections')})")
+    for tag, m in (inner.get("kv_mapper") or {}).items():
+        parts.append(f"{tag} mapper found {m['ready']}/{m['total']} chunks"
+                     + (" still mapping" if m["mapping"] else "")
+                     + (f", chunks ready at {m['chunk_ready_ms']} ms" if m["chunk_ready_ms"] else ""))
+    if t.get("pending_ms", 0) >= 0.5:
+        parts.append(f"pending {t['pending_ms']:.1f} ms")
+    return "; ".join(parts)
 
 
 def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False) -> dict:
@@ -181,18 +224,48 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False) -> di
             for level, n in ((1, cycles), (2, max(2, cycles - 1))):
                 for i in range(n):
                     c.post("/reset_prefix_cache")
-                    sleep_s = timed_post(c, f"/sleep?level={level}")
+                    sleep_s, slept = timed_post(c, f"/sleep?level={level}")
                     asleep = used(c)
-                    wake_s = timed_post(c, "/wake_up")
-                    if level == 2:
-                        timed_post(c, "/update_weights", json={})
+                    wake_s, woke = timed_post(c, "/wake_up")
+                    update_s = timed_post(c, "/update_weights", json={})[0] if level == 2 else 0.0
+                    chunks_before = kv_chunks(c)
                     text, after_s = complete(c)
-                    rows.append({"level": level, "cycle": i + 1, "sleep_s": sleep_s, "wake_s": wake_s,
-                                 "asleep_used": asleep, "asleep_minus_one_kernel_MiB": (asleep - one_kernel) / MiB,
-                                 "asleep_minus_reference_MiB": (asleep - reference) / MiB,
-                                 "request_after_wake_s": after_s, "after_over_before": after_s / before_s,
-                                 "same_output": text == reference_text})
+                    chunks_after = kv_chunks(c)
+                    row = {"level": level, "cycle": i + 1, "sleep_s": sleep_s, "wake_s": wake_s,
+                           "asleep_used": asleep, "asleep_minus_one_kernel_MiB": (asleep - one_kernel) / MiB,
+                           "asleep_minus_reference_MiB": (asleep - reference) / MiB,
+                           "request_after_wake_s": after_s, "after_over_before": after_s / before_s,
+                           "same_output": text == reference_text, "update_weights_s": update_s,
+                           "sleep_timings": slept.get("timings", {}), "wake_timings": woke.get("timings", {}),
+                           "kv_chunks_at_request": [chunks_before.get("ready"), chunks_after.get("ready"),
+                                                    chunks_before.get("total")],
+                           "kv_mapping_during_request": bool(chunks_before.get("mapping"))}
+                    rows.append(row)
+                    print(f"{name} L{level} cycle {i + 1}: sleep {describe(sleep_s, slept)}", flush=True)
+                    print(f"{name} L{level} cycle {i + 1}: wake {describe(wake_s, woke)}", flush=True)
+                    print(f"{name} L{level} cycle {i + 1}: 1st request {after_s * 1e3:.1f} ms "
+                          f"({after_s / before_s:.2f}x of {before_s * 1e3:.1f}); KV chunks mapped "
+                          f"{chunks_before.get('ready')} -> {chunks_after.get('ready')} of {chunks_before.get('total')}"
+                          + (" (the wake's background mapper ran during it)" if chunks_before.get("mapping") else "")
+                          + (f"; /update_weights {update_s * 1e3:.0f} ms before it" if level == 2 else ""),
+                          flush=True)
             res["cycles"] = rows
+            # The same request once the background KV mapping of a wake is over: if the first request
+            # after a wake is slow only while chunks are being mapped, this one is as fast as before.
+            c.post("/reset_prefix_cache")
+            timed_post(c, "/sleep?level=1")
+            timed_post(c, "/wake_up")
+            waited = time.perf_counter()
+            while kv_chunks(c).get("mapping") and time.perf_counter() - waited < 30:
+                time.sleep(0.01)
+            waited = time.perf_counter() - waited
+            _, settled_s = complete(c)
+            _, second_s = complete(c)
+            res["request_after_mapping_s"] = settled_s
+            res["second_request_after_wake_s"] = second_s
+            print(f"{name}: request after a wake once KV mapping ended ({waited * 1e3:.0f} ms after the wake "
+                  f"returned) {settled_s * 1e3:.1f} ms ({settled_s / before_s:.2f}x), the next one "
+                  f"{second_s * 1e3:.1f} ms ({second_s / before_s:.2f}x)", flush=True)
     finally:
         server.stop()
     l1 = [r for r in res["cycles"] if r["level"] == 1]

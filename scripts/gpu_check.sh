@@ -84,6 +84,8 @@ tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
 grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|tensor parallel)" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
+# limits: where each sleep's and wake's milliseconds went, per cycle (the answers' `timings`)
+grep -h -E "^llama-[0-9]+b( L[12] cycle [0-9]+|: request after a wake)" "$LOG" || true
 grep -h -E "^iter [0-9]+:" "$LOG" || true
 grep -h -A30 -E "^README sleep flows" "$LOG" || true
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from pathlib import Path
 
@@ -112,11 +113,30 @@ def test_dev_routes_need_the_admin_key(server):
 # -- level 1 and level 2 cycles ----------------------------------------------------------------
 
 
+def assert_timed(timings: dict, engine_phases: set[str], pool_phases: set[str]) -> None:
+    """A sleep's or a wake's `timings`: the engine's and the pool's phases, each adding up to its total,
+    and the collector's count (the numbers themselves are the GPU run's to read)."""
+    assert engine_phases <= set(timings["phases_ms"]), timings["phases_ms"]
+    pool = timings["pool"]
+    assert pool_phases <= set(pool["phases_ms"]), pool["phases_ms"]
+    for t in (timings, pool):
+        assert all(v >= 0 for v in t["phases_ms"].values()), t
+        assert math.isclose(sum(t["phases_ms"].values()), t["total_ms"], rel_tol=1e-6, abs_tol=1e-6), t
+        assert len(t["gc"]["collections"]) == 3 and t["gc"]["ms"] >= 0
+    assert pool["total_ms"] <= timings["phases_ms"]["pool"] + 1e-6  # the pool's call is inside its phase
+
+
+
 def test_level1_cycle_refuses_then_serves_the_same_output(server, client, reference):
     rss_awake = rss_bytes(server)
     r = admin(server, "POST", "/sleep?level=1")
     assert r.status_code == 200, r.text
     assert r.json()["bytes_offloaded"] > 100e6 and r.json()["state"]["is_sleeping"] is True
+    # Where the sleep's time went: the engine's steps, then the CPU backend's (backup files written,
+    # pages released).
+    assert_timed(r.json()["timings"], {"abort", "prefix_cache", "pool", "publish"},
+                 {"wait_prepare", "stop_kv_mapper", "check", "write_backups", "release", "state"})
+    assert r.json()["timings"]["pending_ms"] >= 0
     s = state(server)
     assert s["is_sleeping"] and s["level"] == 1 and set(s["sleeping_tags"]) == {"weights", "kv_cache"}
     assert s["tag_states"]["weights"] == "offloaded" and s["tag_states"]["kv_cache"] == "discarded"
@@ -131,6 +151,7 @@ def test_level1_cycle_refuses_then_serves_the_same_output(server, client, refere
     r = admin(server, "POST", "/wake_up")
     assert r.status_code == 200, r.text
     assert set(r.json()["woke"]) == {"weights", "kv_cache"} and r.json()["bytes_restored"] > 100e6
+    assert_timed(r.json()["timings"], {"pool", "publish"}, {"check", "read_backups", "map", "start_kv_mapper"})
     assert not state(server)["is_sleeping"]
     first = generate(client)
     assert first["choices"][0]["text"] == reference
@@ -398,6 +419,9 @@ def test_mode_wait_drains_before_sleeping(server, client):
     assert out["refused"].status_code == 503 and out["refused"].json()["error"]["code"] == "draining"
     assert out["second"].status_code == 409 and "already in progress" in out["second"].json()["error"]["message"]
     assert out["slept"].status_code == 200 and out["slept"].json()["aborted"] == 0
+    # The drain is in the sleep's pending time, not in its phases (which start when it is applied).
+    timings = out["slept"].json()["timings"]
+    assert timings["pending_ms"] > 0 and "abort" in timings["phases_ms"]
     assert state(server)["is_sleeping"]
 
 

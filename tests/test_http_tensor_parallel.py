@@ -57,10 +57,17 @@ def test_world_size_and_per_rank_reports(server):
 
 
 def test_sleep_levels_and_update_weights_keep_the_outputs(server, reference):
-    assert post(server, "/sleep", params={"level": 1}).status_code == 200
+    slept = post(server, "/sleep", params={"level": 1})
+    assert slept.status_code == 200
     ranks = httpx.get(server.url + "/memory").json()["ranks"]
     assert [r["tags"]["weights"]["state"] for r in ranks] == ["offloaded", "offloaded"]
-    assert post(server, "/wake_up").status_code == 200
+    woke = post(server, "/wake_up")
+    assert woke.status_code == 200
+    # Timings: the facade's phase around every rank's pool call, rank 0's own pool phases, each rank's ms.
+    sleep_pool, wake_pool = slept.json()["timings"]["pool"], woke.json()["timings"]["pool"]
+    assert "ranks" in sleep_pool["phases_ms"] and "ranks" in wake_pool["phases_ms"]
+    assert "write_backups" in sleep_pool["rank0"]["phases_ms"] and "read_backups" in wake_pool["rank0"]["phases_ms"]
+    assert len(sleep_pool["rank_ms"]) == len(wake_pool["rank_ms"]) == 2
     assert greedy(server) == reference
     assert post(server, "/sleep", params={"level": 2}).status_code == 200
     assert post(server, "/wake_up").status_code == 200

@@ -97,3 +97,39 @@ def test_chunk_bounds_fall_on_whole_granules_and_grow():
     assert split.chunk_bounds == (0, 4096, 8192)
     assert all(b * 3072 % (2 << 20) == 0 for b in split.chunk_bounds)
     assert chunk_plan(plan, 3072, 2 << 20, 0) is plan
+
+
+def test_reports_say_how_far_the_background_mapping_got(chunked_llm, monkeypatch):
+    """A sleep that comes while the last wake still maps chunks stops the mapper; its report says how far
+    the mapper got, and the pool's stats follow the mapping (GET /memory `chunks`)."""
+    core = chunked_llm.engine
+    pool, total = core.pool, len(core.kv_plan.chunk_bounds) - 1
+    gate = threading.Semaphore(0)
+    real_map = pool._backend.map_pieces
+
+    def gated_map(addresses):
+        assert gate.acquire(timeout=60), "never released"
+        return real_map(addresses)
+
+    monkeypatch.setattr(pool._backend, "map_pieces", gated_map)
+    chunked_llm.sleep(level=1)
+    chunked_llm.wake_up()
+    now = pool.stats().chunks[KV_CACHE]
+    assert now["ready"] == 1 and now["total"] == total and now["mapping"] and now["chunk_ready_ms"] == []
+    # The mapper waits at its first piece until the gate opens; the sleep below must wait for that piece.
+    opener = threading.Timer(1.0, lambda: [gate.release() for _ in range(10_000)])
+    opener.start()
+    try:
+        report = chunked_llm.sleep(level=1)
+    finally:
+        opener.join()
+    found = report.timings["pool"]["kv_mapper"][KV_CACHE]
+    assert found["ready"] == 1 and found["mapping"] and found["total"] == total
+    assert {"stop_kv_mapper", "state"} <= set(report.timings["pool"]["phases_ms"])
+    assert pool.stats().chunks[KV_CACHE]["ready"] == 0 and not pool.stats().chunks[KV_CACHE]["mapping"]
+
+    chunked_llm.wake_up()
+    assert pool.wait_chunks(KV_CACHE, total + 1, timeout=30) == total  # returns once the mapper ended
+    done = pool.stats().chunks[KV_CACHE]
+    assert not done["mapping"] and done["error"] is None
+    assert len(done["chunk_ready_ms"]) == total - 1 and done["ran_ms"] + 1e-3 >= done["chunk_ready_ms"][-1]

@@ -8,11 +8,12 @@ The async engine and the in-process LLM only call it (both from the one thread t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Iterable, Protocol
 
 from allocator import MemoryPool
+from allocator.timing import Clock
 from server.engine.errors import ConflictError
 from server.engine.sleep_plan import DISCARDED, INTERNAL_ACTIONS, OFFLOADED, SleepPlan
 from server.engine.sleep_state import AWAKE, SleepReport, SleepState
@@ -43,6 +44,7 @@ class _Pending:
     offload: tuple[str, ...]
     discard: tuple[str, ...]
     on_done: Done | None
+    since: float = field(default_factory=time.perf_counter)  # begin_sleep: the drain is timed from here
 
 
 class SleepController:
@@ -144,48 +146,58 @@ class SleepController:
         pending = self._pending
         assert pending is not None, "finish_sleep without a pending sleep"
         self._pending = None
+        clock = Clock()
         try:
-            report = self._apply(pending)
+            report, pool_timings = self._apply(pending, clock)
         except BaseException as e:
             self.publish()
             if pending.on_done is not None:
                 pending.on_done(None, e)
             raise
         self.publish()
+        clock.mark("publish")
+        # pending_ms: from the call to the sleep's start (the drain of mode=wait, or the step in flight).
+        report = replace(report, timings=clock.report(pending_ms=(clock.start - pending.since) * 1e3,
+                                                      pool=pool_timings))
         if pending.on_done is not None:
             pending.on_done(report, None)
         return report
 
-    def _apply(self, p: _Pending) -> SleepReport:
-        t0 = time.perf_counter()
+    def _apply(self, p: _Pending, clock: Clock) -> tuple[SleepReport, dict]:
+        """Apply a pending sleep; returns its report and the pool's timings (marking clock's phases)."""
         plan, target = p.plan, self._target
         aborted = 0
         if plan.mode in ("abort", "wait"):
             aborted = target.abort_all()
+            clock.mark("abort")
         elif p.discard:
             # mode=keep: KV is about to go (or was computed by weights about to go), so every running
             # sequence recomputes it after wake.
             target.preempt_all()
+            clock.mark("preempt")
         if plan.level == 0:
             self._paused = True
             if self._level is None:  # a pause on top of a sleep keeps the sleep's level
                 self._level = 0
             if plan.clear_cache:
                 target.reset_prefix_cache()
-            return SleepReport("pause", changed=True, level=0, aborted=aborted, seconds=time.perf_counter() - t0)
+            clock.mark("prefix_cache")
+            return SleepReport("pause", changed=True, level=0, aborted=aborted, seconds=clock.elapsed), {}
         if KV_CACHE in p.discard:
             target.reset_prefix_cache()  # the KV those hashes point to is about to vanish
         if WEIGHTS in p.discard:
             self.weights_valid = False
             self.reloaded = set()
             self.weight_session = None  # what a transfer session wrote is gone with the memory
+        clock.mark("prefix_cache")
         report = self._pool.sleep(offload_tags=list(p.offload), discard_tags=list(p.discard))
+        clock.mark("pool")
         self._level = max(self._level or 0, plan.level)
         return SleepReport("sleep", changed=True, level=plan.level, aborted=aborted,
                            offloaded=tuple(t for t in p.offload if t in USER_TAGS),
                            discarded=tuple(t for t in p.discard if t in USER_TAGS),
                            bytes_offloaded=report.bytes_offloaded, bytes_discarded=report.bytes_discarded,
-                           seconds=time.perf_counter() - t0)
+                           seconds=clock.elapsed), report.timings
 
     def sleep(self, level: int, tags: str | Iterable[str] | None = None, mode: str = "abort",
               clear_cache: bool = False, step: Callable[[], object] | None = None) -> SleepReport:
@@ -215,15 +227,19 @@ class SleepController:
         unpause = chosen is None and self._paused
         if not targets and not unpause:
             return SleepReport("wake_up", changed=False, level=self._level)
-        t0 = time.perf_counter()
+        clock = Clock()
         from_level = self._level
-        restored = self._pool.wake_up(targets).bytes_restored if targets else 0
+        pool_report = self._pool.wake_up(targets) if targets else None
+        clock.mark("pool")
         if unpause:
             self._paused = False
         self._settle_level()
+        clock.mark("publish")
         return SleepReport("wake_up", changed=True, level=from_level,
-                           woke=tuple(t for t in targets if t in USER_TAGS), bytes_restored=restored,
-                           seconds=time.perf_counter() - t0)
+                           woke=tuple(t for t in targets if t in USER_TAGS),
+                           bytes_restored=pool_report.bytes_restored if pool_report else 0,
+                           seconds=clock.elapsed,
+                           timings=clock.report(pool=pool_report.timings if pool_report else {}))
 
     def resume(self) -> SleepReport:
         """End a pause. Tags that sleep keep sleeping (wake them with wake_up)."""

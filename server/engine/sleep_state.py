@@ -120,6 +120,12 @@ class SleepReport:
     bytes_discarded: int = 0
     bytes_restored: int = 0
     seconds: float = 0.0
+    # Where a sleep's or a wake's time went (allocator/timing.py): {"total_ms", "phases_ms" (the
+    # engine's steps: abort, prefix_cache, pool, publish; they add up to total_ms), "gc" (the Python
+    # collector's pauses inside the call), "pending_ms" (sleep: from the call to its start, the drain
+    # of mode=wait included), "pool" (the pool's own phases, driver calls and, for a sleep, how far the
+    # last wake's background KV mapping had got)}. Empty for a call that changed nothing.
+    timings: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -17,6 +17,7 @@ import logging
 from typing import Any, Iterable
 
 from allocator import MemoryPool, PoolError, PoolStats, SleepReport, WakeReport
+from allocator.timing import Clock
 from server.engine.parallel.executor import Workers
 
 log = logging.getLogger("sleepserve.engine")
@@ -65,9 +66,11 @@ class ParallelPool:
 
     def sleep(self, offload_tags: str | Iterable[str] = (), discard_tags: str | Iterable[str] = ()) -> SleepReport:
         offload, discard = _tags(offload_tags), _tags(discard_tags)
+        clock = Clock()
         before = self.local.sleeping_tags()
         outcomes = self.workers.run("sleep", (offload, discard),
                                     lambda: self.local.sleep(offload_tags=offload, discard_tags=discard))
+        clock.mark("ranks")
         failed = {r: v for r, v in outcomes.items() if isinstance(v, BaseException)}
         if failed:
             # Wake what this call put to sleep on every rank (a failed rank may have released some).
@@ -77,15 +80,18 @@ class ParallelPool:
                             "so every rank is as before the call")
         reports: list[SleepReport] = list(outcomes.values())
         return SleepReport(sum(r.bytes_offloaded for r in reports), sum(r.bytes_discarded for r in reports),
-                           max(r.seconds for r in reports), max(r.copy_seconds for r in reports))
+                           max(r.seconds for r in reports), max(r.copy_seconds for r in reports),
+                           timings=self._timings(clock, outcomes))
 
     def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
+        clock = Clock()
         before = self.local.sleeping_tags()
         wanted = None if tags is None else _tags(tags)
         targets = [t for t in (before if wanted is None else wanted) if t in before]
         if not targets:
             return self.local.wake_up(wanted)
         outcomes = self.workers.run("wake", wanted, lambda: self.local.wake_up(wanted))
+        clock.mark("ranks")
         failed = {r: v for r, v in outcomes.items() if isinstance(v, BaseException)}
         if failed:
             # Every rank back to sleep as it was: the failed ones rolled their own wake back already.
@@ -99,7 +105,16 @@ class ParallelPool:
                             f"(tags {sorted(targets)} stay asleep): free the resource named and call wake_up again")
         reports: list[WakeReport] = list(outcomes.values())
         return WakeReport(sum(r.bytes_restored for r in reports), sum(r.bytes_mapped for r in reports),
-                          max(r.seconds for r in reports), max(r.copy_seconds for r in reports))
+                          max(r.seconds for r in reports), max(r.copy_seconds for r in reports),
+                          timings=self._timings(clock, outcomes))
+
+    @staticmethod
+    def _timings(clock: Clock, outcomes: dict[int, Any]) -> dict[str, Any]:
+        """This call's phases ("ranks": every rank's pool call, run at once), rank 0's own pool phases,
+        and each rank's pool seconds."""
+        ranks = {r: v for r, v in sorted(outcomes.items()) if not isinstance(v, BaseException)}
+        return clock.report(rank0=getattr(ranks.get(0), "timings", {}),
+                            rank_ms=[getattr(v, "seconds", 0.0) * 1e3 for v in ranks.values()])
 
     def _on_ranks(self, ranks: list[int], op: str, arg: Any, local) -> None:
         """Undo on the ranks that did the step (a rollback that fails too is logged: nothing else to do)."""
