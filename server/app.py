@@ -26,6 +26,7 @@ from server.api.settings import ServerSettings
 from server.api.tokens import Tokens
 from server.config import EngineConfig
 from server.engine.client import EngineClient, EngineStartError
+from server.heap import freeze_startup_heap
 from server.logging_setup import AccessLogMiddleware, configure_logging
 from server.metrics import ServerMetrics
 
@@ -38,6 +39,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.attach()
+        freeze_startup_heap("API process")
         try:
             yield
         finally:

@@ -32,6 +32,7 @@ from server.engine.channel import (Call, DeltaEncoder, EngineInfo, Failed, Frame
 from server.engine.commands import ENGINE, EngineCommands
 from server.engine.core import EngineCore
 from server.engine.outputs import RequestOutput
+from server.heap import freeze_startup_heap
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         core.close()
         chan.send(StartFailed(WireError.of(e), expected=True))
         return 1
+    freeze_startup_heap("engine process")  # before Ready: no request is running yet
     chan.send(Ready(info_of(core), Status(core.stats(), core.sleep_state)))
     server._sent_state = core.sleep_state
     threading.Thread(target=server.read_commands, name="sleepserve-channel", daemon=True).start()

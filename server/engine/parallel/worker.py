@@ -20,6 +20,7 @@ from server.engine.build import build_rank, rank_device
 from server.engine.parallel.group import Group
 from server.engine.parallel.steps import unpack_step
 from server.engine.sampler import PROMPT_ROWS_PER_PASS
+from server.heap import freeze_startup_heap
 from server.model.config import ModelConfig
 from server.model.loader import resolve_model
 from server.model.shard import TensorParallel
@@ -149,6 +150,7 @@ def worker_main(rank: int, address: str) -> int:
         except OSError:
             pass
         return 1
+    freeze_startup_heap(f"tensor-parallel rank {rank}")
     conn.send(("ok", {"rank": rank, "pid": os.getpid(), "device": str(worker.runner.device)}))
     try:
         worker.serve()
