@@ -133,3 +133,34 @@ def test_reports_say_how_far_the_background_mapping_got(chunked_llm, monkeypatch
     done = pool.stats().chunks[KV_CACHE]
     assert not done["mapping"] and done["error"] is None
     assert len(done["chunk_ready_ms"]) == total - 1 and done["ran_ms"] + 1e-3 >= done["chunk_ready_ms"][-1]
+
+
+def test_chunks_joining_keep_the_prefix_cache_and_every_block_comes_back(chunked_llm, monkeypatch):
+    """After a wake, blocks of chunks mapped later join as fresh blocks without disturbing those a request
+    already used: a cached prefix still hits once every chunk is in, and every block is free again."""
+    core = chunked_llm.engine
+    pool, blocks, total = core.pool, core.blocks, len(core.kv_plan.chunk_bounds) - 1
+    prompt = ("The printing press spread across Europe within fifty years of its invention, and books that "
+              "had been copied by hand for centuries became cheap enough for")  # over 2 blocks of 16 tokens
+    reference = chunked_llm.generate(prompt, greedy())[0].outputs[0].token_ids
+    gate = threading.Event()
+    real_map = pool._backend.map_pieces
+
+    def gated_map(addresses):
+        assert gate.wait(timeout=60), "never opened"
+        return real_map(addresses)
+
+    monkeypatch.setattr(pool._backend, "map_pieces", gated_map)
+    chunked_llm.sleep(level=1)
+    chunked_llm.wake_up()
+    try:
+        assert chunked_llm.generate(prompt, greedy())[0].outputs[0].token_ids == reference
+        assert pool.chunks_ready(KV_CACHE) == 1  # it ran in the first chunk alone
+    finally:
+        gate.set()
+    assert pool.wait_chunks(KV_CACHE, total + 1, timeout=30) == total
+    hits = blocks.stats.hit_tokens
+    assert chunked_llm.generate(prompt, greedy())[0].outputs[0].token_ids == reference
+    assert blocks.stats.hit_tokens >= hits + core.kv_plan.block_size  # the prefix cached in chunk 0 hit
+    assert blocks.mapped == core.kv_plan.num_blocks
+    assert blocks.num_used == 0 and blocks.num_free == core.kv_plan.num_blocks - 1
