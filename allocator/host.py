@@ -197,7 +197,8 @@ class HostBackend:
         self.last_timings = clock.report()
         return SleepCost(offloaded, discarded, copy_seconds)
 
-    def wake(self, restore: Sequence[str], remap: Sequence[str], defer: Collection[int] = ()) -> WakeCost:
+    def wake(self, restore: Sequence[str], remap: Sequence[str], defer: Collection[int] = (),
+             warm_caches: bool = False) -> WakeCost:
         clock = Clock()
         start = clock.start
         restored = mapped = 0

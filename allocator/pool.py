@@ -449,7 +449,11 @@ class MemoryPool:
             defer = {a for t in lazy for chunk in self._chunks[t].pieces[1:] for a in chunk}
             clock.mark("check")
             try:
-                cost = self._backend.wake(restore, remap, defer)
+                # The wake that leaves nothing asleep may re-fill caches outside the pool (CUDA: torch's
+                # own allocator, for the first request); an earlier, partial wake leaves that memory to
+                # whoever still uses it (a trainer between wake_up(weights) and wake_up(kv_cache)).
+                last = len(targets) == len(self._sleeping)
+                cost = self._backend.wake(restore, remap, defer, warm_caches=last)
             except PoolError as err:
                 awake = [t for t in targets if not self._backend.released(t)]
                 for tag in awake:

@@ -136,8 +136,10 @@ class Backend(Protocol):
     def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost: ...
 
     # defer: piece addresses (from empty_chunked) of the remapped tags to leave unmapped for now;
-    # the pool maps them later with map_pieces().
-    def wake(self, restore: Sequence[str], remap: Sequence[str], defer: Collection[int] = ()) -> WakeCost: ...
+    # the pool maps them later with map_pieces(). warm_caches: this wake leaves nothing asleep, so the
+    # backend may give back caches outside the pool that sleep returned (CUDA: torch's own allocator).
+    def wake(self, restore: Sequence[str], remap: Sequence[str], defer: Collection[int] = (),
+             warm_caches: bool = False) -> WakeCost: ...
 
     granularity: int  # bytes at which physical memory can be split
 
