@@ -66,11 +66,21 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "ServerProcess":
+        """Start the process without waiting for it. PR_SET_PDEATHSIG fires when the *thread* that
+        started the server ends: launch from a thread that outlives the server (to start several at
+        once, launch each, then wait_ready each; never start them from a pool's threads)."""
         cmd = [sys.executable, "-m", "server", "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(self.env), stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=_end_with_parent)
+        return self
+
+    def wait_ready(self) -> "ServerProcess":
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

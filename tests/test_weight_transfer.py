@@ -78,18 +78,20 @@ def test_pickles_may_name_only_handle_types():
 
 # -- end to end through the server ----------------------------------------------------------------
 
-def start(backend: str) -> ServerProcess:
+def launch(backend: str) -> ServerProcess:
     # --while-asleep reject: generation on invalid weights answers 503 at once (held otherwise).
     return ServerProcess([*BASE_ARGS, "--max-model-len", "256", "--while-asleep", "reject", "--weight-transfer-config",
                           json.dumps({"backend": backend})],
-                         env={"SLEEPSERVE_DEV_MODE": "1", "SLEEPSERVE_ADMIN_API_KEY": ADMIN}).start()
+                         env={"SLEEPSERVE_DEV_MODE": "1", "SLEEPSERVE_ADMIN_API_KEY": ADMIN}).launch()
 
 
 @pytest.fixture(scope="module")
 def servers():
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(2) as pool:  # both start at once: a start is mostly waiting on the model load
-        started = dict(zip(("gloo", "shm"), pool.map(start, ("gloo", "shm"))))
+    # Both boot at once (a start is mostly waiting on the model load), launched from this thread:
+    # the servers end with the thread that started them (PR_SET_PDEATHSIG).
+    started = {backend: launch(backend) for backend in ("gloo", "shm")}
+    for s in started.values():
+        s.wait_ready()
     yield started
     for s in started.values():
         s.stop()
