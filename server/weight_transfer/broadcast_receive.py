@@ -10,9 +10,9 @@ On CUDA the host only enqueues; the streams keep the order:
   (protocol.region: e.g. a fused q|k|v block sent as q, k, v), is broadcast into them: no buffer,
   no unpack. So is every tensor of an unpacked update (one broadcast per tensor) whose parameter
   is contiguous and of the sent dtype.
-- Any other bucket lands in one of `slots` buffers (allocated once per update) and is copied into
-  the parameters on a copy stream while the next bucket arrives; the next broadcast into the same
-  slot waits for that copy (an event), not the host.
+- Any other bucket lands in one of `slots` buffers (allocated once per update, each at its first
+  use) and is copied into the parameters on a copy stream while the next bucket arrives; the next
+  broadcast into the same slot waits for that copy (an event), not the host.
 - Every name is put in `loaded` before its first byte can land, so a transfer that breaks off is
   never taken for "nothing changed" (the engine then marks the weights invalid).
 - The host then waits for the events in order (each within timeout_s, NCCL's async errors checked:
@@ -112,14 +112,9 @@ class BroadcastReceive:
         buckets = [[metas[i] for i in r] for r in plan_buckets([m.nbytes for m in metas], bucket_bytes)]
         direct = [self._direct(b) for b in buckets]
         staged_sizes = [sum(m.nbytes for m in b) for b, d in zip(buckets, direct) if d is None]
-        slots: list[torch.Tensor] = []
-        if staged_sizes:
-            t0 = time.perf_counter()
-            size = max(staged_sizes)
-            slots = [torch.empty(size, dtype=torch.uint8, device=self.device)
-                     for _ in range(min(self.slots, len(staged_sizes)))]
-            self._keep.extend(slots)
-            self.stats.alloc_s = time.perf_counter() - t0
+        size = max(staged_sizes, default=0)
+        # Allocated at first use: the second slot's allocation overlaps the first bucket's transfer.
+        slots: list[torch.Tensor | None] = [None] * min(self.slots, len(staged_sizes))
         free: list[Any] = [None] * len(slots)  # per slot: the event after its last unpack
         n = 0
         for bucket, view in zip(buckets, direct):
@@ -130,6 +125,11 @@ class BroadcastReceive:
                 continue
             s = n % len(slots)
             n += 1
+            if slots[s] is None:
+                t0 = time.perf_counter()
+                slots[s] = torch.empty(size, dtype=torch.uint8, device=self.device)
+                self._keep.append(slots[s])
+                self.stats.alloc_s += time.perf_counter() - t0
             buf = slots[s][:sum(m.nbytes for m in bucket)]
             if free[s] is not None:
                 self.group.stream.wait_event(free[s])  # the copy out of this slot is done
