@@ -16,12 +16,21 @@ import time
 log = logging.getLogger("sleepserve.server")
 
 
+_frozen = 0  # objects this process froze (gc.get_freeze_count() walks them all: counted once here)
+
+
+def frozen_objects() -> int:
+    """The objects freeze_startup_heap() froze in this process (0 before, and in-process LLM users)."""
+    return _frozen
+
+
 def freeze_startup_heap(what: str) -> int:
     """Collect once (no garbage is frozen), then freeze what is left. Returns the objects frozen."""
+    global _frozen
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
-    frozen = gc.get_freeze_count()
+    frozen = _frozen = gc.get_freeze_count()
     log.debug("%s: %d start-up objects frozen out of the collector's walks in %.0f ms", what, frozen,
               (time.perf_counter() - t0) * 1e3)
     return frozen

@@ -19,6 +19,7 @@ from server.engine.sleep_plan import DISCARDED, INTERNAL_ACTIONS, OFFLOADED, Sle
 from server.engine.sleep_state import AWAKE, SleepReport, SleepState
 from server.engine.tags import ALL_TAGS, INTERNAL_TAGS, KV_CACHE, USER_TAGS, WEIGHTS, parse_tags
 from server.engine.weight_session import WeightSession
+from server.heap import frozen_objects
 
 Done = Callable[["SleepReport | None", "BaseException | None"], None]
 
@@ -157,8 +158,8 @@ class SleepController:
         self.publish()
         clock.mark("publish")
         # pending_ms: from the call to the sleep's start (the drain of mode=wait, or the step in flight).
-        report = replace(report, timings=clock.report(pending_ms=(clock.start - pending.since) * 1e3,
-                                                      pool=pool_timings))
+        report = replace(report, timings=self._timings(clock, pool=pool_timings,
+                                                       pending_ms=(clock.start - pending.since) * 1e3))
         if pending.on_done is not None:
             pending.on_done(report, None)
         return report
@@ -239,7 +240,14 @@ class SleepController:
                            woke=tuple(t for t in targets if t in USER_TAGS),
                            bytes_restored=pool_report.bytes_restored if pool_report else 0,
                            seconds=clock.elapsed,
-                           timings=clock.report(pool=pool_report.timings if pool_report else {}))
+                           timings=self._timings(clock, pool=pool_report.timings if pool_report else {}))
+
+    @staticmethod
+    def _timings(clock: Clock, **extra: object) -> dict:
+        """The clock's report, with how many start-up objects the collector skips (server/heap.py)."""
+        timings = clock.report(**extra)
+        timings["gc"]["frozen_objects"] = frozen_objects()
+        return timings
 
     def resume(self) -> SleepReport:
         """End a pause. Tags that sleep keep sleeping (wake them with wake_up)."""
