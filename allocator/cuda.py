@@ -419,7 +419,10 @@ class CudaBackend:
         copies run; an optimization only: a failure (e.g. the memory is taken) changes nothing.
         Returns the bytes given back."""
         nbytes, self._torch_cache_bytes = self._torch_cache_bytes, 0
-        if nbytes < (2 << 20):
+        # Below 16 MiB it is not worth a call, and torch would round a request of 1-10 MiB up to a
+        # 20 MiB segment (more than it held); above, every segment size is a multiple of 2 MiB, so
+        # one request of the sum is served by exactly one segment of that size.
+        if nbytes < (16 << 20):
             return 0
         try:
             with torch.cuda.device(self.device):
