@@ -4,8 +4,9 @@
   against (a) a plain device-to-device copy of the same bytes in this process and (b) the disk
   path: safetensors written by the trainer, then POST /update_weights {path}.
 --backend nccl (trainer on GPU 0, server on GPU 1; gloo on CPU): push over the group against a
-  raw broadcast of the same bytes in the same bucket size between two bare processes (two ways:
-  the receiver waiting for each bucket, and enqueueing them all; the faster is the reference).
+  raw broadcast of the same bytes between two bare processes (three ways: buckets of the largest
+  size with the receiver waiting for each, the same buckets all enqueued, one broadcast per tensor
+  all enqueued; the fastest is the reference).
   Beside it, in the same run, where the time goes: pushes in several modes (packed buckets of each
   size; one broadcast per tensor, received in place: no pack, no unpack; a trainer whose tensors
   lie in one flat buffer: no pack, the server's unpack alone), each with its phases (start, ready,
@@ -231,8 +232,9 @@ def print_breakdown(rows: list[dict], backend: str) -> None:
             continue
         print(f"\nwhere the time goes ({r['model']}, {backend}; ms, best push of 3 per mode)")
         refs = [f"raw broadcast {ms(r['raw_broadcast_s'])}" if "raw_broadcast_s" in r else None,
-                f"(receiver waiting per bucket {ms(r.get('raw_broadcast_synced_s'))}, "
-                f"all enqueued {ms(r.get('raw_broadcast_pipelined_s'))})" if "raw_broadcast_synced_s" in r else None,
+                f"(the fastest of: receiver waiting per bucket {ms(r.get('raw_broadcast_synced_s'))}, "
+                f"all buckets enqueued {ms(r.get('raw_broadcast_pipelined_s'))}, "
+                f"one broadcast per tensor {ms(r.get('raw_broadcast_tensor_s'))})" if "raw_broadcast_synced_s" in r else None,
                 f"packing alone on the trainer {ms(r.get('pack_alone_s'))}" if "pack_alone_s" in r else None,
                 f"one-tensor update (HTTP round trips, no data) {ms(r.get('control_s'))}"]
         print("; ".join(x for x in refs if x))
@@ -244,7 +246,8 @@ def print_breakdown(rows: list[dict], backend: str) -> None:
                               ms(ph.get("post_s")), ms(snd.get("server_copy_s")), ms(ph.get("finish_s")),
                               snd.get("chunks", "-")])
                 continue
-            lines.append([label, ms(b["seconds"]), ms(ph.get("start_s")), ms(ph.get("ready_s")), ms(ph.get("data_s")),
+            ratio = f"{r['raw_broadcast_s'] / b['seconds']:.2f}" if "raw_broadcast_s" in r else "-"
+            lines.append([label, ms(b["seconds"]), ratio, ms(ph.get("start_s")), ms(ph.get("ready_s")), ms(ph.get("data_s")),
                           ms(ph.get("answer_s")), ms(ph.get("finish_s")),
                           f"{snd.get('direct', '-')}/{snd.get('staged', '-')}", ms(snd.get("pack_gpu_s")),
                           f"{srv.get('direct', '-')}/{srv.get('staged', '-')}", ms(srv.get("unpack_gpu_s")),
@@ -254,7 +257,8 @@ def print_breakdown(rows: list[dict], backend: str) -> None:
             print(table(lines, ["mode", "push", "start", "trainer packs (+sync)", "posts", "server copies (in posts)",
                                 "finish", "chunks"]))
         else:
-            print(table(lines, ["mode", "push", "start", "ready", "data", "answer", "finish", "trainer in place/packed",
+            print(table(lines, ["mode", "push", "raw / push", "start", "ready", "data", "answer", "finish",
+                                "trainer in place/packed",
                                 "pack GPU", "server in place/unpacked", "unpack GPU", "server enqueue", "server wait",
                                 "server alloc", "server receive"]))
             print("start/ready/data/answer/finish: the trainer's host phases (POST start; POST update until the server "
@@ -300,7 +304,10 @@ def main() -> None:
                 row["raw_broadcast_synced_s"] = raw_broadcast_s(named, backend, device, "1", buckets[-1])
                 row["raw_broadcast_pipelined_s"] = raw_broadcast_s(named, backend, device, "1", buckets[-1],
                                                                    pipelined=True)
-                row["raw_broadcast_s"] = min(row["raw_broadcast_synced_s"], row["raw_broadcast_pipelined_s"])
+                # One broadcast per tensor, all enqueued: the ceiling of the per-tensor push.
+                row["raw_broadcast_tensor_s"] = raw_broadcast_s(named, backend, device, "1", 1, pipelined=True)
+                row["raw_broadcast_s"] = min(row["raw_broadcast_synced_s"], row["raw_broadcast_pipelined_s"],
+                                             row["raw_broadcast_tensor_s"])
                 row["pack_alone_s"] = pack_alone_s(named, device, buckets[-1])
             print(f"{name}: references done", flush=True)
             sender = WeightSender(server.url, backend=backend, device=device, timeout_s=1800)
