@@ -4,8 +4,13 @@ sequence, against the same run without it (same engine, prompts and token counts
 The grammar (an array of at least 1000 objects) cannot complete within the run, so every step of
 every sequence is masked and both runs decode exactly the same number of tokens.
 
-    python bench/structured_mask.py --device cpu
-    python bench/structured_mask.py --device cuda --model llama-1b --out $OUT
+Besides the ratio, it prints where a decode step's mask time goes (MaskTimes: the engine thread's
+time consuming tokens, blocked on the worker, computing masks and launching their application; the
+device's time to apply them, timed alone), and with --worker the same for the masks computed ahead
+on a worker thread (GrammarMasks overlap=True), so one run compares both.
+
+    python bench/structured_mask.py --device cpu --model llama-tiny --worker
+    python bench/structured_mask.py --device cuda --model llama-1b --worker --out $OUT
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 from bench.common import hardware, now_iso, sync, table, write_json
+from server.engine.grammar_masks import MaskTimes, apply_token_bitmask
 from tests.models import model_folder
 
 SCHEMA = {"type": "array", "minItems": 1000, "items": {
@@ -29,8 +35,10 @@ SCHEMA = {"type": "array", "minItems": 1000, "items": {
                    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}}}}
 
 
-def decode_rate(llm, batch: int, new_tokens: int, structured, device: torch.device, tag: str) -> float:
-    """Decode tokens/s: first token of every request out → all done."""
+def decode_rate(llm, batch: int, new_tokens: int, structured, device: torch.device, tag: str
+                ) -> tuple[float, float, MaskTimes]:
+    """(decode tokens/s, seconds per decode step, the mask's time split over those steps): first token
+    of every request out → all done."""
     from server import SamplingParams
 
     core = llm.engine
@@ -42,13 +50,54 @@ def decode_rate(llm, batch: int, new_tokens: int, structured, device: torch.devi
     while any(r.first_token_time is None for r in reqs):
         core.step()
     sync(device)
+    masks = core.runner.masks
+    masks.times = MaskTimes()
+    steps = 0
     t0 = time.perf_counter()
     while core.has_unfinished:
         core.step()
+        steps += 1
     sync(device)
     elapsed = time.perf_counter() - t0
     assert all(len(s.output_token_ids) == new_tokens for r in reqs for s in r.seqs), "a run ended early"
-    return batch * (new_tokens - 1) / elapsed
+    return batch * (new_tokens - 1) / elapsed, elapsed / steps, masks.times
+
+
+def device_apply_seconds(batch: int, vocab: int, device: torch.device, bit_values: torch.Tensor | None,
+                         iters: int = 200) -> float:
+    """The device's time to take one step's packed masks (pinned, on CUDA) and mask [batch, vocab]
+    float32 logits with them: what apply() adds to the device's queue, timed alone."""
+    pin = device.type == "cuda"
+    packed = torch.full((batch, (vocab + 31) // 32), 0x55555555, dtype=torch.int32, pin_memory=pin)
+    logits = torch.zeros(batch, vocab, device=device)
+    for _ in range(5):
+        apply_token_bitmask(logits, packed, bit_values)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            apply_token_bitmask(logits, packed, bit_values)
+        return (time.perf_counter() - t0) / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync(device)
+    start.record()
+    for _ in range(iters):
+        apply_token_bitmask(logits, packed, bit_values)
+    end.record()
+    sync(device)
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def split_row(label: str, batch: int, plain_step: float, step: float, t: MaskTimes, device_apply: float) -> list:
+    """Per decode step, in microseconds: the step, its extra over no mask, and where the mask's time went."""
+    n = max(t.steps, 1)
+    us = lambda x: f"{x / n * 1e6:,.0f}"  # noqa: E731
+    return [label, batch, f"{plain_step * 1e6:,.0f}", f"{step * 1e6:,.0f}", f"{(step - plain_step) * 1e6:+,.0f}",
+            us(t.advance), us(t.wait), us(t.pack), us(t.launch), us(t.fill), f"{device_apply * 1e6:,.1f}",
+            f"{t.steady}/{t.steps}"]
+
+
+SPLIT_HEADER = ["variant", "batch", "no-mask step", "step", "extra", "advance", "wait", "pack", "launch", "fill",
+                "device apply", "steady steps"]
 
 
 def main() -> int:
@@ -58,8 +107,10 @@ def main() -> int:
                                                    "embedded SmolLM2-135M)")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on CPU, 256 on CUDA")
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved pairs of runs (without, with the mask) "
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds of runs (without, with the mask) "
                                                            "per batch size; medians and the spread are printed")
+    ap.add_argument("--worker", action="store_true", help="also measure the masks computed ahead on a worker "
+                                                           "thread (GrammarMasks overlap=True)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -81,31 +132,55 @@ def main() -> int:
     llm.engine.grammars.compile(spec)
     decode_rate(llm, 2, 8, None, device, "warm-plain")
     decode_rate(llm, 2, 8, spec, device, "warm-masked")
+    if args.worker:
+        llm.engine.runner.masks.set_overlap(True)
+        decode_rate(llm, 2, 8, spec, device, "warm-worker")
 
-    rows, results = [], []
+    runner = llm.engine.runner
+    # The variants, run in interleaved rounds (the order rotates), so drift in the machine's speed (other
+    # work, clocks, caches) hits all alike; each round gives one ratio per masked variant.
+    variants = [("no mask", None, False), ("mask", spec, False)] + ([("mask, worker", spec, True)] if args.worker
+                                                                      else [])
+    rows, results, splits = [], [], []
     for batch in [int(b) for b in args.batches.split(",")]:
-        # Interleaved pairs (the order alternates), so drift in the machine's speed (other work, clocks,
-        # caches) hits both sides alike; each pair gives one ratio, and the median and spread are reported.
-        plain, masked = [], []
+        runs: dict[str, list] = {label: [] for label, _, _ in variants}
         for r in range(args.repeats):
-            order = ((None, plain), (spec, masked)) if r % 2 == 0 else ((spec, masked), (None, plain))
-            for structured, into in order:
-                into.append(decode_rate(llm, batch, new_tokens, structured, device, f"{r}-{structured is None}"))
-        ratios = [m / p for m, p in zip(masked, plain)]
-        ratio = statistics.median(ratios)
-        results.append({"batch": batch, "plain_tok_s": statistics.median(plain),
-                        "masked_tok_s": statistics.median(masked), "ratio": ratio, "ratio_min": min(ratios),
-                        "ratio_max": max(ratios), "plain_runs": plain, "masked_runs": masked})
-        rows.append([batch, f"{statistics.median(plain):,.1f}", f"{statistics.median(masked):,.1f}",
-                     f"{ratio:.3f} ({(1 - ratio) * 100:.1f}% cost)", f"{min(ratios):.3f}-{max(ratios):.3f}"])
+            for k in range(len(variants)):
+                label, structured, overlap = variants[(k + r) % len(variants)]
+                runner.masks.set_overlap(overlap)
+                runs[label].append(decode_rate(llm, batch, new_tokens, structured, device, f"{r}-{label}"))
+        runner.masks.set_overlap(False)
+        plain = [rate for rate, _, _ in runs["no mask"]]
+        plain_step = statistics.median(step for _, step, _ in runs["no mask"])
+        apply_s = device_apply_seconds(batch, llm.engine.model_config.vocab_size, device, runner.masks.bit_values)
+        for label, structured, overlap in variants[1:]:
+            masked = [rate for rate, _, _ in runs[label]]
+            ratios = [m / p for m, p in zip(masked, plain)]
+            ratio = statistics.median(ratios)
+            results.append({"batch": batch, "variant": label, "plain_tok_s": statistics.median(plain),
+                            "masked_tok_s": statistics.median(masked), "ratio": ratio, "ratio_min": min(ratios),
+                            "ratio_max": max(ratios), "plain_runs": plain, "masked_runs": masked,
+                            "device_apply_s": apply_s})
+            rows.append([label, batch, f"{statistics.median(plain):,.1f}", f"{statistics.median(masked):,.1f}",
+                         f"{ratio:.3f} ({(1 - ratio) * 100:.1f}% cost)", f"{min(ratios):.3f}-{max(ratios):.3f}"])
+            # The split of the median run (by tokens/s).
+            mid = sorted(runs[label], key=lambda x: x[0])[len(masked) // 2]
+            splits.append(split_row(label, batch, plain_step, mid[1], mid[2], apply_s))
+            results[-1]["split_us_per_step"] = dict(zip(SPLIT_HEADER[2:], splits[-1][2:]))
     name = args.model or "SmolLM2-135M (embedded)"
     print(f"structured outputs mask cost: {name} on {hardware(device)}, {new_tokens} new tokens, greedy, "
-          f"JSON schema on every sequence, {args.repeats} interleaved pairs per batch ({now_iso()})")
-    print(table(rows, ["batch", "no mask tok/s (median)", "with mask tok/s (median)", "with / without (median)",
-                       f"spread of {args.repeats} pairs"]))
+          f"JSON schema on every sequence, {args.repeats} interleaved rounds per batch ({now_iso()})")
+    print(table(rows, ["variant", "batch", "no mask tok/s (median)", "with mask tok/s (median)",
+                       "with / without (median)", f"spread of {args.repeats} rounds"]))
     for r in results:
-        print(f"structured mask ratio at batch {r['batch']}: {r['ratio']:.3f} "
-              f"(min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f}, {args.repeats} interleaved pairs)")
+        suffix = "" if r["variant"] == "mask" else f" ({r['variant']})"
+        print(f"structured mask ratio at batch {r['batch']}{suffix}: {r['ratio']:.3f} "
+              f"(min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f}, {args.repeats} interleaved rounds)")
+    print("structured mask step split (microseconds per decode step; engine thread: advance = consuming the "
+          "sampled tokens, wait = blocked on the worker, pack = computing/gathering masks in apply, launch = "
+          "queuing the transfer and masking; fill = mask computation on any thread; device apply = the "
+          "device's time for the transfer and masking, timed alone):")
+    print(table(splits, SPLIT_HEADER))
     write_json(args.out, f"structured-mask-{device.type}", {"model": name, "device": hardware(device),
                                                             "new_tokens": new_tokens, "when": now_iso(),
                                                             "results": results})

@@ -66,7 +66,7 @@ for stage in $stages; do
                 run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
     rlloop)     run rlloop $PY examples/rl_colocated.py --device cuda --model llama-1b --iterations 3 --prompts 8 \
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
-    structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
+    structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --worker --out "$RESULTS" ;;
     flows)      run flows $PY bench/readme_flows.py --out "$RESULTS" ;;
     limits)     run limits $PY bench/sleep_limits.py --out "$RESULTS" ;;
     vmmfloor)   run vmmfloor $PY bench/vmm_floor.py --gib 100 --out "$RESULTS" ;;
@@ -82,7 +82,7 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|tensor parallel)" "$LOG" || true
+grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|tensor parallel)" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
 # limits: where each sleep's and wake's milliseconds went, per cycle (the answers' `timings`)
 grep -h -E "^llama-[0-9]+b( L[12] cycle [0-9]+|: request after a wake)" "$LOG" || true

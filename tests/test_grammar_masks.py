@@ -45,15 +45,22 @@ def reference_forbidden(matcher, vocab: int) -> torch.Tensor:
     return torch.from_numpy(bits[0] == 0)
 
 
-def test_masks_equal_llguidance_through_reorders_and_new_sequences(compiler):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-apply", "worker"])
+def test_masks_equal_llguidance_through_reorders_and_new_sequences(compiler, overlap):
+    walk(compiler, torch.device("cpu"), None, overlap)
+
+
+def walk(compiler, device: torch.device, bit_values: torch.Tensor | None, overlap: bool) -> None:
+    """60 steps of random batches through GrammarMasks on `device`, every masked row checked against
+    llguidance (tests/gpu runs it on CUDA)."""
     vocab = compiler.vocab_size
     grammars = [compiler.compile(StructuredOutputs(json=SCHEMA)),
                 compiler.compile(StructuredOutputs(regex=r"[0-9]{2,5}x")),
                 compiler.compile(StructuredOutputs(choice=["yes", "no"]))]
-    masks = GrammarMasks(vocab, torch.device("cpu"))
+    masks = GrammarMasks(vocab, device, bit_values, overlap=overlap)
     rng = random.Random(0)
     live: list[tuple[Seq, object]] = []   # (sequence, its reference matcher: advanced alongside)
-    next_id, checked_rows, completed = 0, 0, 0
+    next_id, checked_rows, completed, masked_steps = 0, 0, 0, 0
     batch: list = []
     done: set[int] = set()
     try:
@@ -70,8 +77,10 @@ def test_masks_equal_llguidance_through_reorders_and_new_sequences(compiler):
                 batch = rng.sample(live, rng.randint(1, len(live)))
             else:
                 batch = steady
-            logits = torch.zeros(len(batch), vocab)
+            logits = torch.zeros(len(batch), vocab, device=device)
+            masked_steps += any(ref is not None for _, ref in batch)
             masks.apply(logits, [s for s, _ in batch])
+            logits = logits.cpu()
             tokens = []
             for row, (seq, ref) in enumerate(batch):
                 if ref is None:
@@ -94,6 +103,9 @@ def test_masks_equal_llguidance_through_reorders_and_new_sequences(compiler):
     finally:
         masks.close()
     assert checked_rows > 60 and completed > 3  # the walk did cover masks and finished grammars
+    # The bench's split counted every masked step; only the worker has rows to reuse as they are.
+    assert masks.times.steps == masked_steps
+    assert (masks.times.steady > 0) == overlap
 
 
 def test_cpu_and_device_unpacking_agree():

@@ -82,10 +82,10 @@ class ModelRunner:
             layer.self_attn.v_cache = self.kv_cache[i, 1]
         self.graphs = None  # set by enable_cuda_graphs(): decode-only batches replay captured graphs
         # Structured outputs: grammar token masks, computed while the forward runs (grammar_masks.py).
-        # On CUDA its 128-byte table of bit values lives in the pool (restored by every wake, as the graphs').
+        # On CUDA its 8-byte table of bit values lives in the pool (restored by every wake, as the graphs').
         bits = None
         if self.device.type == "cuda":
-            bits = pool.empty((32,), torch.int32, CUDA_GRAPH)
+            bits = pool.empty((8,), torch.uint8, CUDA_GRAPH)
             bits.copy_(bit_values_on(self.device))
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
 
