@@ -45,19 +45,20 @@ def reference_forbidden(matcher, vocab: int) -> torch.Tensor:
     return torch.from_numpy(bits[0] == 0)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["in-apply", "worker"])
+@pytest.mark.parametrize("overlap", [False, True, None], ids=["in-apply", "worker", "switching"])
 def test_masks_equal_llguidance_through_reorders_and_new_sequences(compiler, overlap):
     walk(compiler, torch.device("cpu"), None, overlap)
 
 
-def walk(compiler, device: torch.device, bit_values: torch.Tensor | None, overlap: bool) -> None:
+def walk(compiler, device: torch.device, bit_values: torch.Tensor | None, overlap: bool | None) -> None:
     """60 steps of random batches through GrammarMasks on `device`, every masked row checked against
-    llguidance (tests/gpu runs it on CUDA)."""
+    llguidance (tests/gpu runs it on CUDA). overlap None: the mode switches every few steps, with a
+    worker's job under way (as bench/structured_mask.py switches between its runs)."""
     vocab = compiler.vocab_size
     grammars = [compiler.compile(StructuredOutputs(json=SCHEMA)),
                 compiler.compile(StructuredOutputs(regex=r"[0-9]{2,5}x")),
                 compiler.compile(StructuredOutputs(choice=["yes", "no"]))]
-    masks = GrammarMasks(vocab, device, bit_values, overlap=overlap)
+    masks = GrammarMasks(vocab, device, bit_values, overlap=bool(overlap))
     rng = random.Random(0)
     live: list[tuple[Seq, object]] = []   # (sequence, its reference matcher: advanced alongside)
     next_id, checked_rows, completed, masked_steps = 0, 0, 0, 0
@@ -65,6 +66,8 @@ def walk(compiler, device: torch.device, bit_values: torch.Tensor | None, overla
     done: set[int] = set()
     try:
         for step in range(60):
+            if overlap is None and step % 4 == 0:
+                masks.set_overlap(step % 8 == 0)
             while len(live) < 6:  # new sequences join, some without a grammar
                 g = rng.choice(grammars + [None])
                 live.append((Seq(next_id, g.matcher() if g else None), g.matcher() if g else None))
@@ -105,7 +108,7 @@ def walk(compiler, device: torch.device, bit_values: torch.Tensor | None, overla
     assert checked_rows > 60 and completed > 3  # the walk did cover masks and finished grammars
     # The bench's split counted every masked step; only the worker has rows to reuse as they are.
     assert masks.times.steps == masked_steps
-    assert (masks.times.steady > 0) == overlap
+    assert (masks.times.steady > 0) == (overlap is not False)
 
 
 def test_cpu_and_device_unpacking_agree():

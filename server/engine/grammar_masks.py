@@ -17,9 +17,10 @@ overlap=True computes the masks ahead instead, on a worker thread that advance()
 postprocess, schedule and prepare. On the H200 that was slower (batch 32: 25% cost, against 14% for
 masks computed in the sampler with tokens consumed one by one): the worker needs the GIL to start a
 job and again to finish it, and the engine thread holds it through that Python work, so the job starts
-late (a CPU simulation with 1 ms of engine Python: 0.1-0.5 ms median, up to the 5 ms switch interval)
-and ends when apply() waits, which only adds two thread handoffs per step; its thread pool also runs
-beside the engine thread instead of while it waits. It stays selectable so bench/structured_mask.py
+late (a CPU simulation with 1 ms of engine Python: 0.1-0.5 ms median, 4-8 ms at worst: the 5 ms
+switch interval) and ends when apply() waits, which only adds two thread handoffs per step (at batch
+1 advance() took 0.17-0.21 ms with the worker against 0.02-0.03 ms without); its thread pool also
+runs beside the engine thread instead of while it waits. It stays selectable so bench/structured_mask.py
 --worker measures both on the same GPU.
 
 The masks stay packed (one bit per token, 32x less than a bool mask) until the device: one transfer,
