@@ -43,6 +43,7 @@ from server.weight_transfer.sender import WeightSender  # noqa: E402
 from tests.http_server import ServerProcess  # noqa: E402
 
 GB = 1e9
+TIMEOUT_S = 120  # a transfer that stalls fails in minutes, and the other modes still run
 
 
 def shapes(folder: Path) -> list[tuple[str, tuple[int, ...]]]:
@@ -209,12 +210,21 @@ def push_modes(sender: WeightSender, named, buckets: list[int], backend: str, de
     for label, settings, headline in modes:
         for k, v in settings.items():
             setattr(sender, k, v)
-        if label.endswith("-flat"):
-            flat = flat_copy(named, device)
-            best = best_send(sender, flat)
-            del flat
-        else:
-            best = best_send(sender, named)
+        try:
+            if label.endswith("-flat"):
+                flat = flat_copy(named, device)
+                best = best_send(sender, flat)
+                del flat
+            else:
+                best = best_send(sender, named)
+        except Exception as e:  # one mode failing must not lose the others' figures
+            print(f"  push {label} FAILED: {type(e).__name__}: {e}", flush=True)
+            row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"
+            if sender.group is not None:  # a broken group: both sides start a new one
+                sender.group.close(abort=True)
+                sender.group = None
+                sender.init()
+            continue
         row[f"push_s@{label}"] = best["seconds"]
         row["breakdown"][label] = breakdown(best)
         if headline and best["seconds"] < row.get("push_s", float("inf")):
@@ -293,7 +303,7 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         serve = [str(folder), "--device", args.device, "--load-format", "dummy", "--max-model-len", "1024",
                  "--kv-cache-memory", "1GiB", "--enforce-eager", "--dev-mode",
-                 "--weight-transfer-config", json.dumps({"backend": backend})]
+                 "--weight-transfer-config", json.dumps({"backend": backend, "timeout_s": TIMEOUT_S})]
         env = {"CUDA_VISIBLE_DEVICES": "1"} if backend == "nccl" else None
         server = ServerProcess(serve, env=env).start()
         row: dict = {"model": name, "GB": nbytes / GB, "tensors": len(named)}
@@ -310,7 +320,7 @@ def main() -> None:
                                              row["raw_broadcast_tensor_s"])
                 row["pack_alone_s"] = pack_alone_s(named, device, buckets[-1])
             print(f"{name}: references done", flush=True)
-            sender = WeightSender(server.url, backend=backend, device=device, timeout_s=1800)
+            sender = WeightSender(server.url, backend=backend, device=device, timeout_s=TIMEOUT_S)
             sender.init()
             push_modes(sender, named, buckets, backend, device, row)
             sender.close()
@@ -321,18 +331,21 @@ def main() -> None:
         del named
         if cuda:
             torch.cuda.empty_cache()
-        push = row["push_s"]
-        row["push_GBps"] = nbytes / push / GB
+        push = row.get("push_s")  # absent only if every mode failed
         ref = row.get("d2d_copy_s") or row.get("raw_broadcast_s")
-        row["push_over_reference"] = ref / push
+        row["push_GBps"] = nbytes / push / GB if push else None
+        row["push_over_reference"] = ref / push if push else None
         rows.append(row)
         print(json.dumps(row), flush=True)
     result["rows"] = rows
     write_json(args.out, f"weight-transfer-{backend}-{args.device}", result)
     print(f"\nweight transfer ({backend}, {args.device}, {result['date']})")
     ref_name = "d2d copy" if backend in ("ipc", "shm") else "raw broadcast"
-    print(table([[r["model"], f"{r['GB']:.2f} GB", f"{r['push_s']:.3f} s", f"{r['push_GBps']:.1f} GB/s",
-                  f"{(r.get('d2d_copy_s') or r.get('raw_broadcast_s')):.3f} s", f"{r['push_over_reference']:.2f}",
+    print(table([[r["model"], f"{r['GB']:.2f} GB",
+                  f"{r['push_s']:.3f} s ({r.get('push_mode', '-')})" if r.get("push_s") else "failed",
+                  f"{r['push_GBps']:.1f} GB/s" if r.get("push_GBps") else "-",
+                  f"{(r.get('d2d_copy_s') or r.get('raw_broadcast_s')):.3f} s",
+                  f"{r['push_over_reference']:.2f}" if r.get("push_over_reference") else "-",
                   (f"{r['disk_write_s']:.2f} + {r['disk_load_s']:.2f} s" if "disk_load_s" in r else "-")]
                  for r in rows],
                 ["model", "bytes", "push through HTTP", "push GB/s", ref_name, "reference / push",

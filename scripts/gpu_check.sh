@@ -56,12 +56,12 @@ for stage in $stages; do
     profile)    run profile $PY bench/step_profile.py --out "$RESULTS"
                 run profile-rl $PY bench/step_profile.py --temperature 1 --logprobs 0 --out "$RESULTS" ;;
     e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
-    weights)    run weights-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_weight_transfer_gpu.py -k ipc \
+    weights)    run weights-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py -k ipc \
                   -p no:cacheprovider
                 run weights $PY bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out "$RESULTS" ;;
     tp)         run tp $PY bench/tensor_parallel.py --world 2 --out "$RESULTS" ;;
     weights-nccl)  # every receive path checked against a disk load first, then timed (with its breakdown)
-                run weights-nccl-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_weight_transfer_gpu.py \
+                run weights-nccl-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py \
                   -k nccl -p no:cacheprovider
                 run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
     rlloop)     run rlloop $PY examples/rl_colocated.py --device cuda --model llama-1b --iterations 3 --prompts 8 \

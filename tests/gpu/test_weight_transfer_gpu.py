@@ -57,7 +57,8 @@ def greedy(server) -> list[list[int]]:
 
 def serve(folder, backend: str, env=None) -> ServerProcess:
     return ServerProcess([str(folder), "--device", "cuda", "--max-model-len", "512", "--kv-cache-memory", "1GiB",
-                          "--dev-mode", "--weight-transfer-config", json.dumps({"backend": backend})], env=env).start()
+                          "--dev-mode", "--weight-transfer-config", json.dumps({"backend": backend, "timeout_s": 60})],
+                         env=env).start()
 
 
 def reference(server, perturbed_folder) -> tuple[list, list]:
@@ -119,7 +120,7 @@ def test_nccl_push_from_another_gpu(folders):
     try:
         original, expected = reference(server, other)
         named = [(n, t.cuda(0)) for n, t in perturbed.items()]
-        sender = WeightSender(server.url, backend="nccl", device="cuda:0", bucket_bytes=4 << 20)
+        sender = WeightSender(server.url, backend="nccl", device="cuda:0", bucket_bytes=4 << 20, timeout_s=60)
         sender.init()
         cases = [("staged", dict(bucket_bytes=4 << 20, packed=True), named),
                  ("in place", dict(bucket_bytes=1, packed=True), named),
