@@ -132,6 +132,10 @@ def main() -> int:
     llm.engine.grammars.compile(spec)
     decode_rate(llm, 2, 8, None, device, "warm-plain")
     decode_rate(llm, 2, 8, spec, device, "warm-masked")
+    # llguidance builds its lexer states lazily, kept by the compiled grammar (as a server keeps it for
+    # every request with this schema): one full run of the largest batch first, so that no timed run
+    # pays for them (greedy decoding takes the same path every time).
+    decode_rate(llm, max(int(b) for b in args.batches.split(",")), new_tokens, spec, device, "warm-states")
     if args.worker:
         llm.engine.runner.masks.set_overlap(True)
         decode_rate(llm, 2, 8, spec, device, "warm-worker")
