@@ -246,6 +246,202 @@ def test_a_bucket_lands_in_place_when_the_parameters_line_up():
     assert torch.equal(fused[:4], sent["q"])  # written through the block's own memory
 
 
+def test_the_stream_order_of_a_cuda_receive(monkeypatch):
+    """The order BroadcastReceive gives its CUDA work, checked on CPU with streams and events that
+    record what is asked of them (the real streams run in gpu_check's weights-nccl stage): the copy
+    out of a bucket waits for that bucket's broadcast; the broadcast into a reused slot waits for the
+    copy out of the bucket that used the slot before; a bucket that lines up with the parameters is
+    broadcast into them with neither; the host waits for both streams' last work at the end."""
+    import contextlib
+
+    from server.weight_transfer import broadcast_receive
+
+    log: list[tuple] = []
+    ids = iter(range(1, 10_000))
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            self.id = next(ids)
+
+        def record(self, stream) -> None:
+            log.append(("record", stream.name, self.id))
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, other) -> float:
+            return 0.0
+
+    class Stream:
+        def __init__(self, name: str = "copy", *args):
+            self.name = name
+
+        def wait_event(self, event) -> None:
+            log.append(("wait", self.name, event.id))
+
+    current = ["host"]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream.name)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("copy"))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    real_copy = broadcast_receive.BroadcastReceive._copy
+
+    def copy(self, pairs):
+        log.append(("copy", current[-1]))
+        real_copy(self, pairs)
+    monkeypatch.setattr(broadcast_receive.BroadcastReceive, "_copy", copy)
+
+    fused = torch.zeros(10, 4)
+    q, k, v = fused.split([4, 3, 3])
+    targets = {"q": q, "k": k, "v": v, **{f"t{i}": torch.zeros(4, 4) for i in range(9)}}
+    sent = {name: torch.randn(t.shape) for name, t in targets.items()}
+    order = list(targets)
+    metas = [TensorMeta(n, torch.float32, tuple(sent[n].shape)) for n in order]
+    bucket = 159  # [q k v] (160 bytes: in place), then three buckets of three 64-byte tensors
+    plan = plan_buckets([m.nbytes for m in metas], bucket)
+    assert [len(r) for r in plan] == [3, 3, 3, 3]
+    packed = []
+    for r in plan:
+        buf = torch.empty(sum(metas[i].nbytes for i in r), dtype=torch.uint8)
+        pack_into(buf, [sent[order[i]] for i in r])
+        packed.append(buf)
+
+    class Group:
+        stream = Stream("nccl")
+
+        def __init__(self):
+            self.incoming = iter(packed)
+
+        def broadcast(self, tensor, src=0):
+            assert current[-1] == "host"  # enqueued from the transfer thread's stream, as NcclComm expects
+            tensor.copy_(next(self.incoming))  # the bytes "arrive" when enqueued: the log checks the order
+            log.append(("bcast", "in place" if tensor.data_ptr() == fused.data_ptr() else "slot"))
+            event = Event()
+            event.record(self.stream)
+            return event
+
+        def wait_for(self, event) -> None:
+            log.append(("host waits", event.id))
+
+    loaded: set[str] = set()
+    stats = broadcast_receive.BroadcastReceive(Group(), targets, torch.device("cpu"))
+    stats.cuda = True  # a group with a stream: the CUDA path
+    stats.copy_stream = Stream("copy")
+    result = stats.run(metas, True, bucket, loaded)
+    assert (result.direct, result.staged) == (1, 3) and loaded == set(order)
+    for name in order:
+        assert torch.equal(targets[name], sent[name]), name
+    # The log, bucket by bucket.
+    assert log[:2] == [("bcast", "in place"), ("record", "nccl", log[1][2])]  # no wait, no copy
+    i, unpacked_by_slot, tokens = 2, {}, []
+    for n in range(3):
+        slot = n % 2
+        if slot in unpacked_by_slot:  # the slot's previous copy must be done before new bytes land
+            assert log[i] == ("wait", "nccl", unpacked_by_slot[slot]), (n, log[i])
+            i += 1
+        assert log[i] == ("bcast", "slot") and log[i + 1][:2] == ("record", "nccl"), (n, log[i:i + 2])
+        token = log[i + 1][2]
+        tokens.append(token)
+        assert log[i + 2] == ("wait", "copy", token), (n, log[i + 2])  # the copy waits for its bytes
+        assert log[i + 3][:2] == ("record", "copy") and log[i + 4] == ("copy", "copy"), (n, log[i + 3:i + 5])
+        assert log[i + 5][:2] == ("record", "copy"), (n, log[i + 5])
+        unpacked_by_slot[slot] = log[i + 5][2]
+        i += 6
+    # Then the last marks of both streams, and only now does the host wait (no wait per bucket before).
+    assert [e[:2] for e in log[i:i + 2]] == [("record", "nccl"), ("record", "copy")]
+    assert all(e[0] != "host waits" for e in log[:i + 2])
+    assert [e[0] for e in log[i + 2:]] == ["host waits"] * (len(log) - i - 2)
+    assert log[-1][1] == log[i + 1][2]  # the last wait is for the copy stream's last mark
+
+
+def test_the_stream_order_of_a_cuda_send(monkeypatch):
+    """The sender's side, the same way: packing starts after the trainer's own stream (which made
+    the tensors), each pack is on the pack stream and its broadcast waits for it (the broadcast is
+    enqueued with the pack stream current), the pack into a reused slot waits for the broadcast out
+    of it, and a bucket that is one tensor's own memory is broadcast from it without packing."""
+    from server.weight_transfer.sender import WeightSender
+
+    log: list[tuple] = []
+    ids = iter(range(1, 10_000))
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            self.id = next(ids)
+
+        def record(self, stream) -> None:
+            log.append(("record", stream.name, self.id))
+
+        def elapsed_time(self, other) -> float:
+            return 0.0
+
+    class Stream:
+        def __init__(self, name: str = "pack", *args):
+            self.name = name
+
+        def wait_event(self, event) -> None:
+            log.append(("wait", self.name, event.id))
+
+        def wait_stream(self, other) -> None:
+            log.append(("wait stream", self.name, other.name))
+
+    current = [Stream("trainer")]
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("pack"))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    sent: list[torch.Tensor] = []
+
+    class Group:
+        stream = Stream("nccl")
+
+        def broadcast(self, tensor, src=0):
+            sent.append(tensor.clone())
+            log.append(("bcast", current[-1].name))  # NcclComm makes its stream wait for this one
+            event = Event()
+            event.record(self.stream)
+            return event
+
+        def wait_for(self, event) -> None:
+            log.append(("host waits", event.id))
+
+    tensors = [torch.randn(40)] + [torch.randn(4, 4) for _ in range(9)]  # 160 bytes alone, then 3 x 3 x 64
+    sender = WeightSender("http://127.0.0.1:1", backend="gloo", bucket_bytes=159)
+    sender.group = Group()
+    report = sender._broadcast(tensors)
+    assert (report["direct"], report["staged"]) == (1, 3)
+    plan = plan_buckets([t.numel() * t.element_size() for t in tensors], 159)
+    for got, r in zip(sent, plan):
+        assert torch.equal(got, torch.cat([tensors[i].view(-1) for i in r]).view(torch.uint8)), r
+    assert log[0] == ("wait stream", "pack", "trainer")
+    assert log[1] == ("bcast", "trainer") and log[2][:2] == ("record", "nccl")  # in place: no pack
+    i, sent_by_slot = 3, {}
+    for n in range(3):
+        slot = n % 2
+        if slot in sent_by_slot:
+            assert log[i] == ("wait", "pack", sent_by_slot[slot]), (n, log[i])
+            i += 1
+        assert [e[:2] for e in log[i:i + 2]] == [("record", "pack"), ("record", "pack")], (n, log[i:i + 2])
+        assert log[i + 2] == ("bcast", "pack") and log[i + 3][:2] == ("record", "nccl"), (n, log[i + 2:i + 4])
+        sent_by_slot[slot] = log[i + 3][2]
+        i += 4
+    assert all(e[0] == "host waits" for e in log[i:]) and len(log) - i == 4
+
+
 def test_a_mismatch_is_refused_before_any_byte_moves(servers, references, perturbed):
     """Over gloo the trainer would otherwise be blocked in a broadcast the server never joins: the
     server's refusal reaches it through the rendezvous store, and it stops with the 400."""
