@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
 # Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
-# goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile sleepwake e2e weights rlloop
+# goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile hostcost sleepwake e2e weights rlloop
 # structured flows serve rollout (default: all of these), and by name on the 2-GPU host: weights-nccl and tp
 # (TP=2 vs TP=1 on an 8B shape: decode tok/s, sleep/wake per level, per-rank memory asleep against NCCL and
 # CUDA references; bench/tensor_parallel.py).
+# hostcost: bench/step_host_cost.py, a decode step's host work beside its forward at batch 64 and 256 (temperature 1,
+# logprobs 0, n 8; an output every step as streaming requests get, and FINAL_ONLY as non-streaming ones).
 # serve: bench/serve.py, Poisson arrivals through HTTP vs in-process (1B shape); rollout: bench/rollout.py,
 # 256 prompts x n=8 x 512 tokens through HTTP as TRL sends them, in-process and transformers (rollout-1b and
 # rollout-8b run one shape each).
@@ -31,7 +33,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-stages=${*:-tests pool throughput profile sleepwake e2e weights rlloop structured flows serve rollout}
+stages=${*:-tests pool throughput profile hostcost sleepwake e2e weights rlloop structured flows serve rollout}
 failed=()
 
 run() {  # run NAME CMD...: log everything, print the tail, remember failures
@@ -55,6 +57,7 @@ for stage in $stages; do
     sleepwake)  run sleepwake $PY bench/sleep_wake.py --device cuda --out "$RESULTS" ;;
     profile)    run profile $PY bench/step_profile.py --out "$RESULTS"
                 run profile-rl $PY bench/step_profile.py --temperature 1 --logprobs 0 --out "$RESULTS" ;;
+    hostcost)   run hostcost $PY bench/step_host_cost.py --device cuda --model llama-1b --steps 100 --out "$RESULTS" ;;
     e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
     weights)    run weights-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py -k ipc \
                   -p no:cacheprovider

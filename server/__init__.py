@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str):
@@ -10,7 +10,7 @@ def __getattr__(name: str):
     if name == "LLM":
         from server.llm import LLM
         return LLM
-    if name in ("SamplingParams", "StructuredOutputs"):
+    if name in ("RequestOutputKind", "SamplingParams", "StructuredOutputs"):
         from server.engine import params
         return getattr(params, name)
     raise AttributeError(name)

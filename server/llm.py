@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Iterable, Sequence as Seq
 
 import torch
@@ -15,13 +16,18 @@ import torch
 from server.config import EngineConfig
 from server.engine.build import build_engine
 from server.engine.outputs import RequestOutput
-from server.engine.params import SamplingParams
+from server.engine.params import RequestOutputKind, SamplingParams
 from server.engine.sleep_state import SleepReport
+from server.heap import freeze_startup_heap
 
 
 class LLM:
     def __init__(self, model: str | None = None, *, enable_sleep_mode: bool = True, **config):
         self.engine = build_engine(EngineConfig(model=model, enable_sleep_mode=enable_sleep_mode, **config))
+        # As the server's processes do (server/heap.py): the engine's start-up objects (and the caller's,
+        # alive now) leave the collector's full walks, which cost ~25 ms a step at batch 256 on the CI
+        # host's in-process engine (bench/step_host_cost.py, gc_ms) as they stopped its thread.
+        freeze_startup_heap("in-process engine")
         self._ids = itertools.count()
 
     @property
@@ -36,6 +42,8 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
+        # Only the final outputs are returned: the engine builds nothing per step (vLLM's LLM does the same).
+        plist = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in plist]
         ids = []
         try:
             for prompt, p in zip(prompts, plist):

@@ -52,7 +52,8 @@ class RequestTracker:
             self.prompt_tokens = len(out.prompt_token_ids)
             m.prompt_tokens.inc(self.prompt_tokens)
             m.v_prompt_tokens.inc(self.prompt_tokens)
-        new = sum(len(o.delta_token_ids) for o in out.outputs)
+        counts = [len(o.delta_token_ids) for o in out.outputs]
+        new = sum(counts)
         if not new:
             return
         self.generated += new
@@ -62,8 +63,15 @@ class RequestTracker:
             m.ttft.observe(now - self.start)
             m.v_ttft.observe(now - self.start)
         else:
-            m.itl.observe(now - self.last_token)
-            m.v_itl.observe((now - self.last_token) / new)
+            # An output may span several steps (a FINAL_ONLY request's last one spans all but the first; a
+            # slow reader merges steps): one interval per step, the mean, and vLLM's histogram one per token
+            # of each sequence (its n sequences are n requests there).
+            steps = max(counts)
+            interval = (now - self.last_token) / steps
+            for _ in range(steps):
+                m.itl.observe(interval)
+            for _ in range(new):
+                m.v_itl.observe(interval)
         self.last_token = now
 
     def finish(self, last: RequestOutput | None) -> None:

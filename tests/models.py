@@ -20,6 +20,10 @@ CONFIGS: dict[str, dict] = {
     # A small model for fast GPU tests.
     "llama-tiny": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                        num_key_value_heads=2, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+    # Almost no model: for measuring the host work around a step on CPU (bench/step_host_cost.py); a 1k
+    # vocabulary (ids the tokenizer knows) keeps the sampler's tensor ops small.
+    "llama-micro": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=32, vocab_size=1024, tie_word_embeddings=True),
 }
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

@@ -71,3 +71,13 @@ def test_roofline_step_cost_counts_weights_kv_and_flops(llm):
     assert flops == 2 * cost.matmul_params * 4 + 2 * cost.head_params * 2 + cost.attn_flops_per_pair * pairs
     slow_memory = Device(bandwidth=1.0, gemm_flops=1e30)
     assert cost.step_seconds([(0, 3), (10, 1)], 2, slow_memory) == nbytes
+
+
+def test_step_host_cost_runs_the_step_and_the_frame_path(llm):
+    """bench/step_host_cost.py at a tiny size: the step, the frame and the API side ran, and the streams got
+    every token once per step (streaming) or none before the end (FINAL_ONLY); measure checks that."""
+    from bench.step_host_cost import measure
+
+    for kind in ("stream", "final"):
+        row = measure(llm, 4, kind, 2, 3, 1.0, 1.0, 0, None, False)
+        assert row["batch"] == 4 and row["kind"] == kind and "engine_host_ms" in row

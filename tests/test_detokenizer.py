@@ -58,3 +58,27 @@ def test_a_step_of_many_sequences_detokenizes_as_one_at_a_time(tokenizer):
     windows = [s[:k] for s in streams for k in (1, 3, len(s))]
     for skip in (True, False):
         assert decode_many(tokenizer, windows, skip) == [tokenizer.decode(w, skip_special_tokens=skip) for w in windows]
+
+
+def test_text_decoded_at_the_end_equals_incremental(tokenizer):
+    """A FINAL_ONLY sequence without stop strings is detokenized once, at its end (detokenize_all): it must
+    be the text the incremental decode builds token by token, on any tokens. Random ids make broken UTF-8
+    (byte tokens that start or continue a character without ending it) and special tokens."""
+    import random
+
+    from server.engine.detokenizer import detokenize_all, prefix_stable
+
+    assert prefix_stable(tokenizer)
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    byte_tokens = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])][:200]
+    specials = list(tokenizer.all_special_ids)
+    for case in range(60):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        pool = byte_tokens if case % 3 == 0 else specials + byte_tokens if case % 3 == 1 else None
+        out = [rng.choice(pool) if pool and rng.random() < 0.5 else rng.randrange(vocab)
+               for _ in range(rng.randrange(1, 150))]
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tokenizer, prompt, skip)
+            incremental = "".join(detok.add(t) for t in out) + detok.flush()
+            assert detokenize_all(tokenizer, prompt, out, skip) == incremental, (case, skip)

@@ -97,6 +97,37 @@ def test_streamed_deltas_add_up_and_never_show_cut_text(llm):
     assert "".join(deltas) == full[: full.index(stop)]
 
 
+def test_final_only_hands_out_the_first_tokens_and_the_end_with_everything_else_identical(llm):
+    """FINAL_ONLY (LLM.generate, non-streaming HTTP): an output when the first tokens are sampled and one at
+    the end, text decoded once at the end; the end must be exactly what an output per step builds, with
+    temperature 1 and a seed (tokens, text, log-probs), ended by length, by EOS or by abort."""
+    from server.engine.params import RequestOutputKind
+
+    core = llm.engine
+
+    def run(kind: RequestOutputKind, abort_after: int | None = None, **kw) -> list:
+        params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, logprobs=1, output_kind=kind, **kw)
+        outs: list = []
+        core.add_request(f"kind-{kind.name}-{abort_after}", PROMPTS[3], params=params, on_output=outs.append)
+        steps = 0
+        while core.has_unfinished:
+            core.step()
+            steps += 1
+            if abort_after is not None and steps == abort_after:
+                core.abort_request(f"kind-{kind.name}-{abort_after}")
+        return outs
+
+    for kw, abort_after in (({}, None), ({"ignore_eos": True}, None), ({}, 8)):
+        every = run(RequestOutputKind.CUMULATIVE, abort_after, **kw)
+        final = run(RequestOutputKind.FINAL_ONLY, abort_after, **kw)
+        assert len(every) > 2 and len(final) == 2 and final[-1].finished
+        assert [o.delta_token_ids for o in final[0].outputs] == [o.delta_token_ids for o in every[0].outputs]
+        for a, b in zip(every[-1].outputs, final[-1].outputs):
+            assert (a.text, a.token_ids, a.logprobs, a.finish_reason, a.stop_reason) == \
+                   (b.text, b.token_ids, b.logprobs, b.finish_reason, b.stop_reason)
+            assert a.text and b.text == "".join(o.outputs[b.index].delta_text for o in final)
+
+
 def test_stop_token_ids_and_min_tokens(llm):
     first = llm.generate(PROMPTS[0], greedy(16))[0].outputs[0].token_ids
     i = next(i for i in range(2, len(first)) if first[i] not in first[:i])  # its first occurrence

@@ -140,6 +140,16 @@ async def start_many(request: Request, request_id: str, prompts: list[tuple[str 
 
 async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Every prompt's outputs as they come, tagged with the prompt's index. Closing it aborts them all."""
+    if len(started) == 1:  # one prompt (chat, most completions): its outputs as they are, no task or queue
+        first, gen = started[0]
+        try:
+            yield 0, first
+            if not first.finished:
+                async for out in gen:
+                    yield 0, out
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from server.engine.params import InvalidRequestError, SamplingParams, StructuredOutputs
+from server.engine.params import InvalidRequestError, RequestOutputKind, SamplingParams, StructuredOutputs
 
 
 class RequestBody(BaseModel):
@@ -172,7 +172,9 @@ class _Sampling(RequestBody):
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logit_bias=self._bias(), skip_special_tokens=self.skip_special_tokens, structured_outputs=spec)
+            logit_bias=self._bias(), skip_special_tokens=self.skip_special_tokens, structured_outputs=spec,
+            # A whole response needs only the end: no output (frame item, wake-up, text) per step.
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
 Prompt = tuple[str | None, list[int] | None]   # (text, None) or (None, token ids)

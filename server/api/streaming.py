@@ -28,8 +28,10 @@ async def events(items: AsyncIterator[T], chunks: Callable[[T], list[dict[str, A
     When the client disconnects, Starlette cancels this generator; closing `items` aborts the requests."""
     try:
         async for item in items:
-            for c in chunks(item):
-                yield sse(c)
+            # An item's chunks (one per choice with news: n of them for n > 1) in one write, not one each.
+            body = b"".join(sse(c) for c in chunks(item))
+            if body:
+                yield body
         for c in tail():
             yield sse(c)
     except Exception as e:

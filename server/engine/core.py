@@ -16,12 +16,12 @@ import torch
 
 from allocator import MemoryPool
 from server.config import EngineConfig
-from server.engine.detokenizer import detokenize_step
+from server.engine.detokenizer import detokenize_step, prefix_stable
 from server.engine.errors import EngineUnavailableError, InvalidRequestError
 from server.engine.kv_cache import BlockManager, usable_blocks
 from server.engine.memory_plan import KVPlan
 from server.engine.outputs import RequestOutput
-from server.engine.params import SamplingParams
+from server.engine.params import RequestOutputKind, SamplingParams
 from server.engine.prompt_check import check_prompt_ids
 from server.engine.runner import ModelRunner, Sampled
 from server.engine.scheduler import ScheduledBatch, Scheduler
@@ -76,6 +76,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.step_tokens = 0  # tokens the last step ran (vllm:iteration_tokens_total)
+        # Outputs with the whole token ids and log-probs so far (False: only the new ones, beside the
+        # deltas: the engine process sends nothing else, and copying them costs O(length) a step).
+        self.whole_outputs = True
         # The sleep state machine's one owner; memory state per tag lives in the pool.
         self.sleep_control = SleepController(self, config.enable_sleep_mode, weight_version)
 
@@ -113,11 +116,14 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         ids, params = self.check_prompt(prompt, prompt_token_ids, params or SamplingParams())
         req = Request(request_id, prompt, ids, params, on_output=on_output)
+        # Text only at the end when nothing reads it before (no output per step) and no stop string needs it.
+        lazy = (params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop
+                and prefix_stable(self.tokenizer))
         for i in range(params.n):
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % (1 << 64))
-            seq = Sequence(self._next_seq_id, req, i, gen)
+            seq = Sequence(self._next_seq_id, req, i, gen, self.tokenizer if lazy else None)
             self._next_seq_id += 1
             req.seqs.append(seq)
             self.scheduler.add(seq)
@@ -163,7 +169,7 @@ class EngineCore:
             self._emit(req)
 
     def _emit(self, req: Request) -> RequestOutput:
-        out = req.output()
+        out = req.output(self.whole_outputs)
         if req.on_output is not None:
             req.on_output(out)
         return out
@@ -192,7 +198,7 @@ class EngineCore:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = started
         sampled, scored = self.runner.execute(batch, self.eos_ids, self.tokenizer)
-        self.step_tokens = sum(n for _, n in batch.items)
+        self.step_tokens = batch.num_tokens
         return self.postprocess(batch, sampled, scored)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sampled],
@@ -208,17 +214,21 @@ class EngineCore:
         complete = self.runner.masks.advance([(seq, token) for seq, token, _ in sampled])
         texts = []
         for seq, token, logprobs in sampled:
-            detok = seq.append_token(token, logprobs, self.eos_ids, self.tokenizer)
-            if detok is not None:
-                texts.append((seq, detok, token))
+            if seq.append_token(token, logprobs, self.eos_ids):
+                if seq.lazy_text:  # no text before the end: only the length and grammar checks
+                    seq.append_text("", self.max_model_len, seq.seq_id in complete)
+                else:
+                    texts.append((seq, seq.detokenizer(self.tokenizer), token))
         for (seq, _, _), delta in zip(texts, detokenize_step([(d, t) for _, d, t in texts])):
             seq.append_text(delta, self.max_model_len, seq.seq_id in complete)
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        first: set[str] = set()
         for seq, _, _ in sampled:
             req = seq.request
             if req.first_token_time is None:
                 req.first_token_time = now
+                first.add(req.request_id)
             req.last_token_time = now
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
@@ -227,6 +237,8 @@ class EngineCore:
         for req in touched.values():
             if req.finished:
                 self.requests.pop(req.request_id, None)
+            elif req.params.output_kind is RequestOutputKind.FINAL_ONLY and req.request_id not in first:
+                continue  # only its first tokens (admission, time to first token) and its end are handed out
             outputs.append(self._emit(req))
         return outputs
 

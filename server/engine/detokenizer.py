@@ -76,6 +76,22 @@ def detokenize_step(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str
     return [d.take(texts[2 * i], texts[2 * i + 1]) for i, (d, _) in enumerate(pairs)]  # type: ignore[arg-type]
 
 
+def prefix_stable(tokenizer) -> bool:
+    """Whether decoding the tokens of a text in one go gives what IncrementalDetokenizer gives token by
+    token (concatenated, with its flush): true of a fast tokenizer that cleans up no spaces (the decode of
+    a longer window then extends the shorter one's text; tests/test_detokenizer.py checks it on random ids)."""
+    return (getattr(tokenizer, "backend_tokenizer", None) is not None
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+
+
+def detokenize_all(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool) -> str:
+    """The text of output_ids after the prompt, decoded at once (a sequence whose text is wanted only at
+    its end): the same context as IncrementalDetokenizer, one decode call for both windows."""
+    context = list(prompt_ids[-_CONTEXT_TOKENS:])
+    prefix, full = decode_many(tokenizer, [context, context + list(output_ids)], skip_special_tokens)
+    return full[len(prefix):] if len(full) > len(prefix) else ""
+
+
 def find_stop(text: str, stops: list[str], new_chars: int) -> tuple[int, str] | None:
     """The earliest stop string that ends inside the last `new_chars` characters: (start, stop)."""
     longest = max(map(len, stops))

@@ -20,6 +20,7 @@ import torch
 
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.tags import CUDA_GRAPH
+from server.engine.runner import pad_tables
 from server.model.attention import AttentionContext
 
 if TYPE_CHECKING:
@@ -103,12 +104,8 @@ class DecodeGraphs:
             h[i * B:i * B + n] = values
             h[i * B + n:i * B + bucket] = self.padding[i]
         base = 4 * B
-        # The tables, padded to width w, as one flat list: one copy into numpy instead of one per row.
-        flat: list[int] = []
-        for t in hb.decode_tables:
-            flat += t
-            flat += [NULL_BLOCK] * (w - len(t))
-        h[base:base + n * w] = flat
+        # The tables, padded to width w (padding rows all NULL_BLOCK): one conversion, no copy per row.
+        pad_tables(hb.decode_tables, w, h[base:base + n * w].reshape(n, w))
         h[base + n * w:base + bucket * w] = NULL_BLOCK
         used = base + bucket * w
         # The host buffer is rewritten only after this step's results were read (a sync), so the

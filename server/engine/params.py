@@ -4,6 +4,7 @@ The HTTP schemas check types; every range lives in `validate` (one place, so the
 drift), and the in-process LLM gets the same checks as the server."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,19 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class RequestOutputKind(enum.IntEnum):
+    """When the engine hands out a request's outputs (vLLM's names). Every output carries both the whole
+    so far and the delta since the previous one, so CUMULATIVE and DELTA are the same here: an output at
+    every step. FINAL_ONLY: one output when the first tokens are sampled (time to first token; admission
+    is confirmed) and one when the request finishes; nothing in between, and a sequence without stop
+    strings is detokenized once, at its end. The in-process LLM.generate and non-streaming HTTP requests
+    use it: nobody reads the steps in between, and building, sending and waking for them cost host
+    time on every step for every sequence."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,7 @@ class SamplingParams:
     # The compiled form of structured_outputs (server/engine/structured.py); the server compiles it
     # off the engine thread, the engine compiles it on admission when nobody did.
     grammar: Any = field(default=None, repr=False, compare=False)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     MAX_LOGPROBS = 20          # OpenAI's and vLLM's default limit for sampled tokens
     MAX_PROMPT_LOGPROBS = 100  # teacher scoring asks for more (TRL's get_sequence_logprobs: 100)

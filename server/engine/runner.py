@@ -5,19 +5,21 @@ pool only (weights under `weights`, the cache under `kv_cache`); the runner neve
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from allocator import PoolError
 from server.engine.grammar_masks import GrammarMasks, bit_values_on
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.outputs import TokenLogprobs
-from server.engine.sampler import prompt_logprobs, sample
+from server.engine.sampler import SamplingMeta, prompt_logprobs, sample
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Request, Sequence
 from server.engine.tags import CUDA_GRAPH, KV_CACHE
@@ -54,6 +56,17 @@ class HostBatch:
         return not self.spans
 
 
+def pad_tables(tables: list[list[int]], width: int, out: np.ndarray) -> None:
+    """Write block tables into out [len(tables), width] (int64), each padded with NULL_BLOCK: the blocks
+    of all tables cross into numpy in one conversion and land by one mask, not a copy per row."""
+    if not tables:
+        return
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+    out[...] = NULL_BLOCK
+    out[np.arange(width)[None, :] < lens[:, None]] = flat
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
                  kv_chunk_bounds: tuple[int, ...] = ()):
@@ -88,6 +101,7 @@ class ModelRunner:
             bits = pool.empty((8,), torch.uint8, CUDA_GRAPH)
             bits.copy_(bit_values_on(self.device))
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
+        self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
 
     def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
@@ -126,6 +140,10 @@ class ModelRunner:
     # -- inputs --------------------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch) -> HostBatch:
+        if batch.decode_only:
+            hb = self._prepare_decodes(batch)
+            if hb is not None:
+                return hb
         bs = self.block_size
         # Decodes (one new token) first: they share one batched attention call.
         items = sorted(batch.items, key=lambda it: it[1] != 1)
@@ -162,18 +180,37 @@ class ModelRunner:
                 hb.sample_seqs.append(seq)
         return hb
 
+    def _prepare_decodes(self, batch: ScheduledBatch) -> HostBatch | None:
+        """prepare() for a batch of one-token steps (the steady state of generation), one list
+        comprehension per field instead of a Python loop with a branch per sequence. None when a request
+        still needs prompt log-probs (then the general path picks the rows)."""
+        seqs = [seq for seq, _ in batch.items]
+        if any(s.request.prompt_logprobs is not None for s in seqs):
+            return None
+        bs = self.block_size
+        starts = [s.num_computed for s in seqs]
+        tables = [s.block_table for s in seqs]
+        ids = [s.token_ids[p] for s, p in zip(seqs, starts)]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
+        lens = [p + 1 for p in starts]
+        # A one-token item is sampled when it is the sequence's last token (a prompt's last chunk can be
+        # one token long and not be).
+        rows = [i for i, (s, n) in enumerate(zip(seqs, lens)) if n == len(s.token_ids)]
+        sample_seqs = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
+        return HostBatch(ids, starts, slots, tables, lens, [], rows, sample_seqs)
+
     def to_device(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """(input ids, positions, attention context, sample rows) on the device, from ONE host-to-
         device copy: small copies each cost a round of driver overhead, and a step has many."""
         T, nd = len(hb.ids), len(hb.decode_tables)
-        width = max((len(t) for t in hb.decode_tables), default=1)
-        flat = hb.ids + hb.positions + hb.slots + hb.decode_lens + hb.sample_rows
-        for t in hb.decode_tables:
-            flat += t
-            flat += [NULL_BLOCK] * (width - len(t))
-        for _, _, _, t in hb.spans:
-            flat += t
-        d = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)
+        width = max(map(len, hb.decode_tables), default=1)
+        head = hb.ids + hb.positions + hb.slots + hb.decode_lens + hb.sample_rows
+        spans = [b for _, _, _, t in hb.spans for b in t]
+        flat = np.empty(len(head) + nd * width + len(spans), dtype=np.int64)
+        flat[:len(head)] = head
+        pad_tables(hb.decode_tables, width, flat[len(head):len(head) + nd * width].reshape(nd, width))
+        flat[len(head) + nd * width:] = spans
+        d = torch.from_numpy(flat).to(self.device, non_blocking=True)
         o = 3 * T + nd + len(hb.sample_rows)
         spans, cursor = [], o + nd * width
         for offset, n, ctx_len, t in hb.spans:
@@ -226,5 +263,8 @@ class ModelRunner:
             return []
         # The grammar first: what it forbids is never sampled, whatever else applies.
         self.masks.apply(logits, hb.sample_seqs)
-        tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer)
+        meta = self._sampling
+        if meta is None or not meta.matches(hb.sample_seqs):
+            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+        tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta)
         return list(zip(hb.sample_seqs, tokens, logprobs))

@@ -37,90 +37,136 @@ def _apply_history(row: torch.Tensor, seq: Sequence, stop_ids: list[int]) -> Non
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _filter(scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+class SamplingMeta:
+    """What a batch's rows ask for, as lists and device tensors, built once per batch composition: the
+    decode steps of a steady batch (the same sequences in the same order) reuse it, so a step does no
+    per-row Python and no host-to-device copy for its parameters (ModelRunner keeps the last one)."""
+
+    def __init__(self, seqs: list[Sequence], device: torch.device):
+        self.seqs = list(seqs)
+        params = [s.params for s in seqs]
+        # Rows whose logits depend on their history (penalties, a bias, min_tokens): edited one by one.
+        self.history = [i for i, p in enumerate(params) if p.logit_bias or p.needs_penalties or p.min_tokens]
+        greedy = [p.greedy for p in params]
+        self.all_greedy = all(greedy)
+        self.temps = self.greedy_rows = self.top_k = self.top_p = self.min_p = None
+        self.seeded = [i for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
+        if not self.all_greedy:
+            self.temps = torch.tensor([p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
+                                      device=device)[:, None]
+            self.greedy_rows = torch.tensor(greedy, device=device) if any(greedy) else None
+            top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+            top_p = [p.top_p for p in params]
+            min_p = [p.min_p for p in params]
+            if any(min_p):
+                self.min_p = torch.tensor(min_p, device=device)[:, None]
+            if any(top_k) or not all(p >= 1.0 for p in top_p):
+                self.top_k = torch.tensor([k if k else -1 for k in top_k], device=device)[:, None]
+                self.top_p = torch.tensor(top_p, device=device)[:, None]
+        # Log-probs: the rows that ask, and the largest top-k among them.
+        self.want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        self.want_k = [params[i].logprobs or 0 for i in self.want]
+        self.k = max(self.want_k, default=0)
+        self.want_rows = None
+        if self.want and len(self.want) < len(seqs):
+            self.want_rows = torch.tensor(self.want, device=device)
+
+    def matches(self, seqs: list[Sequence]) -> bool:
+        return seqs == self.seqs  # identity first, element by element, in C
+
+
+def _filter(scaled: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:
     """top-k, top-p and min-p on temperature-scaled logits, vectorized over rows."""
-    top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
-    top_p = [s.params.top_p for s in seqs]
-    min_p = [s.params.min_p for s in seqs]
-    dev = scaled.device
-    if any(min_p):
+    if meta.min_p is not None:
         probs = scaled.softmax(-1)
-        floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+        floor = meta.min_p * probs.max(-1, keepdim=True).values
         scaled = scaled.masked_fill(probs < floor, float("-inf"))
-    if not any(top_k) and all(p >= 1.0 for p in top_p):
+    if meta.top_k is None:
         return scaled
     sorted_logits, order = scaled.sort(-1, descending=True)
     V = scaled.shape[-1]
-    ranks = torch.arange(V, device=dev)[None, :]
-    k = torch.tensor([k if k else V for k in top_k], device=dev)[:, None]
+    ranks = torch.arange(V, device=scaled.device)[None, :]
+    k = torch.where(meta.top_k > 0, meta.top_k, V)
     drop = ranks >= k
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
     before = sorted_probs.cumsum(-1) - sorted_probs
-    drop |= before >= torch.tensor(top_p, device=dev)[:, None]
+    drop |= before >= meta.top_p
     drop[:, 0] = False
     return scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
-           tokenizer=None) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits [N, V] float32, one row per sequence that needs a token (grammar masks already applied)."""
-    for i, s in enumerate(seqs):
+           tokenizer=None, meta: SamplingMeta | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [N, V] float32, one row per sequence that needs a token (grammar masks already applied).
+    The tokens (and the log-prob table) reach the host in one transfer."""
+    if meta is None or not meta.matches(seqs):
+        meta = SamplingMeta(seqs, logits.device)
+    for i in meta.history:
+        s = seqs[i]
         p = s.params
         if p.logit_bias or p.needs_penalties or (p.min_tokens and s.num_output_tokens < p.min_tokens):
             stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_ids))
             _apply_history(logits[i], s, stop_ids)
 
-    greedy = [s.params.greedy for s in seqs]
     tokens = logits.argmax(-1)
-    if not all(greedy):
-        temps = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)],
-                             device=logits.device)
-        probs = _filter(logits / temps[:, None], seqs).softmax(-1)
+    if not meta.all_greedy:
+        probs = _filter(logits / meta.temps, meta).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each seeded row
         # draw its noise from its own generator, so its output does not depend on the batch.
         noise = torch.empty_like(probs).exponential_()
-        for i, s in enumerate(seqs):
-            if s.generator is not None and not greedy[i]:
-                noise[i].exponential_(generator=s.generator)
+        for i in meta.seeded:
+            noise[i].exponential_(generator=seqs[i].generator)
         drawn = (probs / noise).argmax(-1)
-        tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, drawn)
-    token_list = tokens.tolist()
-    return token_list, _logprobs(logits, seqs, token_list, tokenizer)
+        tokens = drawn if meta.greedy_rows is None else torch.where(meta.greedy_rows, tokens, drawn)
+    if not meta.want:
+        return tokens.tolist(), [None] * len(seqs)
+    return _logprobs(logits, seqs, tokens, meta, tokenizer)
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], tokenizer) -> list[TokenLogprobs | None]:
-    """The sampled token's log-prob and rank, plus the top-k, for every row that asks: computed for
-    all those rows at once and read back in one transfer (RL rollouts ask for logprobs=0 on every
-    token; a few syncs per row cost milliseconds a step at batch 256)."""
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, meta: SamplingMeta,
+              tokenizer) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """The tokens, and for every row that asks, the sampled token's log-prob and rank plus the top-k:
+    computed for all those rows at once and read back with the tokens in one transfer (RL rollouts ask
+    for logprobs=0 on every token; a few syncs per row cost milliseconds a step at batch 256)."""
+    want = meta.want
     result: list[TokenLogprobs | None] = [None] * len(seqs)
-    if not want:
-        return result
     # Extreme penalties make ±inf logits and NaN log-probs, which JSON cannot carry: report them as
     # vLLM does, -9999.0 for anything not finite (and for -inf, the log-prob of a masked token).
-    rows = logits if len(want) == len(seqs) else logits[want]
+    rows = logits if meta.want_rows is None else logits[meta.want_rows]
     rows = rows.log_softmax(-1)
     rows = torch.nan_to_num(rows, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
-    chosen_ids = [tokens[i] for i in want]
-    chosen = rows.gather(1, torch.tensor(chosen_ids, device=rows.device)[:, None])
-    parts = [chosen, ((rows > chosen).sum(-1, keepdim=True) + 1).to(torch.float64)]
-    k = max(seqs[i].params.logprobs or 0 for i in want)
+    chosen_ids = (tokens if meta.want_rows is None else tokens[meta.want_rows])[:, None]
+    chosen = rows.gather(1, chosen_ids)
+    parts = [chosen_ids, chosen, (rows > chosen).sum(-1, keepdim=True) + 1]
+    k = meta.k
     if k:
         top_v, top_i = rows.topk(k, dim=-1)
         parts += [top_v, top_i]
-    # One device-to-host transfer for everything (float64 holds every id and rank exactly).
-    table = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()
+    # One device-to-host transfer for everything (float64 holds every id and rank exactly); the columns
+    # are then split on the host.
+    table = torch.cat([p.to(torch.float64) for p in parts], dim=1).cpu()
+    token_list = table[:, 0].long().tolist() if meta.want_rows is None else tokens.tolist()
+    chosen_tokens = table[:, 0].long().tolist()
+    chosen_lps = table[:, 1].tolist()
+    ranks = table[:, 2].long().tolist()
+    pieces = _pieces(tokenizer)
+    if k == 0:  # RL rollouts: the sampled token alone, one small dict per row
+        for i, tok, lp, rank in zip(want, chosen_tokens, chosen_lps, ranks):
+            result[i] = {tok: Logprob(lp, rank, pieces(tok))}
+        return token_list, result
+    top_vs = table[:, 3:3 + k].tolist()
+    top_is = table[:, 3 + k:].long().tolist()
     for j, i in enumerate(want):
-        row = table[j]
-        tok = chosen_ids[j]
         entry: TokenLogprobs = {}
-        for r in range(seqs[i].params.logprobs or 0):
-            t = int(row[2 + k + r])
-            entry[t] = Logprob(row[2 + r], r + 1, _piece(tokenizer, t))
-        entry[tok] = Logprob(row[0], int(row[1]), _piece(tokenizer, tok))
+        top_v, top_i = top_vs[j], top_is[j]
+        for r in range(meta.want_k[j]):
+            t = top_i[r]
+            entry[t] = Logprob(top_v[r], r + 1, pieces(t))
+        tok = chosen_tokens[j]
+        entry[tok] = Logprob(chosen_lps[j], ranks[j], pieces(tok))
         result[i] = entry
-    return result
+    return token_list, result
 
 
 PROMPT_ROWS_PER_PASS = 256  # logits of at most this many prompt rows at once ([rows, vocab] float32)
@@ -151,10 +197,33 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidd
 
 
 def _piece(tokenizer, token_id: int) -> str | None:
-    return None if tokenizer is None else _decoded_piece(tokenizer, token_id)
+    return None if tokenizer is None else _pieces(tokenizer)(token_id)
 
 
-@functools.lru_cache(maxsize=1 << 18)
-def _decoded_piece(tokenizer, token_id: int) -> str:
-    # A token's text never changes: decode each once (tokenizer.decode costs ~5 us a call).
-    return tokenizer.decode([token_id])
+class _PieceCache(dict):
+    """A tokenizer's token texts: a token's text never changes, so each is decoded once (tokenizer.decode
+    costs ~5 us a call); a lookup is a dict's."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def __call__(self, token_id: int) -> str:
+        return self[token_id]
+
+
+def _no_piece(token_id: int) -> None:
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_pieces(tokenizer) -> _PieceCache:
+    return _PieceCache(tokenizer)
+
+
+def _pieces(tokenizer) -> Callable[[int], str | None]:
+    return _no_piece if tokenizer is None else _cached_pieces(tokenizer)

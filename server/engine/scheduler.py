@@ -22,6 +22,12 @@ from server.engine.sequence import Sequence, SeqStatus
 class ScheduledBatch:
     items: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     preempted: int = 0
+    num_tokens: int = 0  # the sum of new tokens
+
+    @property
+    def decode_only(self) -> bool:
+        """Every item is one token (the steady state of generation)."""
+        return self.num_tokens == len(self.items)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -47,10 +53,17 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        bs = self.blocks.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.num_computed + n <= len(seq.block_table) * bs:
+                # It fits in the blocks it holds (15 decode steps in 16): nothing to allocate or check.
+                batch.items.append((seq, n))
+                budget -= n
+                i += 1
+                continue
             while not self.blocks.can_grow(seq, seq.num_computed + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -62,6 +75,7 @@ class Scheduler:
                 batch.items.append((seq, n))
                 budget -= n
                 i += 1
+        batch.num_tokens = self.max_num_batched_tokens - budget
         if batch.preempted:
             return batch  # no admissions while the cache is under pressure
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -77,13 +91,16 @@ class Scheduler:
             self.running.append(seq)
             batch.items.append((seq, n))
             budget -= n
+        batch.num_tokens = self.max_num_batched_tokens - budget
         return batch
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The batch ran: its new tokens have KV now, and blocks it filled join the prefix cache."""
+        bs, blocks = self.blocks.block_size, self.blocks
         for seq, n in batch.items:
             seq.num_computed += n
-            self.blocks.commit(seq)
+            if seq.num_computed // bs > len(seq.block_hashes):  # a block filled (1 decode step in 16)
+                blocks.commit(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)

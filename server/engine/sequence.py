@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from server.engine.detokenizer import IncrementalDetokenizer, find_stop
+from server.engine.detokenizer import IncrementalDetokenizer, detokenize_all, find_stop
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from server.engine.params import SamplingParams
 
@@ -24,7 +24,8 @@ class Sequence:
     the cache (held in `block_table`). Only the scheduler writes num_computed; preemption resets it
     and the KV is recomputed later."""
 
-    def __init__(self, seq_id: int, request: "Request", index: int, generator: torch.Generator | None):
+    def __init__(self, seq_id: int, request: "Request", index: int, generator: torch.Generator | None,
+                 lazy_text_tokenizer=None):
         self.seq_id = seq_id
         self.request = request
         self.index = index
@@ -43,6 +44,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.num_cached_tokens = 0
         self.detok: IncrementalDetokenizer | None = None
+        # Text only at the end (a FINAL_ONLY request without stop strings: nothing reads it before, and
+        # no check needs it): the tokenizer to decode all output tokens with, once, when it finishes.
+        self.lazy_text_tokenizer = lazy_text_tokenizer
         # Structured outputs: this sequence's grammar state. Only GrammarMasks (grammar_masks.py) touches
         # it after this: it consumes each sampled token and computes the next mask off the engine thread.
         self.matcher = self.params.grammar.matcher() if self.params.grammar is not None else None
@@ -66,32 +70,39 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    @property
+    def lazy_text(self) -> bool:
+        return self.lazy_text_tokenizer is not None
+
     def append(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int],
                max_model_len: int, tokenizer, grammar_complete: bool = False) -> None:
         """Record a sampled token and decide whether the sequence is done. (A step does the same for
         all its sequences in three passes, so their detokenization is one call: core.postprocess.)"""
-        detok = self.append_token(token_id, logprobs, eos_ids, tokenizer)
-        if detok is not None:
-            self.append_text(detok.add(token_id), max_model_len, grammar_complete)
+        if not self.append_token(token_id, logprobs, eos_ids):
+            return
+        delta = "" if self.lazy_text else self.detokenizer(tokenizer).add(token_id)
+        self.append_text(delta, max_model_len, grammar_complete)
 
-    def append_token(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int],
-                     tokenizer) -> IncrementalDetokenizer | None:
-        """First half of append: record the token, finish on EOS or a stop token. Returns the
-        detokenizer that must turn the token into text next, or None when the sequence finished."""
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int]) -> bool:
+        """First half of append: record the token, finish on EOS or a stop token. True while the
+        sequence goes on: then the token's text (append_text) comes next."""
         p = self.params
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
-        n_out = self.num_output_tokens
+        n_out = len(self.token_ids) - self.num_prompt_tokens
         is_eos = (not p.ignore_eos) and token_id in eos_ids
         if n_out >= p.min_tokens and (is_eos or token_id in p.stop_token_ids):
             self.finish_reason = "stop"
             self.stop_reason = None if is_eos and token_id not in p.stop_token_ids else token_id
-            self._finish_text()
-            return None
+            self._finish_text(last_is_text=False)  # a stop token is not part of the text
+            return False
+        return True
+
+    def detokenizer(self, tokenizer) -> IncrementalDetokenizer:
         if self.detok is None:
-            self.detok = IncrementalDetokenizer(tokenizer, self.request.prompt_token_ids, p.skip_special_tokens)
+            self.detok = IncrementalDetokenizer(tokenizer, self.request.prompt_token_ids, self.params.skip_special_tokens)
         return self.detok
 
     def append_text(self, delta: str, max_model_len: int, grammar_complete: bool = False) -> None:
@@ -120,7 +131,13 @@ class Sequence:
         self.finish_reason, self.stop_reason = "stop", stop
         return True
 
-    def _finish_text(self) -> None:
+    def _finish_text(self, last_is_text: bool = True) -> None:
+        if self.lazy_text:
+            ids = self.output_token_ids
+            self.text = detokenize_all(self.lazy_text_tokenizer, self.request.prompt_token_ids,
+                                       ids if last_is_text else ids[:-1], self.params.skip_special_tokens)
+            self.lazy_text_tokenizer = None  # the text is whole: nothing is added after the end
+            return
         if self.detok is not None:
             tail = self.detok.flush()
             if tail:
@@ -131,27 +148,35 @@ class Sequence:
     def abort(self) -> None:
         if self.finish_reason is None:
             self.finish_reason = "abort"
+            if self.lazy_text:  # what it had generated, as a sequence that was read along would show it
+                self._finish_text()
 
-    def output(self) -> CompletionOutput:
+    def output(self, whole: bool = True) -> CompletionOutput:
         """A snapshot with the delta since the last snapshot. While generating, text that might be the
-        start of a stop string is held back, so a client never sees text that is later cut off."""
+        start of a stop string is held back, so a client never sees text that is later cut off.
+        whole=False: token_ids and logprobs are the new ones only, as the deltas (the engine process sends
+        only deltas: copying the whole lists at every step costs O(length) per sequence)."""
         text = self.text
         if self.finish_reason is None and self.params.stop:
             hold = max(map(len, self.params.stop)) - 1
             text = text[: max(self._emitted_text, len(text) - hold)]
-        out_ids = self.output_token_ids
+        emitted = self._emitted_tokens
+        delta_ids = self.token_ids[self.num_prompt_tokens + emitted:]
         delta_lp = None
         if self.logprobs is not None:
-            delta_lp = self.logprobs[self._emitted_tokens:]
+            delta_lp = self.logprobs[emitted:]
+        if whole:
+            out_ids = self.output_token_ids  # a fresh list already (a slice)
+            logprobs = list(self.logprobs) if self.logprobs is not None else None
+        else:
+            out_ids, logprobs = delta_ids, delta_lp
         out = CompletionOutput(
-            index=self.index, text=text, token_ids=out_ids,  # a fresh list already (a slice)
+            index=self.index, text=text, token_ids=out_ids,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            delta_text=text[self._emitted_text:], delta_token_ids=out_ids[self._emitted_tokens:],
-            delta_logprobs=delta_lp,
+            logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            delta_text=text[self._emitted_text:], delta_token_ids=delta_ids, delta_logprobs=delta_lp,
         )
-        self._emitted_text, self._emitted_tokens = len(text), len(out_ids)
+        self._emitted_text, self._emitted_tokens = len(text), len(self.token_ids) - self.num_prompt_tokens
         return out
 
 
@@ -186,10 +211,10 @@ class Request:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
 
-    def output(self) -> RequestOutput:
+    def output(self, whole: bool = True) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.output() for s in self.seqs], finished=self.finished,
+            outputs=[s.output(whole) for s in self.seqs], finished=self.finished,
             num_cached_tokens=max((s.num_cached_tokens for s in self.seqs), default=0),
             prompt_logprobs=None if self.prompt_logprobs_pending else self.prompt_logprobs,
             metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,

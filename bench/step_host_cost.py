@@ -1,0 +1,198 @@
+"""Host cost of a decode step, the forward excluded: what grows with the batch besides the GPU's work.
+
+A decode step at batch B is the forward (a graph replay on CUDA) plus host work: the scheduler, the
+inputs, sampling (the sampler's Python around its tensor ops), stop checks, detokenization, the output
+objects; then, in the server, the engine process encodes the step's deltas and pickles one frame, and
+the API process unpickles it and rebuilds each request's output. This runs the engine's real step on an
+RL-rollout-like load (temperature 1, top-p, logprobs=0, n sequences per prompt) and times, per step:
+
+- engine: EngineCore.step(), minus the forward (the runner's forward, timed synchronized);
+- frame: the engine process's DeltaEncoder over the step's outputs and the pickled frame;
+- api: the API process's side: unpickle the frame, apply each delta to its request's OutputStream and
+  take the merged output, as a streaming route's consumer does every step.
+
+On CPU the times are the engine thread's CPU time (the shared host's load makes wall times vary twofold). On CPU the model is `llama-micro` by default (one small layer; a 1k vocabulary so the sampler's tensor ops
+stay small), so the figures are host work; the sampler's own tensor ops still run on the CPU and count as
+host there (on CUDA they are launches). With --profile the engine part's hottest functions are printed.
+
+    python bench/step_host_cost.py --device cpu
+    python bench/step_host_cost.py --device cuda --model llama-1b --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pickle
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import in_thread, sync, table, write_json  # noqa: E402
+from tests.models import model_folder  # noqa: E402
+
+
+def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, top_p: float,
+            logprobs: int | None, stop: list[str] | None, profile: bool) -> dict:
+    from server import SamplingParams
+    try:
+        from server.engine.params import RequestOutputKind
+        kind_arg = {"output_kind": RequestOutputKind.FINAL_ONLY if kind == "final" else RequestOutputKind.CUMULATIVE}
+    except ImportError:  # a tree from before output kinds (a before/after comparison): an output every step
+        kind_arg = {}
+    from server.engine.channel import DeltaEncoder, Frame, Status, pack
+    from server.engine.client import OutputStream
+
+    core, runner = llm.engine, llm.engine.runner
+    dev = core.device
+    # On CPU, this thread's CPU time: the shared host's load changes wall times twofold from run to run,
+    # while the work done barely changes. On CUDA, wall time (the host waits for the device in sync()).
+    clock = time.perf_counter if dev.type == "cuda" else time.thread_time
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=steps + 64, ignore_eos=True,
+                            logprobs=logprobs, stop=stop, **kind_arg)
+    outs: list = []
+    encoder = DeltaEncoder()
+    if hasattr(core, "whole_outputs"):
+        core.whole_outputs = False  # as the engine process runs it (only deltas cross)
+    streams: dict[str, OutputStream] = {}
+    prompt_len = 32
+    for i in range(batch // n):
+        rid = f"b{batch}-{i}"
+        ids = [(100 + 7 * i + j) % 1000 + 16 for j in range(prompt_len)]
+        core.add_request(rid, prompt_token_ids=ids, params=params, on_output=outs.append)
+        streams[rid] = OutputStream(None, ids, n)
+    while any(r.first_token_time is None for r in core.requests.values()):
+        core.step()
+    outs.clear()
+    forward = runner.forward
+    fwd_time = [0.0]
+
+    def timed_forward(hb):
+        sync(dev)
+        t = clock()
+        result = forward(hb)
+        sync(dev)
+        fwd_time[0] += clock() - t
+        return result
+
+    runner.forward = timed_forward
+    gc_time = [0.0, 0.0]  # the garbage collector's pauses inside the timed steps (start, total)
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_time[0] = clock()
+        else:
+            gc_time[1] += clock() - gc_time[0]
+
+    gc.callbacks.append(on_gc)
+    prof = cProfile.Profile() if profile else None
+    totals = {"step": 0.0, "forward": 0.0, "frame": 0.0, "api": 0.0}
+    status = Status(core.stats())
+    frame_bytes = 0
+    try:
+        for _ in range(steps):
+            fwd_time[0] = 0.0
+            sync(dev)
+            t0 = clock()
+            if prof:
+                prof.enable()
+            core.step()
+            if prof:
+                prof.disable()
+            sync(dev)
+            t1 = clock()
+            data = pack(Frame([encoder.encode(o) for o in outs], status, [batch]))
+            t2 = clock()
+            outs.clear()
+            frame = pickle.loads(memoryview(data)[8:])
+            for item in frame.items:
+                s = streams[item[0]]
+                s.apply(item)
+                s.take()
+            t3 = clock()
+            frame_bytes += len(data)
+            totals["step"] += t1 - t0
+            totals["forward"] += fwd_time[0]
+            totals["frame"] += t2 - t1
+            totals["api"] += t3 - t2
+    finally:
+        gc.callbacks.remove(on_gc)
+        runner.forward = forward
+        core.abort_all()
+        if hasattr(core, "whole_outputs"):
+            core.whole_outputs = True
+    # What crossed: every sampled token once per step (streaming), nothing before the end (FINAL_ONLY).
+    applied = sum(len(acc.token_ids) for st in streams.values() for acc in st.seqs)
+    if applied != (batch // n * n * steps if kind == "stream" else 0):
+        raise RuntimeError(f"the API side got {applied} tokens in {steps} steps of {batch} sequences ({kind})")
+    row = {"batch": batch, "kind": kind, "n": n, **{f"{k}_ms": 1e3 * v / steps for k, v in totals.items()},
+           "frame_kib": frame_bytes / steps / 1024}
+    row["gc_ms"] = 1e3 * gc_time[1] / steps
+    row["engine_host_ms"] = row["step_ms"] - row["forward_ms"]
+    row["host_total_ms"] = row["engine_host_ms"] + row["frame_ms"]
+    row["host_us_per_seq"] = 1e3 * row["host_total_ms"] / batch
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+        row["profile"] = s.getvalue()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--model", default=None, help="default: llama-micro on CPU, llama-1b on CUDA")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--kinds", default="stream,final",
+                    help="stream: an output every step (streaming requests); final: FINAL_ONLY (non-streaming "
+                         "requests, LLM.generate)")
+    ap.add_argument("--n", type=int, default=8, help="sequences per prompt (RL rollouts: n=8)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--logprobs", type=int, default=0, help="-1: none")
+    ap.add_argument("--stop", default=None, help="a stop string every request carries (default: none)")
+    ap.add_argument("--profile", action="store_true", help="print the engine step's hottest functions")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from server import LLM
+
+    if args.device == "cpu":
+        # One intra-op thread: on a shared, loaded host torch's thread team mostly waits for cores, and
+        # the tensor ops here are small; the figure to read is the Python around them.
+        torch.set_num_threads(1)
+    model = args.model or ("llama-1b" if args.device == "cuda" else "llama-micro")
+    folder = model_folder(model, Path(tempfile.mkdtemp()), max_position_embeddings=4096)
+    batches = [int(b) for b in args.batches.split(",")]
+    kv = {"kv_cache_memory": "512MiB"} if args.device == "cpu" else {}
+    llm = LLM(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches),
+              max_model_len=2048, **kv)
+    logprobs = None if args.logprobs < 0 else args.logprobs
+    stop = [args.stop] if args.stop else None
+    # On a thread, as the server drives the engine (bench/common.in_thread says why it matters on CPU).
+    rows = [in_thread(measure, llm, b, kind, args.n, args.steps, args.temperature, args.top_p, logprobs, stop,
+                      args.profile) for kind in args.kinds.split(",") for b in batches]
+    llm.close()
+    for r in rows:
+        if "profile" in r:
+            print(f"\n--- batch {r['batch']}, {r['kind']}: engine step, hottest functions (forward included) ---")
+            print(r.pop("profile"))
+    keys = ["step_ms", "forward_ms", "engine_host_ms", "frame_ms", "api_ms", "gc_ms", "host_us_per_seq", "frame_kib"]
+    print(f"\nhost cost per decode step ({model}, {args.device}, temperature {args.temperature}, top_p {args.top_p}, "
+          f"logprobs {logprobs}, n {args.n}, stop {stop})")
+    print(table([[r["batch"], r["kind"]] + [f"{r[k]:.3f}" for k in keys] for r in rows], ["batch", "kind"] + keys))
+    if args.out is not None:
+        write_json(args.out, "step_host_cost" + ("" if args.device == "cuda" else "-cpu"),
+                   {"model": model, "device": args.device, "temperature": args.temperature, "top_p": args.top_p,
+                    "logprobs": logprobs, "n": args.n, "stop": stop, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
