@@ -20,7 +20,7 @@ _frozen = 0  # objects this process froze (gc.get_freeze_count() walks them all:
 
 
 def frozen_objects() -> int:
-    """The objects freeze_startup_heap() froze in this process (0 before, and in-process LLM users)."""
+    """The objects freeze_startup_heap() froze in this process (0 before it ran)."""
     return _frozen
 
 
