@@ -11,6 +11,9 @@ RL-rollout-like load (temperature 1, top-p, logprobs=0, n sequences per prompt) 
 - api: the API process's side: unpickle the frame, apply each delta to its request's OutputStream and
   take the merged output, as a streaming route's consumer does every step.
 
+Then (--http) the same kind of decode through the real server: C requests at once, streamed and not, and
+the CPU time each process (API, engine) spends per output token.
+
 On CPU the times are the engine thread's CPU time (the shared host's load makes wall times vary twofold). On CPU the model is `llama-micro` by default (one small layer; a 1k vocabulary so the sampler's tensor ops
 stay small), so the figures are host work; the sampler's own tensor ops still run on the CPU and count as
 host there (on CUDA they are launches). With --profile the engine part's hottest functions are printed.
@@ -24,6 +27,8 @@ import argparse
 import cProfile
 import gc
 import io
+import math
+import os
 import pickle
 import pstats
 import sys
@@ -59,8 +64,8 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
                             logprobs=logprobs, stop=stop, **kind_arg)
     outs: list = []
     encoder = DeltaEncoder()
-    if hasattr(core, "whole_outputs"):
-        core.whole_outputs = False  # as the engine process runs it (only deltas cross)
+    if hasattr(core, "wire_outputs"):
+        core.wire_outputs()  # as the engine process runs it (only deltas cross, log-probs as tuples)
     streams: dict[str, OutputStream] = {}
     prompt_len = 32
     for i in range(batch // n):
@@ -126,8 +131,8 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
         gc.callbacks.remove(on_gc)
         runner.forward = forward
         core.abort_all()
-        if hasattr(core, "whole_outputs"):
-            core.whole_outputs = True
+        if hasattr(core, "wire_outputs"):
+            core.whole_outputs, runner.wire_logprobs = True, False
     # What crossed: every sampled token once per step (streaming), nothing before the end (FINAL_ONLY).
     applied = sum(len(acc.token_ids) for st in streams.values() for acc in st.seqs)
     if applied != (batch // n * n * steps if kind == "stream" else 0):
@@ -145,6 +150,55 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
     return row
 
 
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, temperature: float,
+              kv: dict) -> list[dict]:
+    """The same decode through the real server: C requests at once (one prompt each, `tokens` new tokens,
+    streamed and not), and each process's CPU time per output token: the API process (HTTP, the frames,
+    the outputs, SSE/JSON) and the engine process (steps, deltas, pickling). CPU time, not wall: what a
+    token costs each process whatever else the host runs."""
+    import asyncio
+
+    from bench.serve import run_http, workload
+    from tests.http_server import ServerProcess
+
+    flags = [str(folder), "--device", device, "--load-format", "dummy", "--max-num-seqs", str(max(concurrencies)),
+             "--max-model-len", "2048", "--log-level", "warning"]
+    for k, v in kv.items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    server = ServerProcess(flags).start()
+    rows = []
+    try:
+        api_pid, engine_pid = server.proc.pid, server.engine_pid  # type: ignore[union-attr]
+        served = "llm"
+        import httpx
+
+        served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        warm = workload(2, 16, 4, 0.0, math.inf, 1000, seed=1)
+        asyncio.run(run_http(server.url, "EMPTY", served, warm, True, temperature, 600))
+        for c in concurrencies:
+            reqs = workload(c, 32, tokens, 0.0, math.inf, 1000, seed=c)
+            for stream in (False, True):
+                a0, e0, t0 = _cpu_seconds(api_pid), _cpu_seconds(engine_pid), time.perf_counter()
+                results, _ = asyncio.run(run_http(server.url, "EMPTY", served, reqs, stream, temperature, 1800))
+                a1, e1, t1 = _cpu_seconds(api_pid), _cpu_seconds(engine_pid), time.perf_counter()
+                errors = [r.error for r in results if r.error]
+                if errors:
+                    raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+                n = sum(r.output_tokens for r in results)
+                rows.append({"concurrency": c, "stream": stream, "tokens": n, "tok_s": n / (t1 - t0),
+                             "api_cpu_us_per_token": 1e6 * (a1 - a0) / n,
+                             "engine_cpu_us_per_token": 1e6 * (e1 - e0) / n})
+    finally:
+        server.stop()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cuda", "cpu"])
@@ -160,6 +214,10 @@ def main() -> None:
     ap.add_argument("--logprobs", type=int, default=0, help="-1: none")
     ap.add_argument("--stop", default=None, help="a stop string every request carries (default: none)")
     ap.add_argument("--profile", action="store_true", help="print the engine step's hottest functions")
+    ap.add_argument("--http", default="64,256", help="concurrencies for the pass through the real server "
+                                                     "(CPU time per token of each process); 'none' skips it")
+    ap.add_argument("--http-tokens", type=int, default=None, help="new tokens per request (default: 256 on CUDA, "
+                                                                  "64 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from server import LLM
@@ -170,9 +228,9 @@ def main() -> None:
         torch.set_num_threads(1)
     model = args.model or ("llama-1b" if args.device == "cuda" else "llama-micro")
     folder = model_folder(model, Path(tempfile.mkdtemp()), max_position_embeddings=4096)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [] if args.batches == "none" else [int(b) for b in args.batches.split(",")]
     kv = {"kv_cache_memory": "512MiB"} if args.device == "cpu" else {}
-    llm = LLM(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches),
+    llm = LLM(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches, default=8),
               max_model_len=2048, **kv)
     logprobs = None if args.logprobs < 0 else args.logprobs
     stop = [args.stop] if args.stop else None
@@ -188,10 +246,20 @@ def main() -> None:
     print(f"\nhost cost per decode step ({model}, {args.device}, temperature {args.temperature}, top_p {args.top_p}, "
           f"logprobs {logprobs}, n {args.n}, stop {stop})")
     print(table([[r["batch"], r["kind"]] + [f"{r[k]:.3f}" for k in keys] for r in rows], ["batch", "kind"] + keys))
+    http_rows = []
+    if args.http != "none":
+        tokens = args.http_tokens or (256 if args.device == "cuda" else 64)
+        http_rows = http_cost(folder, args.device, [int(c) for c in args.http.split(",")], tokens,
+                              args.temperature, kv)
+        hkeys = ["tokens", "tok_s", "api_cpu_us_per_token", "engine_cpu_us_per_token"]
+        print(f"\nthrough the HTTP server ({tokens} new tokens per request, one prompt each, temperature "
+              f"{args.temperature}): each process's CPU time per output token")
+        print(table([[r["concurrency"], r["stream"]] + [f"{r[k]:.1f}" for k in hkeys] for r in http_rows],
+                    ["concurrency", "stream"] + hkeys))
     if args.out is not None:
         write_json(args.out, "step_host_cost" + ("" if args.device == "cuda" else "-cpu"),
                    {"model": model, "device": args.device, "temperature": args.temperature, "top_p": args.top_p,
-                    "logprobs": logprobs, "n": args.n, "stop": stop, "rows": rows})
+                    "logprobs": logprobs, "n": args.n, "stop": stop, "rows": rows, "http": http_rows})
 
 
 if __name__ == "__main__":

@@ -40,6 +40,29 @@ def test_outputs_rebuilt_from_deltas_equal_the_engines(llm):
     _in_thread(_rebuild_every_output, llm.engine)
 
 
+def _run_cases(core, cases: dict, wire: bool) -> list[list]:
+    """Every step's outputs, with the engine in process (whole outputs, Logprob dicts) or as the engine
+    process runs it (wire_outputs: deltas only, log-probs as tuples); the prefix cache emptied first, so
+    both runs compute the same."""
+    core.reset_prefix_cache()
+    if wire:
+        core.wire_outputs()
+    outs: list = []
+    for rid, (prompt, params) in cases.items():
+        core.add_request(rid, prompt=prompt, params=params, on_output=outs.append)
+    steps: list[list] = []
+    try:
+        while core.has_unfinished:
+            core.step()
+            if len(steps) == 5:
+                core.abort_request("aborted")
+            steps.append(list(outs))
+            outs.clear()
+    finally:
+        core.whole_outputs, core.runner.wire_logprobs = True, False
+    return steps
+
+
 def _rebuild_every_output(core):
     cases = {
         "plain": ("The capital of France is", SamplingParams(temperature=0, max_tokens=12)),
@@ -47,28 +70,26 @@ def _rebuild_every_output(core):
                                                                 stop=[" the", "."], logprobs=2, prompt_logprobs=1)),
         "aborted": ("List three primary colors:", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
     }
-    outs: list = []
-    for rid, (prompt, params) in cases.items():
-        core.add_request(rid, prompt=prompt, params=params, on_output=outs.append)
+    reference = _run_cases(core, cases, wire=False)
+    sent = _run_cases(core, cases, wire=True)
+    assert len(sent) == len(reference)
+    assert any(isinstance(o.outputs[0].delta_logprobs[0], tuple) for step in sent for o in step
+               if o.outputs[0].delta_logprobs)  # the wire form was what crossed
     encoder = DeltaEncoder()
     streams = {rid: OutputStream(prompt, None, params.n) for rid, (prompt, params) in cases.items()}
     lagging = OutputStream(cases["n2-stop-logprobs"][0], None, 2)  # a route that takes only every 3rd output
     lagged: list = []
     checked = 0
-    steps = 0
-    while core.has_unfinished:
-        core.step()
-        steps += 1
-        if steps == 6:
-            core.abort_request("aborted")
-        for out in outs:
-            delta = _wire(encoder.encode(out))
+    for steps, (wire_outs, outs) in enumerate(zip(sent, reference), start=1):
+        assert [o.request_id for o in wire_outs] == [o.request_id for o in outs]
+        for wire_out, out in zip(wire_outs, outs):
+            delta = _wire(encoder.encode(wire_out))
             streams[out.request_id].apply(delta)
             rebuilt = streams[out.request_id].take()
             assert rebuilt.finished == out.finished and rebuilt.prompt_token_ids == out.prompt_token_ids
             assert rebuilt.num_cached_tokens == out.num_cached_tokens
             assert rebuilt.prompt_logprobs == out.prompt_logprobs or out.prompt_logprobs is None
-            assert (rebuilt.metrics == out.metrics) if out.finished else rebuilt.metrics is None
+            assert (rebuilt.metrics == wire_out.metrics) if out.finished else rebuilt.metrics is None
             for mine, theirs in zip(rebuilt.outputs, out.outputs, strict=True):
                 assert asdict(mine) == asdict(theirs), (out.request_id, mine, theirs)
             checked += 1
@@ -84,7 +105,6 @@ def _rebuild_every_output(core):
                         assert (o.text, o.token_ids, o.finish_reason) == (out.outputs[i].text, out.outputs[i].token_ids,
                                                                           out.outputs[i].finish_reason)
                     lagged.clear()
-        outs.clear()
     assert checked > 20 and not encoder._sent  # every request finished and was forgotten
     final = {rid: s.seqs for rid, s in streams.items()}
     assert all(seq.finish_reason == "abort" for seq in final["aborted"])

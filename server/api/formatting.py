@@ -54,6 +54,8 @@ class CompletionLogprobs:
         self.first_piece = first_piece  # the text of the prompt's first token (echo), which has no entry
 
     def build(self, token_ids: list[int], entries: list[TokenLogprobs | None]) -> dict[str, Any]:
+        if self.k == 0 and not self.names.as_ids and None not in entries:
+            return self._sampled_only(token_ids, entries)  # type: ignore[arg-type]
         tokens, token_lps, tops, offsets = [], [], [], []
         for tok, entry in zip(token_ids, entries):
             offsets.append(self.offset)
@@ -70,6 +72,27 @@ class CompletionLogprobs:
             alts = _top(entry, self.k) if self.k else [(tok, lp)]
             tops.append({self.names(t, alt): _finite(alt.logprob) for t, alt in alts})
             self.offset += len(_piece(lp))
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _sampled_only(self, token_ids: list[int], entries: list[TokenLogprobs]) -> dict[str, Any]:
+        """build() for logprobs=0 (RL rollouts ask for it on every token of hundreds of sequences, all
+        answered at the end of one request): the same object, ~3x less work per token."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = self.offset
+        for tok, entry in zip(token_ids, entries):
+            lp = entry[tok]
+            piece = lp.decoded_token
+            if piece is None:
+                piece = ""
+            value = lp.logprob
+            if value < -9999.0:  # _finite
+                value = -9999.0
+            offsets.append(offset)
+            tokens.append(piece)
+            token_lps.append(value)
+            tops.append({piece: value})
+            offset += len(piece)
+        self.offset = offset
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from server.config import EngineConfig
 from server.engine.core import EngineStats
 from server.engine.memory_plan import KVPlan
-from server.engine.outputs import RequestOutput
+from server.engine.outputs import Logprob, RequestOutput, TokenLogprobs
 from server.engine.sleep_state import SleepState
 
 _HEADER = struct.Struct("!Q")
@@ -107,10 +107,24 @@ class Reply:
 #               prompt_token_ids (on a request's first delta, else None),
 #               prompt_logprobs (once, when the prefill computed them all, else None),
 #               metrics (when it finishes: (arrival, first_scheduled, first_token, last_token) times, else None))
-#   SeqDelta = (index, new token ids, new text, new log-probs or None, cumulative_logprob,
+#   SeqDelta = (index, new token ids, new text, new log-probs (WireLogprobs each) or None, cumulative_logprob,
 #               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None))
+#   WireLogprobs = (token id, logprob, rank, text) of the sampled token, then the same four for each of the
+#               top-k: a TokenLogprobs dict as plain values (Logprob objects pickle ~10x slower, and a
+#               FINAL_ONLY request's last delta carries all of its log-probs at once).
 Delta = tuple
 SeqDelta = tuple
+WireLogprobs = tuple
+
+
+def token_logprobs(wire: WireLogprobs) -> TokenLogprobs:
+    """The TokenLogprobs dict of one WireLogprobs tuple, as the engine builds it in process: the top-k first,
+    then the sampled token (which keeps its own rank when it is among them)."""
+    if len(wire) == 4:
+        return {wire[0]: Logprob(wire[1], wire[2], wire[3])}
+    entry = {wire[j]: Logprob(wire[j + 1], wire[j + 2], wire[j + 3]) for j in range(4, len(wire), 4)}
+    entry[wire[0]] = Logprob(wire[1], wire[2], wire[3])
+    return entry
 
 
 class DeltaEncoder:
@@ -239,4 +253,5 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
 
 
 __all__ = ["Start", "EngineInfo", "Status", "Ready", "StartFailed", "Call", "Reply", "SeqDelta", "Delta", "DeltaEncoder",
+           "WireLogprobs", "token_logprobs",
            "Failed", "Frame", "WireError", "pack", "SyncChannel", "read_message"]

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable
 
 from server.config import EngineConfig
 from server.engine.channel import (Call, Delta, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed, Status,
-                                   SyncChannel, pack, read_message)
+                                   SyncChannel, pack, read_message, token_logprobs)
 from server.engine.core import EngineStats
 from server.engine.errors import EngineDeadError, EngineUnavailableError
 from server.engine.hold import HeldRequests, HoldPolicy
@@ -112,8 +112,9 @@ class OutputStream:
             if logprobs is not None:
                 if acc.logprobs is None:
                     acc.logprobs, acc.new_logprobs = [], []
-                acc.logprobs += logprobs
-                acc.new_logprobs += logprobs  # type: ignore[operator]
+                entries = list(map(token_logprobs, logprobs))  # the engine sends WireLogprobs tuples
+                acc.logprobs += entries
+                acc.new_logprobs += entries  # type: ignore[operator]
             acc.cumulative_logprob = cumulative
             acc.finish_reason, acc.stop_reason = finish_reason, stop_reason
         self._news = True

@@ -76,8 +76,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.step_tokens = 0  # tokens the last step ran (vllm:iteration_tokens_total)
-        # Outputs with the whole token ids and log-probs so far (False: only the new ones, beside the
-        # deltas: the engine process sends nothing else, and copying them costs O(length) a step).
+        # Outputs with the whole token ids and log-probs so far, log-probs as Logprob dicts. The engine
+        # process sends only deltas, so it turns this off (wire_outputs): outputs then carry only the new
+        # ids and log-probs (copying the whole lists costs O(length) a step), the log-probs as tuples.
         self.whole_outputs = True
         # The sleep state machine's one owner; memory state per tag lives in the pool.
         self.sleep_control = SleepController(self, config.enable_sleep_mode, weight_version)
@@ -167,6 +168,13 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         if aborted:
             self._emit(req)
+
+    def wire_outputs(self) -> None:
+        """Outputs for the channel (server/engine/process.py): only what is new in each, and log-probs as
+        WireLogprobs tuples (channel.py), which pickle ~10x faster than Logprob objects and are rebuilt in
+        the API process, off the engine's thread."""
+        self.whole_outputs = False
+        self.runner.wire_logprobs = True
 
     def _emit(self, req: Request) -> RequestOutput:
         out = req.output(self.whole_outputs)

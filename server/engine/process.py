@@ -66,7 +66,7 @@ class EngineServer:
             transfers = WeightTransferService(transfer_config, core, self.on_engine)
         self.transfers = transfers
         self.commands = EngineCommands(core, self.on_engine, self._emit, transfers)
-        core.whole_outputs = False  # only deltas cross (DeltaEncoder): no whole lists copied per step
+        core.wire_outputs()  # only deltas cross (DeltaEncoder), log-probs as tuples
         core.runner.watch(self._rank_lost)
 
     def _rank_lost(self, error: BaseException) -> None:

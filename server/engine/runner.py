@@ -102,6 +102,7 @@ class ModelRunner:
             bits.copy_(bit_values_on(self.device))
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
         self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
+        self.wire_logprobs = False  # sampled log-probs as tuples (EngineCore.wire_outputs)
 
     def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
@@ -266,5 +267,5 @@ class ModelRunner:
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
             meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
-        tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta)
+        tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta, self.wire_logprobs)
         return list(zip(hb.sample_seqs, tokens, logprobs))

@@ -96,10 +96,11 @@ def _filter(scaled: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:
     return scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
-           tokenizer=None, meta: SamplingMeta | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int], tokenizer=None,
+           meta: SamplingMeta | None = None, wire: bool = False) -> tuple[list[int], list]:
     """logits [N, V] float32, one row per sequence that needs a token (grammar masks already applied).
-    The tokens (and the log-prob table) reach the host in one transfer."""
+    The tokens (and the log-prob table) reach the host in one transfer. Log-probs are TokenLogprobs, or
+    with `wire` WireLogprobs tuples (channel.py: the engine process sends them as they are)."""
     if meta is None or not meta.matches(seqs):
         meta = SamplingMeta(seqs, logits.device)
     for i in meta.history:
@@ -121,11 +122,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
         tokens = drawn if meta.greedy_rows is None else torch.where(meta.greedy_rows, tokens, drawn)
     if not meta.want:
         return tokens.tolist(), [None] * len(seqs)
-    return _logprobs(logits, seqs, tokens, meta, tokenizer)
+    return _logprobs(logits, seqs, tokens, meta, tokenizer, wire)
 
 
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, meta: SamplingMeta,
-              tokenizer) -> tuple[list[int], list[TokenLogprobs | None]]:
+              tokenizer, wire: bool = False) -> tuple[list[int], list]:
     """The tokens, and for every row that asks, the sampled token's log-prob and rank plus the top-k:
     computed for all those rows at once and read back with the tokens in one transfer (RL rollouts ask
     for logprobs=0 on every token; a few syncs per row cost milliseconds a step at batch 256)."""
@@ -151,6 +152,16 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, 
     chosen_lps = table[:, 1].tolist()
     ranks = table[:, 2].long().tolist()
     pieces = _pieces(tokenizer)
+    if wire:  # (token, logprob, rank, text) of the sampled token, then of each of the row's top-k
+        top_vs = table[:, 3:3 + k].tolist() if k else None
+        top_is = table[:, 3 + k:].long().tolist() if k else None
+        for j, (i, tok, lp, rank) in enumerate(zip(want, chosen_tokens, chosen_lps, ranks)):
+            entry: tuple = (tok, lp, rank, pieces(tok))
+            for r in range(meta.want_k[j]):
+                t = top_is[j][r]  # type: ignore[index]
+                entry += (t, top_vs[j][r], r + 1, pieces(t))  # type: ignore[index]
+            result[i] = entry
+        return token_list, result
     if k == 0:  # RL rollouts: the sampled token alone, one small dict per row
         for i, tok, lp, rank in zip(want, chosen_tokens, chosen_lps, ranks):
             result[i] = {tok: Logprob(lp, rank, pieces(tok))}

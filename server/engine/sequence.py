@@ -90,7 +90,8 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
-            self.cumulative_logprob += logprobs[token_id].logprob
+            # A WireLogprobs tuple starts with the sampled token's (id, logprob, ...); a dict maps it.
+            self.cumulative_logprob += logprobs[1] if type(logprobs) is tuple else logprobs[token_id].logprob
         n_out = len(self.token_ids) - self.num_prompt_tokens
         is_eos = (not p.ignore_eos) and token_id in eos_ids
         if n_out >= p.min_tokens and (is_eos or token_id in p.stop_token_ids):
