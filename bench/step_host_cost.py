@@ -7,7 +7,8 @@ the API process unpickles it and rebuilds each request's output. This runs the e
 RL-rollout-like load (temperature 1, top-p, logprobs=0, n sequences per prompt) and times, per step:
 
 - engine: EngineCore.step(), minus the forward (the runner's forward, timed synchronized);
-- frame: the engine process's DeltaEncoder over the step's outputs and the pickled frame;
+- frame: the pickled frame of the step's deltas (the engine process encodes them from the requests inside
+  the step, as here);
 - api: the API process's side: unpickle the frame, apply each delta to its request's OutputStream and
   take the merged output, as a streaming route's consumer does every step.
 
@@ -52,7 +53,8 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
         kind_arg = {"output_kind": RequestOutputKind.FINAL_ONLY if kind == "final" else RequestOutputKind.CUMULATIVE}
     except ImportError:  # a tree from before output kinds (a before/after comparison): an output every step
         kind_arg = {}
-    from server.engine.channel import DeltaEncoder, Frame, Status, pack
+    from server.engine import channel
+    from server.engine.channel import Frame, Status, pack
     from server.engine.client import OutputStream
 
     core, runner = llm.engine, llm.engine.runner
@@ -63,9 +65,11 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=steps + 64, ignore_eos=True,
                             logprobs=logprobs, stop=stop, **kind_arg)
     outs: list = []
-    encoder = DeltaEncoder()
-    if hasattr(core, "wire_outputs"):
-        core.wire_outputs()  # as the engine process runs it (only deltas cross, log-probs as tuples)
+    if hasattr(channel, "encode_delta"):  # as the engine process runs it: deltas from the requests themselves
+        core.wire_outputs(lambda req: outs.append(channel.encode_delta(req)))
+        encode = None
+    else:  # a tree from before (a before/after comparison): RequestOutputs, then a DeltaEncoder
+        encode = channel.DeltaEncoder().encode
     streams: dict[str, OutputStream] = {}
     prompt_len = 32
     for i in range(batch // n):
@@ -113,7 +117,7 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
                 prof.disable()
             sync(dev)
             t1 = clock()
-            data = pack(Frame([encoder.encode(o) for o in outs], status, [batch]))
+            data = pack(Frame(outs if encode is None else [encode(o) for o in outs], status, [batch]))
             t2 = clock()
             outs.clear()
             frame = pickle.loads(memoryview(data)[8:])
@@ -131,8 +135,8 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
         gc.callbacks.remove(on_gc)
         runner.forward = forward
         core.abort_all()
-        if hasattr(core, "wire_outputs"):
-            core.whole_outputs, runner.wire_logprobs = True, False
+        if encode is None:
+            core.wire_outputs(None)
     # What crossed: every sampled token once per step (streaming), nothing before the end (FINAL_ONLY).
     applied = sum(len(acc.token_ids) for st in streams.values() for acc in st.seqs)
     if applied != (batch // n * n * steps if kind == "stream" else 0):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import asdict
 
-from server.engine.channel import DeltaEncoder, WireError, pack
+from server.engine.channel import WireError, encode_delta, pack
 from server.engine.client import OutputStream
 from server.engine.errors import EngineUnavailableError, InvalidRequestError
 from server.engine.params import SamplingParams
@@ -45,9 +45,9 @@ def _run_cases(core, cases: dict, wire: bool) -> list[list]:
     process runs it (wire_outputs: deltas only, log-probs as tuples); the prefix cache emptied first, so
     both runs compute the same."""
     core.reset_prefix_cache()
-    if wire:
-        core.wire_outputs()
     outs: list = []
+    if wire:
+        core.wire_outputs(lambda req: outs.append(encode_delta(req)))
     for rid, (prompt, params) in cases.items():
         core.add_request(rid, prompt=prompt, params=params, on_output=outs.append)
     steps: list[list] = []
@@ -59,7 +59,7 @@ def _run_cases(core, cases: dict, wire: bool) -> list[list]:
             steps.append(list(outs))
             outs.clear()
     finally:
-        core.whole_outputs, core.runner.wire_logprobs = True, False
+        core.wire_outputs(None)
     return steps
 
 
@@ -73,23 +73,22 @@ def _rebuild_every_output(core):
     reference = _run_cases(core, cases, wire=False)
     sent = _run_cases(core, cases, wire=True)
     assert len(sent) == len(reference)
-    assert any(isinstance(o.outputs[0].delta_logprobs[0], tuple) for step in sent for o in step
-               if o.outputs[0].delta_logprobs)  # the wire form was what crossed
-    encoder = DeltaEncoder()
+    assert any(isinstance(sd[3][0], tuple) for step in sent for d in step for sd in d[1]
+               if sd[3])  # log-probs crossed as WireLogprobs tuples
     streams = {rid: OutputStream(prompt, None, params.n) for rid, (prompt, params) in cases.items()}
     lagging = OutputStream(cases["n2-stop-logprobs"][0], None, 2)  # a route that takes only every 3rd output
     lagged: list = []
     checked = 0
-    for steps, (wire_outs, outs) in enumerate(zip(sent, reference), start=1):
-        assert [o.request_id for o in wire_outs] == [o.request_id for o in outs]
-        for wire_out, out in zip(wire_outs, outs):
-            delta = _wire(encoder.encode(wire_out))
+    for steps, (deltas, outs) in enumerate(zip(sent, reference), start=1):
+        assert [d[0] for d in deltas] == [o.request_id for o in outs]
+        for d, out in zip(deltas, outs):
+            delta = _wire(d)
             streams[out.request_id].apply(delta)
             rebuilt = streams[out.request_id].take()
             assert rebuilt.finished == out.finished and rebuilt.prompt_token_ids == out.prompt_token_ids
             assert rebuilt.num_cached_tokens == out.num_cached_tokens
             assert rebuilt.prompt_logprobs == out.prompt_logprobs or out.prompt_logprobs is None
-            assert (rebuilt.metrics == wire_out.metrics) if out.finished else rebuilt.metrics is None
+            assert (rebuilt.metrics is not None) == out.finished
             for mine, theirs in zip(rebuilt.outputs, out.outputs, strict=True):
                 assert asdict(mine) == asdict(theirs), (out.request_id, mine, theirs)
             checked += 1
@@ -105,7 +104,7 @@ def _rebuild_every_output(core):
                         assert (o.text, o.token_ids, o.finish_reason) == (out.outputs[i].text, out.outputs[i].token_ids,
                                                                           out.outputs[i].finish_reason)
                     lagged.clear()
-    assert checked > 20 and not encoder._sent  # every request finished and was forgotten
+    assert checked > 20
     final = {rid: s.seqs for rid, s in streams.items()}
     assert all(seq.finish_reason == "abort" for seq in final["aborted"])
     assert all(seq.finish_reason in ("stop", "length") for seq in final["n2-stop-logprobs"])

@@ -21,13 +21,16 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.config import EngineConfig
 from server.engine.core import EngineStats
 from server.engine.memory_plan import KVPlan
 from server.engine.outputs import Logprob, RequestOutput, TokenLogprobs
 from server.engine.sleep_state import SleepState
+
+if TYPE_CHECKING:
+    from server.engine.sequence import Request
 
 _HEADER = struct.Struct("!Q")
 # Only exceptions of these packages are rebuilt as themselves; anything else arrives as RuntimeError.
@@ -127,41 +130,30 @@ def token_logprobs(wire: WireLogprobs) -> TokenLogprobs:
     return entry
 
 
-class DeltaEncoder:
-    """The engine's side of deltas: remembers, per request, what the API already has."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, tuple[list[bool], set[int]]] = {}  # id -> ([prompt log-probs sent], finished seqs)
-
-    def encode(self, out: RequestOutput) -> Delta:
-        rid = out.request_id
-        sent = self._sent.get(rid)
-        first = sent is None
-        if sent is None:
-            sent = self._sent[rid] = ([False], set())
-        flag, finished = sent
-        prompt_logprobs = None
-        if out.prompt_logprobs is not None and not flag[0]:
-            prompt_logprobs, flag[0] = out.prompt_logprobs, True
-        seqs = []
-        for o in out.outputs:
-            if o.finish_reason is not None:
-                if o.index in finished:
-                    continue  # the API has its end already
-                finished.add(o.index)
-            seqs.append((o.index, o.delta_token_ids, o.delta_text, o.delta_logprobs, o.cumulative_logprob,
-                         o.finish_reason, o.stop_reason, o.text if o.finish_reason is not None else None))
-        metrics = None
-        if out.finished:
-            del self._sent[rid]
-            m = out.metrics
-            if m is not None:
-                metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time)
-        return (rid, seqs, out.finished, out.num_cached_tokens, out.prompt_token_ids if first else None,
-                prompt_logprobs, metrics)
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
+def encode_delta(req: "Request") -> Delta:
+    """What is new in a request since its last delta, straight from the engine's Request (on the engine
+    thread; EngineCore.wire_outputs): the API keeps the rest. A sequence whose end was sent is left out."""
+    first = not req.started_sent
+    req.started_sent = True
+    prompt_logprobs = None
+    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and not req.prompt_logprobs_pending:
+        prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+    seqs = []
+    for s in req.seqs:
+        if s.finish_reason is not None:
+            if s.end_sent:
+                continue  # the API has its end already
+            s.end_sent = True
+        text, new_text, new_ids, new_logprobs = s.delta()
+        seqs.append((s.index, new_ids, new_text, new_logprobs,
+                     s.cumulative_logprob if s.logprobs is not None else None, s.finish_reason, s.stop_reason,
+                     text if s.finish_reason is not None else None))
+    finished = req.finished
+    metrics = None
+    if finished:
+        metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time, req.last_token_time)
+    return (req.request_id, seqs, finished, max((s.num_cached_tokens for s in req.seqs), default=0),
+            req.prompt_token_ids if first else None, prompt_logprobs, metrics)
 
 
 @dataclass(frozen=True)
@@ -252,6 +244,6 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(n))
 
 
-__all__ = ["Start", "EngineInfo", "Status", "Ready", "StartFailed", "Call", "Reply", "SeqDelta", "Delta", "DeltaEncoder",
+__all__ = ["Start", "EngineInfo", "Status", "Ready", "StartFailed", "Call", "Reply", "SeqDelta", "Delta", "encode_delta",
            "WireLogprobs", "token_logprobs",
            "Failed", "Frame", "WireError", "pack", "SyncChannel", "read_message"]

@@ -76,10 +76,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.step_tokens = 0  # tokens the last step ran (vllm:iteration_tokens_total)
-        # Outputs with the whole token ids and log-probs so far, log-probs as Logprob dicts. The engine
-        # process sends only deltas, so it turns this off (wire_outputs): outputs then carry only the new
-        # ids and log-probs (copying the whole lists costs O(length) a step), the log-probs as tuples.
-        self.whole_outputs = True
+        # Set by wire_outputs() in the engine process: what receives each advanced request instead of
+        # RequestOutputs built for its on_output.
+        self._wire_sink: Callable[[Request], None] | None = None
         # The sleep state machine's one owner; memory state per tag lives in the pool.
         self.sleep_control = SleepController(self, config.enable_sleep_mode, weight_version)
 
@@ -169,15 +168,21 @@ class EngineCore:
         if aborted:
             self._emit(req)
 
-    def wire_outputs(self) -> None:
-        """Outputs for the channel (server/engine/process.py): only what is new in each, and log-probs as
-        WireLogprobs tuples (channel.py), which pickle ~10x faster than Logprob objects and are rebuilt in
-        the API process, off the engine's thread."""
-        self.whole_outputs = False
-        self.runner.wire_logprobs = True
+    def wire_outputs(self, sink: Callable[[Request], None] | None) -> None:
+        """The engine process's outputs (server/engine/process.py): each advanced request goes to sink(request),
+        which encodes only what is new straight from it (channel.encode_delta), for every request whose
+        on_output is set; no RequestOutput is built (its whole lists, copied at every step, cost O(length)
+        per sequence). Sampled log-probs are WireLogprobs tuples (channel.py), which pickle ~10x faster than
+        Logprob objects and are rebuilt in the API process. None: back to RequestOutputs and Logprob dicts."""
+        self._wire_sink = sink
+        self.runner.wire_logprobs = sink is not None
 
-    def _emit(self, req: Request) -> RequestOutput:
-        out = req.output(self.whole_outputs)
+    def _emit(self, req: Request) -> RequestOutput | None:
+        if self._wire_sink is not None:
+            if req.on_output is not None:
+                self._wire_sink(req)
+            return None
+        out = req.output()
         if req.on_output is not None:
             req.on_output(out)
         return out
@@ -247,7 +252,9 @@ class EngineCore:
                 self.requests.pop(req.request_id, None)
             elif req.params.output_kind is RequestOutputKind.FINAL_ONLY and req.request_id not in first:
                 continue  # only its first tokens (admission, time to first token) and its end are handed out
-            outputs.append(self._emit(req))
+            out = self._emit(req)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -27,11 +27,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from server.engine.channel import (Call, DeltaEncoder, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed,
-                                   Status, SyncChannel, WireError)
+from server.engine.channel import (Call, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed,
+                                   Status, SyncChannel, WireError, encode_delta)
 from server.engine.commands import ENGINE, EngineCommands
 from server.engine.core import EngineCore
 from server.engine.outputs import RequestOutput
+from server.engine.sequence import Request
 from server.heap import freeze_startup_heap
 
 log = logging.getLogger("sleepserve.engine")
@@ -56,7 +57,6 @@ class EngineServer:
         self._remote: list = []
         self._lock = threading.Lock()
         self._step_tokens: list[int] = []
-        self._deltas = DeltaEncoder()
         self._sent_state: Any = None
         self._stats = core.stats()
         self._sent_stats: Any = None
@@ -66,7 +66,7 @@ class EngineServer:
             transfers = WeightTransferService(transfer_config, core, self.on_engine)
         self.transfers = transfers
         self.commands = EngineCommands(core, self.on_engine, self._emit, transfers)
-        core.wire_outputs()  # only deltas cross (DeltaEncoder), log-probs as tuples
+        core.wire_outputs(self._emit_request)  # only what is new crosses, encoded from the request itself
         core.runner.watch(self._rank_lost)
 
     def _rank_lost(self, error: BaseException) -> None:
@@ -170,8 +170,13 @@ class EngineServer:
         self._local.append(Reply(call.call_id, result, WireError.of(error) if error else None))
 
     def _emit(self, out: RequestOutput) -> None:
-        """A request's output (engine thread): only what the API does not have yet crosses."""
-        self._local.append(self._deltas.encode(out))
+        """Every request's on_output: it marks the request's outputs as wanted (_fail_all unsets it), and
+        the core, in wire mode, hands the request itself to _emit_request instead of calling it."""
+        raise AssertionError("the engine process builds no RequestOutput (EngineCore.wire_outputs)")
+
+    def _emit_request(self, req: Request) -> None:
+        """An advanced request (engine thread): what the API does not have yet crosses in the next frame."""
+        self._local.append(encode_delta(req))
 
     def flush(self, engine_thread: bool = True) -> None:
         """Send one frame with everything since the last one (nothing when nothing changed)."""
@@ -247,7 +252,6 @@ class EngineServer:
         for req in list(self.core.requests.values()):
             req.on_output = None  # the API gets the error, not an abort
             self.core.abort_request(req.request_id)
-            self._deltas.forget(req.request_id)
             self._local.append(Failed(req.request_id, WireError.of(error)))
 
     def close(self) -> None:

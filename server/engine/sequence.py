@@ -53,6 +53,7 @@ class Sequence:
         # What has been handed out already, so each output carries only the new part as its delta.
         self._emitted_text = 0
         self._emitted_tokens = 0
+        self.end_sent = False  # the engine process sent its end (channel.encode_delta): nothing more of it
 
     @property
     def num_tokens(self) -> int:
@@ -152,33 +153,31 @@ class Sequence:
             if self.lazy_text:  # what it had generated, as a sequence that was read along would show it
                 self._finish_text()
 
-    def output(self, whole: bool = True) -> CompletionOutput:
-        """A snapshot with the delta since the last snapshot. While generating, text that might be the
-        start of a stop string is held back, so a client never sees text that is later cut off.
-        whole=False: token_ids and logprobs are the new ones only, as the deltas (the engine process sends
-        only deltas: copying the whole lists at every step costs O(length) per sequence)."""
+    def delta(self) -> tuple[str, str, list[int], list | None]:
+        """(the text as it may be shown, its new part, the new token ids, the new log-probs) since the last
+        call, which marks them handed out. While generating, text that might be the start of a stop string
+        is held back, so a client never sees text that is later cut off."""
         text = self.text
         if self.finish_reason is None and self.params.stop:
             hold = max(map(len, self.params.stop)) - 1
             text = text[: max(self._emitted_text, len(text) - hold)]
         emitted = self._emitted_tokens
-        delta_ids = self.token_ids[self.num_prompt_tokens + emitted:]
-        delta_lp = None
-        if self.logprobs is not None:
-            delta_lp = self.logprobs[emitted:]
-        if whole:
-            out_ids = self.output_token_ids  # a fresh list already (a slice)
-            logprobs = list(self.logprobs) if self.logprobs is not None else None
-        else:
-            out_ids, logprobs = delta_ids, delta_lp
-        out = CompletionOutput(
-            index=self.index, text=text, token_ids=out_ids,
+        new_ids = self.token_ids[self.num_prompt_tokens + emitted:]
+        new_logprobs = self.logprobs[emitted:] if self.logprobs is not None else None
+        new_text = text[self._emitted_text:]
+        self._emitted_text, self._emitted_tokens = len(text), emitted + len(new_ids)
+        return text, new_text, new_ids, new_logprobs
+
+    def output(self) -> CompletionOutput:
+        """A snapshot: the whole so far, and the delta since the last snapshot."""
+        text, new_text, new_ids, new_logprobs = self.delta()
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=self.output_token_ids,  # a fresh list already (a slice)
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            delta_text=text[self._emitted_text:], delta_token_ids=delta_ids, delta_logprobs=delta_lp,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            delta_text=new_text, delta_token_ids=new_ids, delta_logprobs=new_logprobs,
         )
-        self._emitted_text, self._emitted_tokens = len(text), len(self.token_ids) - self.num_prompt_tokens
-        return out
 
 
 @dataclass
@@ -198,6 +197,9 @@ class Request:
     # params.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it);
     # filled chunk by chunk as the prefill runs (runner.prepare picks the rows).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # What the engine process sent the API already (channel.encode_delta): the first delta, the prompt log-probs.
+    started_sent: bool = False
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -212,10 +214,10 @@ class Request:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
 
-    def output(self, whole: bool = True) -> RequestOutput:
+    def output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.output(whole) for s in self.seqs], finished=self.finished,
+            outputs=[s.output() for s in self.seqs], finished=self.finished,
             num_cached_tokens=max((s.num_cached_tokens for s in self.seqs), default=0),
             prompt_logprobs=None if self.prompt_logprobs_pending else self.prompt_logprobs,
             metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
