@@ -82,3 +82,23 @@ def test_text_decoded_at_the_end_equals_incremental(tokenizer):
             detok = IncrementalDetokenizer(tokenizer, prompt, skip)
             incremental = "".join(detok.add(t) for t in out) + detok.flush()
             assert detokenize_all(tokenizer, prompt, out, skip) == incremental, (case, skip)
+
+
+def test_a_steps_windows_decode_as_the_tokenizer_decodes_them(tokenizer):
+    """decode_many joins the cached texts of tokens that decode to whole characters (a byte-level decoder)
+    and asks the tokenizer for the rest: on random windows (broken UTF-8, special tokens, long and short)
+    every text must be the tokenizer's own decode, special tokens skipped or not."""
+    import random
+
+    from server.engine.detokenizer import _whole_pieces, decode_many
+
+    assert _whole_pieces(tokenizer) is not None  # the embedded model's decoder is byte-level
+    rng = random.Random(1)
+    vocab = len(tokenizer)
+    added = list(tokenizer.backend_tokenizer.get_added_tokens_decoder())  # special or not (<jupyter_script>)
+    odd = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])][:200] + added
+    windows = [[rng.choice(odd) if rng.random() < 0.2 else rng.randrange(vocab) for _ in range(rng.randrange(0, 9))]
+               for _ in range(400)]
+    for skip in (True, False):
+        assert decode_many(tokenizer, windows, skip) == [tokenizer.decode(w, skip_special_tokens=skip)
+                                                         for w in windows]
