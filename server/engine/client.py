@@ -324,23 +324,15 @@ class EngineClient:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield outputs (each with its delta) until the request finishes. While the engine cannot serve,
         the request is held first (or refused, per HoldPolicy). Closing the iterator early (a client
-        that went away) drops a held request and aborts an admitted one, freeing its KV blocks."""
-        self._active += 1
-        try:
-            async with contextlib.aclosing(self._generate(request_id, prompt, prompt_token_ids, params)) as gen:
-                async for out in gen:
-                    yield out
-        finally:
-            self._active -= 1
-
-    async def _generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        that went away) drops a held request and aborts an admitted one, freeing its KV blocks.
+        One generator (not a wrapper around another): a streamed output passes every layer once per step."""
         deadline = None
         stream = OutputStream(prompt, prompt_token_ids, params.n)
         if params.grammar is not None:  # compiled objects stay in the engine process (compile_grammar)
             params = _without_grammar(params)
         added = False
         finished = False
+        self._active += 1
         try:
             while True:
                 # Cancelled while held (the client left): nothing reached the engine, nothing to undo.
@@ -362,6 +354,7 @@ class EngineClient:
                 finished = out.finished
                 yield out
         finally:
+            self._active -= 1
             self._streams.pop(request_id, None)
             if added and not finished:
                 self.notify("abort", request_id)
