@@ -6,7 +6,7 @@ import http
 import logging
 import logging.config
 import time
-from typing import Any
+from typing import Any, Awaitable
 
 LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -56,10 +56,11 @@ class AccessLogMiddleware:
         start = time.perf_counter()
         status = [500]  # what the client sees when the app raises before answering
 
-        async def send_wrapper(message: dict) -> None:
+        def send_wrapper(message: dict) -> Awaitable[None]:
+            # Not a coroutine of its own: the caller awaits send's (a stream calls this once per chunk).
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)

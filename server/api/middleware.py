@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Awaitable
 
 from server.api.body import MAX_BODY_BYTES
 from server.api.errors import APIError, error_body
@@ -73,11 +73,12 @@ class ContainErrors:
             return
         started = False
 
-        async def watch(message: dict) -> None:
+        def watch(message: dict) -> Awaitable[None]:
+            # Not a coroutine of its own: the caller awaits send's (a stream calls this once per chunk).
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, watch)

@@ -17,8 +17,12 @@ DONE = b"data: [DONE]\n\n"
 T = TypeVar("T")
 
 
+# One encoder for every chunk: json.dumps with non-default options builds a new JSONEncoder per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    return b"data: " + _ENCODER.encode(data).encode("utf-8") + b"\n\n"
 
 
 async def events(items: AsyncIterator[T], chunks: Callable[[T], list[dict[str, Any]]],
