@@ -5,12 +5,11 @@ The grammar (an array of at least 1000 objects) cannot complete within the run, 
 every sequence is masked and both runs decode exactly the same number of tokens.
 
 Besides the ratio, it prints where a decode step's mask time goes (MaskTimes: the engine thread's
-time consuming tokens, blocked on the worker, computing masks and launching their application; the
-device's time to apply them, timed alone), and with --worker the same for the masks computed ahead
-on a worker thread (GrammarMasks overlap=True), so one run compares both.
+time consuming tokens, computing masks and launching their application; the device's time to apply
+them, timed alone).
 
-    python bench/structured_mask.py --device cpu --model llama-tiny --worker
-    python bench/structured_mask.py --device cuda --model llama-1b --worker --out $OUT
+    python bench/structured_mask.py --device cpu --model llama-tiny
+    python bench/structured_mask.py --device cuda --model llama-1b --out $OUT
 """
 from __future__ import annotations
 
@@ -92,12 +91,11 @@ def split_row(label: str, batch: int, plain_step: float, step: float, t: MaskTim
     n = max(t.steps, 1)
     us = lambda x: f"{x / n * 1e6:,.0f}"  # noqa: E731
     return [label, batch, f"{plain_step * 1e6:,.0f}", f"{step * 1e6:,.0f}", f"{(step - plain_step) * 1e6:+,.0f}",
-            us(t.advance), us(t.wait), us(t.pack), us(t.launch), us(t.fill), f"{device_apply * 1e6:,.1f}",
-            f"{t.steady}/{t.steps}"]
+            us(t.advance), us(t.pack), us(t.fill), us(t.launch), f"{device_apply * 1e6:,.1f}"]
 
 
-SPLIT_HEADER = ["variant", "batch", "no-mask step", "step", "extra", "advance", "wait", "pack", "launch", "fill",
-                "device apply", "steady steps"]
+SPLIT_HEADER = ["variant", "batch", "no-mask step", "step", "extra", "advance", "pack", "fill", "launch",
+                "device apply"]
 
 
 def main() -> int:
@@ -109,8 +107,6 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on CPU, 256 on CUDA")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds of runs (without, with the mask) "
                                                            "per batch size; medians and the spread are printed")
-    ap.add_argument("--worker", action="store_true", help="also measure the masks computed ahead on a worker "
-                                                           "thread (GrammarMasks overlap=True)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -136,28 +132,22 @@ def main() -> int:
     # every request with this schema): one full run of the largest batch first, so that no timed run
     # pays for them (greedy decoding takes the same path every time).
     decode_rate(llm, max(int(b) for b in args.batches.split(",")), new_tokens, spec, device, "warm-states")
-    if args.worker:
-        llm.engine.runner.masks.set_overlap(True)
-        decode_rate(llm, 2, 8, spec, device, "warm-worker")
 
     runner = llm.engine.runner
     # The variants, run in interleaved rounds (the order rotates), so drift in the machine's speed (other
-    # work, clocks, caches) hits all alike; each round gives one ratio per masked variant.
-    variants = [("no mask", None, False), ("mask", spec, False)] + ([("mask, worker", spec, True)] if args.worker
-                                                                      else [])
+    # work, clocks, caches) hits both alike; each round gives one ratio.
+    variants = [("no mask", None), ("mask", spec)]
     rows, results, splits = [], [], []
     for batch in [int(b) for b in args.batches.split(",")]:
-        runs: dict[str, list] = {label: [] for label, _, _ in variants}
+        runs: dict[str, list] = {label: [] for label, _ in variants}
         for r in range(args.repeats):
             for k in range(len(variants)):
-                label, structured, overlap = variants[(k + r) % len(variants)]
-                runner.masks.set_overlap(overlap)
+                label, structured = variants[(k + r) % len(variants)]
                 runs[label].append(decode_rate(llm, batch, new_tokens, structured, device, f"{r}-{label}"))
-        runner.masks.set_overlap(False)
         plain = [rate for rate, _, _ in runs["no mask"]]
         plain_step = statistics.median(step for _, step, _ in runs["no mask"])
         apply_s = device_apply_seconds(batch, llm.engine.model_config.vocab_size, device, runner.masks.bit_values)
-        for label, structured, overlap in variants[1:]:
+        for label, _ in variants[1:]:
             masked = [rate for rate, _, _ in runs[label]]
             ratios = [m / p for m, p in zip(masked, plain)]
             ratio = statistics.median(ratios)
@@ -177,13 +167,12 @@ def main() -> int:
     print(table(rows, ["variant", "batch", "no mask tok/s (median)", "with mask tok/s (median)",
                        "with / without (median)", f"spread of {args.repeats} rounds"]))
     for r in results:
-        suffix = "" if r["variant"] == "mask" else f" ({r['variant']})"
-        print(f"structured mask ratio at batch {r['batch']}{suffix}: {r['ratio']:.3f} "
+        print(f"structured mask ratio at batch {r['batch']}: {r['ratio']:.3f} "
               f"(min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f}, {args.repeats} interleaved rounds)")
     print("structured mask step split (microseconds per decode step; engine thread: advance = consuming the "
-          "sampled tokens, wait = blocked on the worker, pack = computing/gathering masks in apply, launch = "
-          "queuing the transfer and masking; fill = mask computation on any thread; device apply = the "
-          "device's time for the transfer and masking, timed alone):")
+          "sampled tokens, pack = computing the masks in apply (fill = llguidance's part of it), launch = "
+          "queuing the transfer and masking; device apply = the device's time for the transfer and masking, "
+          "timed alone):")
     print(table(splits, SPLIT_HEADER))
     write_json(args.out, f"structured-mask-{device.type}", {"model": name, "device": hardware(device),
                                                             "new_tokens": new_tokens, "when": now_iso(),

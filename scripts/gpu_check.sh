@@ -69,7 +69,7 @@ for stage in $stages; do
                 run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
     rlloop)     run rlloop $PY examples/rl_colocated.py --device cuda --model llama-1b --iterations 3 --prompts 8 \
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
-    structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --worker --out "$RESULTS" ;;
+    structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
     flows)      run flows $PY bench/readme_flows.py --out "$RESULTS" ;;
     limits)     run limits $PY bench/sleep_limits.py --out "$RESULTS" ;;
     vmmfloor)   run vmmfloor $PY bench/vmm_floor.py --gib 100 --out "$RESULTS" ;;

@@ -311,7 +311,6 @@ class EngineCore:
 
     def close(self) -> None:
         self.abort_all()
-        self.runner.masks.close()
         self.pool.close()
 
 

@@ -11,8 +11,7 @@ from server.engine.grammar_masks import apply_token_bitmask, bit_values_on
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["in-apply", "worker"])
-def test_masks_equal_llguidance_on_cuda(overlap):
+def test_masks_equal_llguidance_on_cuda():
     from transformers import AutoTokenizer
 
     from server.engine.structured import GrammarCompiler
@@ -21,7 +20,7 @@ def test_masks_equal_llguidance_on_cuda(overlap):
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder())
     device = torch.device("cuda")
-    walk(GrammarCompiler(tok, len(tok) + 13), device, bit_values_on(device), overlap)
+    walk(GrammarCompiler(tok, len(tok) + 13), device, bit_values_on(device))
 
 
 def test_cuda_unpacking_equals_cpu():
