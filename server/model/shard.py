@@ -79,14 +79,13 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 class TensorParallel:
     """One rank's view: its layout (heads, rows, vocabulary it holds) and its collectives, which run on
-    `comm`, the device communicator the engine sets (server/engine/parallel/comm.py) and replaces
-    when it re-creates it after a sleep."""
+    `comm`, the device communicator the engine sets at start (server/engine/parallel/comm.py)."""
 
     def __init__(self, cfg: ModelConfig, rank: int = 0, world: int = 1):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world}")
         self.rank, self.world, self.full_config = rank, world, cfg
-        self.comm = None  # all_reduce(x) -> x, all_gather(x) -> [x of each rank], set while awake
+        self.comm = None  # all_reduce(x) -> x, all_gather(x) -> [x of each rank], set once the group starts
         H, KV = cfg.num_heads, cfg.num_kv_heads
         if H % KV:
             raise ValueError(f"{H} query heads do not group evenly over {KV} KV heads")

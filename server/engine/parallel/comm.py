@@ -27,7 +27,8 @@ class DeviceComm(Protocol):
 
 
 class GlooComm:
-    """A gloo group beside the control group, so it can be destroyed and re-created alone."""
+    """A gloo group beside the control group: the model's collectives never share a group with the
+    control group's agreements, as on CUDA, where they run on NCCL."""
 
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo")

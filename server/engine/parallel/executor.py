@@ -3,8 +3,7 @@ over one pipe, hosts the group's store, and watches that every worker lives.
 
 Everything the engine core asks goes through two facades built here, so the core has no tensor-
 parallel branch: ParallelRunner (runner.py: each step's inputs to every rank, weights loaded on every
-rank) and ParallelPool (pool.py: sleep and wake on every rank, all or nothing, with the group released
-while asleep).
+rank) and ParallelPool (pool.py: sleep and wake on every rank, all or nothing).
 """
 from __future__ import annotations
 
