@@ -246,54 +246,71 @@ def test_a_bucket_lands_in_place_when_the_parameters_line_up():
     assert torch.equal(fused[:4], sent["q"])  # written through the block's own memory
 
 
+class RecordingCuda:
+    """Stand-ins for torch.cuda's Event, Stream, stream() and current_stream() that append to `log`
+    what is asked of them ("record", stream, event id; "wait", stream, event id; "wait stream", stream,
+    other), so the stream and event order of a CUDA transfer is checked on CPU. Streams made by the code
+    under test are named `new_streams`; `current` is the stack of current streams, `first` at the bottom."""
+
+    def __init__(self, monkeypatch, new_streams: str, first: str):
+        import contextlib
+        import itertools
+
+        log: list[tuple] = []
+        ids = itertools.count(1)
+
+        class Event:
+            def __init__(self, enable_timing: bool = False):
+                self.id = next(ids)
+
+            def record(self, stream) -> None:
+                log.append(("record", stream.name, self.id))
+
+            def query(self) -> bool:
+                return True
+
+            def elapsed_time(self, other) -> float:
+                return 0.0
+
+        class Stream:
+            def __init__(self, name: str):
+                self.name = name
+
+            def wait_event(self, event) -> None:
+                log.append(("wait", self.name, event.id))
+
+            def wait_stream(self, other) -> None:
+                log.append(("wait stream", self.name, other.name))
+
+        current = [Stream(first)]
+
+        @contextlib.contextmanager
+        def on(stream):
+            current.append(stream)
+            yield
+            current.pop()
+
+        self.log, self.Event, self.Stream, self.current = log, Event, Stream, current
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream(new_streams))
+        monkeypatch.setattr(torch.cuda, "stream", on)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+
+
 def test_the_stream_order_of_a_cuda_receive(monkeypatch):
     """The order BroadcastReceive gives its CUDA work, checked on CPU with streams and events that
     record what is asked of them (the real streams run in gpu_check's weights-nccl stage): the copy
     out of a bucket waits for that bucket's broadcast; the broadcast into a reused slot waits for the
     copy out of the bucket that used the slot before; a bucket that lines up with the parameters is
     broadcast into them with neither; the host waits for both streams' last work at the end."""
-    import contextlib
-
     from server.weight_transfer import broadcast_receive
 
-    log: list[tuple] = []
-    ids = iter(range(1, 10_000))
-
-    class Event:
-        def __init__(self, enable_timing: bool = False):
-            self.id = next(ids)
-
-        def record(self, stream) -> None:
-            log.append(("record", stream.name, self.id))
-
-        def query(self) -> bool:
-            return True
-
-        def elapsed_time(self, other) -> float:
-            return 0.0
-
-    class Stream:
-        def __init__(self, name: str = "copy", *args):
-            self.name = name
-
-        def wait_event(self, event) -> None:
-            log.append(("wait", self.name, event.id))
-
-    current = ["host"]
-
-    @contextlib.contextmanager
-    def on(stream):
-        current.append(stream.name)
-        yield
-        current.pop()
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("copy"))
-    monkeypatch.setattr(torch.cuda, "stream", on)
+    cuda = RecordingCuda(monkeypatch, new_streams="copy", first="host")
+    log, Event, Stream, current = cuda.log, cuda.Event, cuda.Stream, cuda.current
     real_copy = broadcast_receive.BroadcastReceive._copy
 
     def copy(self, pairs):
-        log.append(("copy", current[-1]))
+        log.append(("copy", current[-1].name))
         real_copy(self, pairs)
     monkeypatch.setattr(broadcast_receive.BroadcastReceive, "_copy", copy)
 
@@ -319,7 +336,7 @@ def test_the_stream_order_of_a_cuda_receive(monkeypatch):
             self.incoming = iter(packed)
 
         def broadcast(self, tensor, src=0):
-            assert current[-1] == "host"  # enqueued from the transfer thread's stream, as NcclComm expects
+            assert current[-1].name == "host"  # enqueued from the transfer thread's stream, as NcclComm expects
             tensor.copy_(next(self.incoming))  # the bytes "arrive" when enqueued: the log checks the order
             log.append(("bcast", "in place" if tensor.data_ptr() == fused.data_ptr() else "slot"))
             event = Event()
@@ -367,43 +384,8 @@ def test_the_stream_order_of_a_cuda_send(monkeypatch):
     of it, and a bucket that is one tensor's own memory is broadcast from it without packing."""
     from server.weight_transfer.sender import WeightSender
 
-    log: list[tuple] = []
-    ids = iter(range(1, 10_000))
-
-    class Event:
-        def __init__(self, enable_timing: bool = False):
-            self.id = next(ids)
-
-        def record(self, stream) -> None:
-            log.append(("record", stream.name, self.id))
-
-        def elapsed_time(self, other) -> float:
-            return 0.0
-
-    class Stream:
-        def __init__(self, name: str = "pack", *args):
-            self.name = name
-
-        def wait_event(self, event) -> None:
-            log.append(("wait", self.name, event.id))
-
-        def wait_stream(self, other) -> None:
-            log.append(("wait stream", self.name, other.name))
-
-    current = [Stream("trainer")]
-
-    import contextlib
-
-    @contextlib.contextmanager
-    def on(stream):
-        current.append(stream)
-        yield
-        current.pop()
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("pack"))
-    monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    cuda = RecordingCuda(monkeypatch, new_streams="pack", first="trainer")
+    log, Event, Stream, current = cuda.log, cuda.Event, cuda.Stream, cuda.current
     sent: list[torch.Tensor] = []
 
     class Group:
