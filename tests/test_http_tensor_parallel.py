@@ -3,22 +3,28 @@ through SLEEPSERVE_TENSOR_PARALLEL_SIZE) serves this module, started once; the l
 worker. One-rank answers come from the shared hold server (same model, same greedy decoding)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import httpx
 import pytest
-from http_server import BASE_ARGS, ServerProcess, hold_server, wait_for
+from http_server import BASE_ARGS, REPO, ServerProcess, hold_server, wait_for
+from models import write_trained_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+TRAINER = [sys.executable, str(REPO / "tests" / "weight_trainer.py")]
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess([*BASE_ARGS, "--dev-mode"], env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2"}).start()
+    proc = ServerProcess([*BASE_ARGS, "--dev-mode", "--weight-transfer-config", '{"backend": "gloo"}'],
+                         env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2"}).start()
     yield proc
     proc.stop()
 
@@ -77,11 +83,27 @@ def test_sleep_levels_and_update_weights_keep_the_outputs(server, reference):
     assert greedy(server) == reference
 
 
-def test_weight_transfer_is_refused_with_a_clear_400(server):
-    r = post(server, "/init_weight_transfer_engine", json={"init_info": {"master_port": 1, "world_size": 2}})
-    assert r.status_code == 400
-    assert r.json()["error"]["code"] == "weight_transfer_unsupported"
-    assert "tensor-parallel" in r.json()["error"]["message"]
+def test_weight_transfer_reaches_every_rank(server, reference, default_model_folder, tmp_path_factory):
+    """A trainer pushes new weights over gloo (the NCCL protocol) to both ranks at once (world = trainer
+    + 2 ranks, from /get_world_size); each keeps its slices. The outputs equal a disk load of the same
+    checkpoint (each rank reading its slices), packed buckets and one broadcast per tensor alike."""
+    trained = write_trained_checkpoint(default_model_folder, tmp_path_factory.mktemp("tp-push") / "trained", seed=11)
+    assert post(server, "/update_weights", json={"path": str(trained)}).status_code == 200
+    expected = greedy(server)
+    assert expected != reference, "the new weights must change greedy outputs"
+    for how in ([], ["--unpacked"]):
+        assert post(server, "/update_weights", json={}).status_code == 200  # back to the served checkpoint
+        assert greedy(server) == reference
+        out = subprocess.run([*TRAINER, server.url, "gloo", str(trained), "no-admin-key", "--bucket-bytes",
+                              str(16 << 20), "--weight-version", f"tp{how}", *how],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        assert out.returncode == 0 and lines, out.stderr[-3000:]
+        report = json.loads(lines[-1])
+        assert report["server"]["weights_valid"] is True and report["server"]["tensors"] > 100, report
+        assert greedy(server) == expected, how
+    assert post(server, "/update_weights", json={}).status_code == 200
+    assert greedy(server) == reference
 
 
 def test_killing_a_worker_answers_503_and_exits(server):

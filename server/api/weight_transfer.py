@@ -100,12 +100,6 @@ class SglMemory(RequestBody):
 
 def service(request: Request) -> Any:
     """The engine client, once we know this server has a weight-transfer backend (its config)."""
-    tp = request.app.state.engine.info.config.tensor_parallel_size
-    if tp > 1:
-        raise APIError(400, f"weight transfer to a tensor-parallel server (--tensor-parallel-size {tp}) is not "
-                            "supported yet: each rank would need its own slices; write the checkpoint and load it "
-                            "with POST /update_weights {\"path\": ...} (every rank reads its slices)", None,
-                       "weight_transfer_unsupported")
     if getattr(request.app.state, "weight_transfer", None) is None:
         raise APIError(400, "this server has no weight-transfer engine; start it with --weight-transfer-config "
                             "'{\"backend\": \"nccl\"}' (or ipc; gloo / shm on CPU)", None,

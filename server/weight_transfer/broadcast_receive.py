@@ -48,9 +48,13 @@ class ReceiveStats:
 class BroadcastReceive:
     """One update's receive. `targets` are the model's parameters by name."""
 
-    def __init__(self, group: Group, targets: dict[str, torch.Tensor], device: torch.device, slots: int = 2):
+    def __init__(self, group: Group, targets: dict[str, torch.Tensor], device: torch.device, slots: int = 2,
+                 sharded: dict[str, tuple[torch.Tensor, Any]] | None = None):
         self.group = group
         self.targets = targets
+        # Tensor parallel: parameters this rank holds a slice of (parameter, Shard). They always land
+        # in a buffer (the whole tensor arrives) and their slice is copied out of it.
+        self.sharded = sharded or {}
         self.device = device
         self.slots = max(1, slots)
         self.cuda = group.stream is not None
@@ -102,11 +106,11 @@ class BroadcastReceive:
             self._keep.append(buf)  # until the broadcast into it is done, even when it is dropped
             self._pending.append(self.group.broadcast(buf))
             self.stats.staged += 1
-            if target is not None:  # another dtype (cast on copy); lm_head of a tied model is dropped
+            # Another dtype (cast on copy) or this rank's slice; lm_head of a tied model is dropped.
+            if self.writes(m.name):
                 loaded.add(m.name)
                 with self._on(self.group.stream):  # after the broadcast, in its stream's order
-                    with torch.no_grad():
-                        target.copy_(buf, non_blocking=True)
+                    self._copy([(m.name, buf)])
 
     def _packed(self, metas: list[TensorMeta], bucket_bytes: int, loaded: set[str]) -> None:
         buckets = [[metas[i] for i in r] for r in plan_buckets([m.nbytes for m in metas], bucket_bytes)]
@@ -134,7 +138,7 @@ class BroadcastReceive:
             if free[s] is not None:
                 self.group.stream.wait_event(free[s])  # the copy out of this slot is done
             token = self.group.broadcast(buf)
-            loaded.update(m.name for m in bucket if m.name in self.targets)
+            loaded.update(m.name for m in bucket if self.writes(m.name))
             self.stats.staged += 1
             if not self.cuda:
                 self._copy(unpack(buf, bucket))
@@ -157,12 +161,18 @@ class BroadcastReceive:
             params.append(target.detach())
         return region(params)
 
+    def writes(self, name: str) -> bool:
+        return name in self.targets or name in self.sharded
+
     def _copy(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in pairs:
                 target = self.targets.get(name)
                 if target is not None:
                     target.copy_(tensor, non_blocking=True)
+                elif name in self.sharded:
+                    param, shard = self.sharded[name]
+                    shard.place(param, shard.take(tensor))
 
     # -- streams -----------------------------------------------------------------------------------
 

@@ -64,7 +64,16 @@ class WeightReceiver:
         config.check_device(device.type)
         self.config = config
         self.device = device
-        self.targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+        params = dict(model.named_parameters())
+        # Tensor parallel: the trainer sends whole tensors to every rank; a rank keeps its slice of
+        # each split one (`sharded`: its parameter and Shard) and the whole of the rest (`targets`).
+        tp = getattr(model, "tp", None)
+        shards = {n: s for n in params if tp is not None and (s := tp.shard(n)) is not None}
+        self.sharded: dict[str, tuple[torch.Tensor, Any]] = {n: (params[n], s) for n, s in shards.items()}
+        self.targets: dict[str, torch.Tensor] = {n: p for n, p in params.items() if n not in shards}
+        if self.sharded and config.backend in ("ipc", "shm"):
+            raise ValueError(f"the {config.backend} weight-transfer backend does not work with --tensor-parallel-size "
+                             "above 1 (each rank needs its slices); use nccl (gloo on CPU)")
         # A tied model has no lm_head of its own; trainers still send lm_head.weight: skip it.
         self.skipped = {"lm_head.weight"} if getattr(model, "lm_head", 0) is None else set()
         self.group: Group | None = None
@@ -96,16 +105,25 @@ class WeightReceiver:
                 problems.append(f"{name}: shape {list(shape_t)} has a negative size")
                 continue
             metas.append(TensorMeta(name, dtype, shape_t))
-            target = self.targets.get(name)
-            if target is None:
+            expected = self.full_shape(name)
+            if expected is None:
                 if name not in self.skipped:
                     problems.append(f"unexpected tensor {name!r} (not a parameter of the served model)")
-            elif tuple(target.shape) != shape_t:
-                problems.append(f"{name}: shape {list(shape_t)} but the model has {list(target.shape)}")
+            elif expected != shape_t:
+                problems.append(f"{name}: shape {list(shape_t)} but the model has {list(expected)}")
         if problems:
             more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
             raise TransferRequestError("the weights do not fit the served model: " + "; ".join(problems[:8]) + more)
         return metas
+
+    def full_shape(self, name: str) -> tuple[int, ...] | None:
+        """The whole tensor's shape (what the trainer sends), or None for a name the model lacks."""
+        if name in self.targets:
+            return tuple(self.targets[name].shape)
+        if name in self.sharded:
+            param, shard = self.sharded[name]
+            return shard.full_shape(tuple(param.shape))
+        return None
 
     def check_handles(self, update: Update) -> None:
         if self.config.distributed:
@@ -205,7 +223,8 @@ class WeightReceiver:
 
     def _receive_broadcast(self, update: Update, loaded: set[str]) -> None:
         assert self.group is not None
-        self._receiving = BroadcastReceive(self.group, self.targets, self.device, self.config.packed_num_buffers)
+        self._receiving = BroadcastReceive(self.group, self.targets, self.device, self.config.packed_num_buffers,
+                                           sharded=self.sharded)
         stats = self._receiving.run(update.metas, update.packed, update.bucket_bytes, loaded)
         self._receiving = None
         self.last_stats = stats.as_dict()

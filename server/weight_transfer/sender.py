@@ -65,12 +65,12 @@ class WeightSender:
 
     # -- HTTP --------------------------------------------------------------------------------------
 
-    def post(self, route: str, body: dict) -> dict:
-        data = json.dumps(body).encode()
+    def post(self, route: str, body: dict | None, method: str = "POST") -> dict:
+        data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
+        req = urllib.request.Request(self.url + route, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s + 30) as resp:
                 return json.loads(resp.read() or b"{}")
@@ -81,7 +81,7 @@ class WeightSender:
                 message = err.get("error", {}).get("message", text)
             except (json.JSONDecodeError, AttributeError):
                 err, message = text, text
-            raise WeightSendError(f"POST {route}: {e.code}: {message}", e.code, err) from None
+            raise WeightSendError(f"{method} {route}: {e.code}: {message}", e.code, err) from None
 
     def _post_async(self, route: str, body: dict) -> Future:
         fut: Future = Future()
@@ -100,18 +100,21 @@ class WeightSender:
         if self.backend in ("ipc", "shm"):
             return self.post("/init_weight_transfer_engine", {"init_info": {}})
         port = rendezvous.free_port(self.master_address)
-        info = {"master_address": self.master_address, "master_port": port, "rank_offset": 1, "world_size": 2,
+        # The group is this trainer (rank 0) and every rank of the server (a tensor-parallel server
+        # has several, each keeping its slices), as vLLM's trainers size it from /get_world_size.
+        world = 1 + int(self.post("/get_world_size", None, method="GET")["world_size"])
+        info = {"master_address": self.master_address, "master_port": port, "rank_offset": 1, "world_size": world,
                 "packed": True}
         # The server joins while we host the store (its client retries until we listen), as vLLM's
         # trainers do it: post first, then rendezvous.
         joined = self._post_async("/init_weight_transfer_engine", {"init_info": info})
         try:
-            self.store = rendezvous.host_store(self.master_address, port, 2, self.timeout_s)
+            self.store = rendezvous.host_store(self.master_address, port, world, self.timeout_s)
         except Exception:
             if joined.done():
                 joined.result()  # the server's refusal says more than the store's timeout
             raise
-        self.group = open_group(self.backend, self.store, 0, 2, self.device, self.timeout_s)
+        self.group = open_group(self.backend, self.store, 0, world, self.device, self.timeout_s)
         return joined.result(timeout=self.timeout_s + 30)
 
     def close(self) -> None:

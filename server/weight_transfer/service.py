@@ -60,22 +60,41 @@ def _request_error(e: TransferRequestError) -> InvalidRequestError:
 
 
 class WeightTransferService:
-    """Owns the receiver and the one thread that blocks on transfers."""
+    """Owns the receiver and the one thread that blocks on transfers.
+
+    Tensor parallel: every rank is a member of the trainer's group (rank_offset + its rank) and
+    receives every broadcast, keeping its slices (receiver.py). The workers' receivers are driven
+    from here over the ranks' pipe (parallel/worker.py `wt_*` commands), each at the same time as
+    rank 0's own call, because a group's rendezvous and its broadcasts need every member at once."""
 
     def __init__(self, config: WeightTransferConfig, core: EngineCore, on_engine: OnEngine):
-        if core.config.tensor_parallel_size > 1:
-            raise ValueError("--weight-transfer-config does not work with --tensor-parallel-size above 1 yet; "
-                             "load new weights from disk with POST /update_weights {\"path\": ...}")
         self.config = config
         self.core = core
         self.on_engine = on_engine
         self.receiver = WeightReceiver(config, core.model, core.device)
+        self.workers = getattr(core.runner, "workers", None)  # parallel/executor.Workers at TP > 1
         self._thread = _Worker()
         self.packed_default: bool | None = None   # init_info.packed of the last init
 
+    def _on_ranks(self, op: str, local: Callable[[], Any], args: Callable[[int], Any] | None = None
+                  ) -> dict[int, Any]:
+        """local() here (rank 0) and the command on every worker at once; each rank's result or the
+        exception it raised."""
+        if self.workers is None:
+            try:
+                return {0: local()}
+            except Exception as e:
+                return {0: e}
+        per_rank = {r: args(r) if args is not None else None for r in self.workers.conns}
+        return self.workers.run(op, None, local, args=per_rank)
+
+    @staticmethod
+    def _first_error(outcomes: dict[int, Any]) -> BaseException | None:
+        return next((v for v in outcomes.values() if isinstance(v, BaseException)), None)
+
     def shutdown(self) -> None:
         # Not joined: a receive may be blocked on a trainer for up to timeout_s, and shutting down
-        # must not wait for it (the thread is a daemon).
+        # must not wait for it (the thread is a daemon). The workers' receivers end with them.
         self._thread.submit(self.receiver.close)
         self._thread.stop()
 
@@ -86,12 +105,50 @@ class WeightTransferService:
                                       "is rank 0, this server joins at rank_offset)", "init_info.rank_offset")
         if self.config.distributed and master_port == 0:
             raise InvalidRequestError("master_port is required for the nccl/gloo backends", "init_info.master_port")
+        ranks = self.core.config.tensor_parallel_size
+        if rank_offset + ranks > world_size:
+            raise InvalidRequestError(f"world_size {world_size} has no room for this server's {ranks} ranks from "
+                                      f"rank_offset {rank_offset} (the trainer is rank 0; GET /get_world_size)",
+                                      "init_info.world_size")
+
+        def join() -> dict:
+            outcomes = self._on_ranks(
+                "wt_init", lambda: self.receiver.init(master_address, master_port, rank_offset, world_size),
+                lambda r: (self.config, master_address, master_port, rank_offset + r, world_size))
+            error = self._first_error(outcomes)
+            if error is not None:
+                self._on_ranks("wt_close", self.receiver.close)  # no rank stays in a half-made group
+                raise error
+            return {**outcomes[0], "ranks": [rank_offset + r for r in sorted(outcomes)]} if self.workers else outcomes[0]
+
         try:
-            report = self._thread.run(self.receiver.init, master_address, master_port, rank_offset, world_size)
+            report = self._thread.run(join)
         except TransferFailedError as e:
             raise InvalidRequestError(str(e), "init_info", "weight_transfer_init_failed") from None
         self.packed_default = packed
         return report
+
+    def _receive(self, update: Update) -> set[str]:
+        """Every rank receives the update at once; a failure on any rank fails it with every name
+        any rank wrote (the engine marks the weights invalid if there are any)."""
+        outcomes = self._on_ranks("wt_receive", lambda: self.receiver.receive(update), lambda r: update)
+        loaded: set[str] = set()
+        failed: list[str] = []
+        for rank, value in sorted(outcomes.items()):
+            if isinstance(value, TransferFailedError):
+                loaded |= value.loaded
+                failed.append(f"rank {rank}: {value}" if self.workers else str(value))
+            elif isinstance(value, BaseException):
+                raise value
+            elif isinstance(value, dict):  # a worker's answer (parallel/worker.py op_wt_receive)
+                loaded |= set(value["loaded"])
+                if value.get("error"):
+                    failed.append(f"rank {rank}: {value['error']}")
+            else:
+                loaded |= value
+        if failed:
+            raise TransferFailedError("; ".join(failed), loaded)
+        return loaded
 
     def _update(self, info: dict) -> Update:
         metas = self.receiver.check(info["names"], info["dtype_names"], info["shapes"])
@@ -131,7 +188,7 @@ class WeightTransferService:
         t0 = time.perf_counter()
         try:
             self._thread.run(self.receiver.signal, update.ready_key, "ok")
-            loaded = self._thread.run(self.receiver.receive, update)
+            loaded = self._thread.run(self._receive, update)
         except TransferFailedError as e:
             landed = e.loaded
             self.on_engine(lambda core: weight_session.end_write(core, landed, failed=True))
@@ -162,7 +219,7 @@ class WeightTransferService:
         the trainer's). nccl / gloo: only our bucket buffers' cached memory, freed after the answer
         (a cudaFree waits for the device; the transfer thread runs it before anything queued later)."""
         if self.config.distributed:
-            self._thread.submit(self.receiver.finish)
+            self._thread.submit(lambda: self._on_ranks("wt_finish", self.receiver.finish))
         else:
             self._thread.run(self.receiver.finish)
 

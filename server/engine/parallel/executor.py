@@ -63,6 +63,10 @@ class Workers:
         self.listeners: list[Callable[[BaseException], None]] = []
         self._closing = False
         self._exited = threading.Event()
+        # One request-and-answer exchange at a time: the engine thread (sleep, wake, stats) and the
+        # weight-transfer thread (a receive on every rank) both ask the workers, and each answer must
+        # reach the thread that asked. Steps are sent without an answer and need no lock.
+        self._exchange = threading.RLock()
         # The process key of rank 0: torch shares CPU tensors (weights sent to a worker) through
         # multiprocessing's resource sharer, which authenticates with it.
         key = bytes(mp.current_process().authkey)
@@ -148,11 +152,12 @@ class Workers:
     def send_one(self, rank: int, op: str, arg: Any = None) -> Any:
         """One command to one worker; its result, or its exception raised here."""
         self.check()
-        try:
-            self.conns[rank].send((op, arg))
-        except (BrokenPipeError, ConnectionError, OSError) as e:
-            raise self.explain(e) from e
-        value = self._recv(rank)
+        with self._exchange:
+            try:
+                self.conns[rank].send((op, arg))
+            except (BrokenPipeError, ConnectionError, OSError) as e:
+                raise self.explain(e) from e
+            value = self._recv(rank)
         if isinstance(value, BaseException):
             raise value
         return value
@@ -173,15 +178,16 @@ class Workers:
         """The command on every worker and `local()` on rank 0 at the same time (commands such as the
         group's rendezvous need every rank at once). Returns each rank's result or exception; raises
         only when a worker is lost."""
-        self.send_all(op, arg, args)
-        outcomes: dict[int, Outcome] = {}
-        try:
-            outcomes[0] = local()
-        except Exception as e:
-            outcomes[0] = e
-        for rank in self.conns:
-            outcomes[rank] = self._recv(rank)
-        return outcomes
+        with self._exchange:
+            self.send_all(op, arg, args)
+            outcomes: dict[int, Outcome] = {}
+            try:
+                outcomes[0] = local()
+            except Exception as e:
+                outcomes[0] = e
+            for rank in self.conns:
+                outcomes[rank] = self._recv(rank)
+            return outcomes
 
     def run_all(self, op: str, arg: Any, local: Callable[[], Any], args: dict[int, Any] | None = None) -> Any:
         """run(), raising the first rank's error; returns rank 0's result."""

@@ -50,6 +50,7 @@ class Worker:
         self.runner = self.parts.runner
         self.pool = self.parts.pool
         self.fail_next: dict[str, str] = {}  # op -> message: a failure armed by a test (inject_failure)
+        self.receiver = None  # weight_transfer.receiver.WeightReceiver, made by the first wt_init
 
     def serve(self) -> None:
         while True:
@@ -112,11 +113,43 @@ class Worker:
     def op_check_backup_space(self, tags: list[str]) -> None:
         self.pool.check_backup_space(tags)
 
+    # -- weight transfer: this rank's receiver, driven by rank 0 (weight_transfer/service.py) ---------
+
+    def op_wt_init(self, arg: tuple) -> dict:
+        from server.weight_transfer.receiver import WeightReceiver
+
+        config, address, port, rank, world = arg
+        if self.receiver is None or self.receiver.config != config:
+            self.receiver = WeightReceiver(config, self.runner.model, self.runner.device)
+        return self.receiver.init(address, port, rank, world)
+
+    def op_wt_receive(self, update) -> dict:
+        """The names written, and the error if the receive broke off (TransferFailedError carries
+        them but does not pickle with them)."""
+        from server.weight_transfer.receiver import TransferFailedError
+
+        if self.receiver is None:
+            return {"loaded": [], "error": "this rank has not joined the weight-transfer group"}
+        try:
+            return {"loaded": sorted(self.receiver.receive(update)), "error": None}
+        except TransferFailedError as e:
+            return {"loaded": sorted(e.loaded), "error": str(e)}
+
+    def op_wt_finish(self, _: Any) -> None:
+        if self.receiver is not None:
+            self.receiver.finish()
+
+    def op_wt_close(self, _: Any) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+
     def op_inject_failure(self, arg: tuple[str, str]) -> None:
         op, message = arg
         self.fail_next[op] = message
 
     def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
         try:
             self.group.down()  # at the same time as rank 0 and the other workers (executor.Workers.close)
             self.pool.close()
