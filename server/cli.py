@@ -110,6 +110,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            '\'{"backend": "nccl"}\' (nccl, ipc; gloo, shm on CPU); needs --dev-mode', None, metavar="JSON"),
     Option("--tensor-parallel-size", "ranks of tensor parallelism: one process per GPU (gloo on CPU), started by the "
            "server; rank 0 is the server's own process", 1, positive_int, metavar="N"),
+    Option("--tp-all-reduce", "with --tensor-parallel-size > 1 on CUDA, what the model's all-reduces run on: nccl, "
+           "symm (one-shot over NVLink on symmetric memory for decode-sized messages, NCCL for larger ones) or auto "
+           "(symm where its start-up probe passes, else nccl); CPU always uses gloo", "auto",
+           choices=("auto", "nccl", "symm")),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),
@@ -234,6 +238,7 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "load_format": values["load_format"], "served_model_name": values["served_model_name"],
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
         "seed": values["seed"], "tensor_parallel_size": values["tensor_parallel_size"],
+        "tp_all_reduce": values["tp_all_reduce"],
         "offload_dir": values["offload_dir"], "prepare_backups": values["prepare_backups"],
         "kv_wake_chunk": values["kv_wake_chunk"],
         "while_asleep": values["while_asleep"],

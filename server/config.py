@@ -44,6 +44,10 @@ class EngineConfig:
     # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes
     # it starts (server/engine/parallel/), one GPU each (gloo on CPU).
     tensor_parallel_size: int = 1
+    # What the model's all-reduces run on with tensor parallelism on CUDA: nccl, symm (one-shot on
+    # symmetric memory for decode-sized messages, NCCL for larger ones; server/engine/parallel/symm.py)
+    # or auto (symm where its start-up probe passes). CPU: always gloo.
+    tp_all_reduce: str = "auto"
     offload_dir: str | None = None            # CPU backend: where offloaded tags are written while asleep
     # Allocate the host backups of level 1 at start-up, in the background: on | off | auto (on where
     # backups are kept between cycles (CUDA) and take at most half of the host memory free at start-up).
@@ -80,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"held_request_timeout must be above 0 seconds, got {self.held_request_timeout}")
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be from 1 to 64, got {self.tensor_parallel_size}")
+        if self.tp_all_reduce not in ("auto", "nccl", "symm"):
+            raise ValueError(f"tp_all_reduce must be auto, nccl or symm, got {self.tp_all_reduce!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
 

@@ -1,6 +1,7 @@
 """Tensor parallelism through the real server: one TP=2 server (two processes, gloo on CPU; the size set
-through SLEEPSERVE_TENSOR_PARALLEL_SIZE) serves this module, started once; the last test kills its
-worker. One-rank answers come from the shared hold server (same model, same greedy decoding)."""
+through SLEEPSERVE_TENSOR_PARALLEL_SIZE, and --tp-all-reduce symm, which CPU ignores) serves this
+module, started once; the last test kills its worker. One-rank answers come from the shared hold
+server (same model, same greedy decoding)."""
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ TRAINER = [sys.executable, str(REPO / "tests" / "weight_trainer.py")]
 
 @pytest.fixture(scope="module")
 def server():
+    # --tp-all-reduce symm through its variable: on CPU the ranks report gloo (checked below)
     proc = ServerProcess([*BASE_ARGS, "--dev-mode", "--weight-transfer-config", '{"backend": "gloo"}'],
-                         env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2"}).start()
+                         env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2", "SLEEPSERVE_TP_ALL_REDUCE": "symm"}).start()
     yield proc
     proc.stop()
 
@@ -53,8 +55,10 @@ def test_world_size_and_per_rank_reports(server):
     assert httpx.get(server.url + "/get_world_size").json() == {"world_size": 2}
     info = httpx.get(server.url + "/server_info").json()
     assert info["world_size"] == 2 and info["engine_config"]["tensor_parallel_size"] == 2
+    assert info["engine_config"]["tp_all_reduce"] == "symm"
     ranks = info["tensor_parallel"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
+    assert [r["all_reduce"] for r in ranks] == ["gloo", "gloo"]  # CPU: gloo whatever --tp-all-reduce says
     memory = httpx.get(server.url + "/memory").json()
     assert len(memory["ranks"]) == 2
     assert all(r["tags"]["weights"]["bytes"] > 50e6 for r in memory["ranks"])  # each holds about half

@@ -30,6 +30,8 @@ class GlooComm:
     """A gloo group beside the control group: the model's collectives never share a group with the
     control group's agreements, as on CUDA, where they run on NCCL."""
 
+    name = "gloo"
+
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo")
         self.world = dist.get_world_size()
@@ -57,6 +59,8 @@ _SUM = 0
 
 class NcclComm:
     """ncclCommInitRank from a unique id that rank 0 publishes in the group's store."""
+
+    name = "nccl"
 
     def __init__(self, store: dist.Store, key: str, rank: int, world: int, device: torch.device):
         from server.weight_transfer.nccl import NcclLibrary, _UniqueId

@@ -23,7 +23,7 @@ import torch
 
 from server.config import EngineConfig
 from server.engine.errors import WorkerLostError
-from server.engine.parallel.group import Group
+from server.engine.parallel.group import Group, comm_options
 from server.model.config import ModelConfig
 from server.model.loader import ModelSource
 from server.model.shard import TensorParallel
@@ -74,6 +74,10 @@ class Workers:
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             env = {**os.environ, "SLEEPSERVE_TP_KEY": key.hex(), "PYTHONPATH": os.pathsep.join(
                 [str(Path(__file__).resolve().parents[3]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+            # NVLink multicast stays off in the workers too (NCCL's NVLS, symmetric memory's
+            # multicast object): the caller's values pass through, absent ones are set.
+            env.setdefault("NCCL_NVLS_ENABLE", "0")
+            env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
             for rank in range(1, world):
                 cmd = [sys.executable, "-m", "server.engine.parallel.worker", str(rank),
                        f"{listener.address[0]}:{listener.address[1]}"]
@@ -283,7 +287,7 @@ def build_parallel(config: EngineConfig, source: ModelSource, model_config: Mode
     workers = Workers(config, world, tp)
     try:
         workers.wait_ready()  # every worker read the model's config and is about to join
-        workers.group.start()
+        workers.group.start(**comm_options(config, model_config, workers.group.device))
         parts = build_rank(config, source, model_config, tp, runner_class=ParallelRunner, workers=workers)
         infos = workers.infos = workers.wait_ready()
     except BaseException as e:

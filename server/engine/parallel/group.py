@@ -5,18 +5,22 @@ A TCP store hosted by rank 0 outlives everything. The control group (torch.distr
 group, gloo, CPU tensors) carries the rare agreements (how many KV blocks every rank holds): it holds
 no device memory. The device communicator (comm.py: raw NCCL on CUDA, a second gloo group on CPU) holds
 memory outside the pool (NCCL: ~880 MiB per H200 rank) and stays up while the ranks sleep, because the
-decode graphs captured its collectives (parallel/pool.py says what releasing it cost). CPU runs the
-same path as CUDA.
+decode graphs captured its collectives (parallel/pool.py says what releasing it cost). On CUDA the
+small all-reduces may instead run one-shot on symmetric memory (symm.py, --tp-all-reduce), with NCCL
+beside it for the rest. CPU runs the same path as CUDA.
 """
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from server.config import EngineConfig
 from server.engine.parallel.comm import DeviceComm, GlooComm, NcclComm
+from server.model.config import ModelConfig
 from server.model.shard import TensorParallel
 
 log = logging.getLogger("sleepserve.engine")
@@ -36,15 +40,38 @@ class Group:
         self.port = self.store.port
         self.comm: DeviceComm | None = None
 
-    def start(self) -> None:
-        """Join the control group and create the device communicator (every rank at once)."""
+    def start(self, all_reduce: str = "nccl", symm_bytes: int = 0) -> None:
+        """Join the control group and create the device communicator (every rank at once).
+        all_reduce (CUDA only): nccl, symm (one-shot on symmetric memory up to symm_bytes, NCCL
+        beyond; NCCL alone, logged, when the probe fails) or auto (symm where its probe passes)."""
         dist.init_process_group("gloo", store=dist.PrefixStore("control", self.store), rank=self.rank,
                                 world_size=self.world, timeout=TIMEOUT)
         if self.device.type == "cuda":
+            # NCCL's NVLS algorithms use NVLink multicast, which this server never turns on.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             self.comm = NcclComm(self.store, "nccl", self.rank, self.world, self.device)
+            if all_reduce != "nccl" and symm_bytes > 0:
+                from server.engine.parallel.symm import try_symm
+
+                symm = try_symm(self.comm, self.rank, self.world, self.cuda_device(), symm_bytes,
+                                required=all_reduce == "symm")
+                if symm is not None:
+                    self.comm = symm
         else:
+            if all_reduce == "symm" and self.rank == 0:
+                log.info("--tp-all-reduce symm is for CUDA; on CPU the all-reduces run on gloo")
             self.comm = GlooComm()
         self.tp.comm = self.comm
+
+    def cuda_device(self) -> torch.device:
+        """This rank's device with its index ("cuda" alone is the current device)."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return torch.device("cuda", index)
+
+    @property
+    def all_reduce_name(self) -> str:
+        """What the model's all-reduces run on (GET /server_info, per rank)."""
+        return getattr(self.comm, "name", "none")
 
     def down(self) -> None:
         """Release the device communicator (at close); a collective after this raises."""
@@ -63,3 +90,16 @@ class Group:
         self.down()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def comm_options(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> dict:
+    """Group.start's arguments from the configuration: the symmetric buffer holds the largest
+    decode batch's rows (max_num_seqs x hidden, in the model's dtype)."""
+    from server.engine.parallel.symm import buffer_bytes
+
+    if device.type != "cuda":
+        return {"all_reduce": config.tp_all_reduce}
+    itemsize = config.torch_dtype(device, model_config.torch_dtype).itemsize
+    return {"all_reduce": config.tp_all_reduce,
+            "symm_bytes": buffer_bytes(config.tensor_parallel_size, config.max_num_seqs, model_config.hidden_size,
+                                       itemsize)}

@@ -52,7 +52,8 @@ class ParallelRunner(ModelRunner):
         return self.workers.run_all("load_dummy", seed, lambda: super(ParallelRunner, self).load_dummy(seed))
 
     def ranks(self) -> list[dict]:
-        return super().ranks() + self.workers.infos
+        own = [{**r, "all_reduce": self.workers.group.all_reduce_name} for r in super().ranks()]
+        return own + self.workers.infos
 
     def watch(self, on_lost: Callable[[BaseException], None]) -> None:
         self.workers.listeners.append(on_lost)

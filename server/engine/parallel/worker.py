@@ -17,7 +17,7 @@ import torch
 
 from server.config import EngineConfig
 from server.engine.build import build_rank, rank_device
-from server.engine.parallel.group import Group
+from server.engine.parallel.group import Group, comm_options
 from server.engine.parallel.steps import unpack_step
 from server.engine.sampler import PROMPT_ROWS_PER_PASS
 from server.heap import freeze_startup_heap
@@ -45,7 +45,7 @@ class Worker:
             torch.cuda.set_device(device)
         conn.send(("ok", "joining"))  # rank 0 joins the group only once every rank got this far
         self.group = Group(port, rank, world, device, tp)
-        self.group.start()
+        self.group.start(**comm_options(config, model_config, device))
         self.parts = build_rank(config, source, model_config, tp)
         self.runner = self.parts.runner
         self.pool = self.parts.pool
@@ -184,7 +184,8 @@ def worker_main(rank: int, address: str) -> int:
             pass
         return 1
     freeze_startup_heap(f"tensor-parallel rank {rank}")
-    conn.send(("ok", {"rank": rank, "pid": os.getpid(), "device": str(worker.runner.device)}))
+    conn.send(("ok", {"rank": rank, "pid": os.getpid(), "device": str(worker.runner.device),
+                      "all_reduce": worker.group.all_reduce_name}))
     try:
         worker.serve()
     except BaseException:
