@@ -52,6 +52,19 @@ def test_two_ranks_give_one_rank_greedy_tokens(tp2, reference):
     assert tokens(tp2) == reference["served"]
 
 
+def test_each_rank_reports_when_it_launched_each_decode_step(tp2, reference):
+    tp2.engine.runner.step_lag()  # clear what earlier tests left
+    tp2.generate(PROMPTS[:2], GREEDY)
+    lags = tp2.engine.runner.step_lag()
+    assert sorted(lags) == [0, 1]
+    # 8 tokens: the prefill samples the first, then 7 decode-only steps, seen by both ranks
+    assert lags[0]["launch_us"]["steps"] == lags[1]["launch_us"]["steps"] == 7
+    assert "recv_us" not in lags[0] and lags[1]["recv_us"]["steps"] == 7
+    # a worker receives each step before it launches it (same clock: perf_counter is system-wide)
+    assert 0 < lags[1]["recv_us"]["median"] <= lags[1]["launch_us"]["median"]
+    assert tp2.engine.runner.step_lag() == {0: {}, 1: {}}  # read and cleared
+
+
 def test_level1_offloads_every_rank_and_restores_the_outputs(tp2, reference):
     report = tp2.sleep(level=1)
     assert report.changed

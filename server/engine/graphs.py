@@ -112,6 +112,7 @@ class DecodeGraphs:
         # asynchronous copy never races with the next fill.
         self.stage[:used].copy_(self.host[:used], non_blocking=True)
         self.tables[:bucket, :w].copy_(self.stage[base:used].view(bucket, w))
+        self.runner.launched = time.perf_counter()
         self.graphs[bucket].replay()
         logits = self.logits[:n] if len(hb.sample_rows) == n else self.logits[hb.sample_rows]
         return logits.float()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -94,6 +95,7 @@ class ModelRunner:
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
         self.graphs = None  # set by enable_cuda_graphs(): decode-only batches replay captured graphs
+        self.launched = 0.0  # perf_counter() when the last forward was launched (parallel/steps.py StepLag)
         # Structured outputs: grammar token masks, computed while the forward runs (grammar_masks.py).
         # On CUDA its 8-byte table of bit values lives in the pool (restored by every wake, as the graphs').
         bits = None
@@ -235,6 +237,7 @@ class ModelRunner:
         if (hb.decode_only and not hb.prompt_rows and self.graphs is not None
                 and self.graphs.covers(len(hb.ids))):
             return self.graphs.run(hb), None
+        self.launched = time.perf_counter()
         ids, positions, ctx, rows = self.to_device(hb)
         hidden = self.model(ids, positions, ctx)
         prompt_hidden = None

@@ -53,8 +53,10 @@ class Group:
             if all_reduce != "nccl" and symm_bytes > 0:
                 from server.engine.parallel.symm import try_symm
 
-                symm = try_symm(self.comm, self.rank, self.world, self.cuda_device(), symm_bytes,
-                                required=all_reduce == "symm")
+                device = self.cuda_device()
+                with torch.cuda.device(device):  # rank 0 sets its device only later (build_rank)
+                    symm = try_symm(self.comm, self.rank, self.world, device, symm_bytes,
+                                    required=all_reduce == "symm")
                 if symm is not None:
                     self.comm = symm
         else:

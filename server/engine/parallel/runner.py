@@ -9,7 +9,7 @@ from typing import Callable, Iterable
 import torch
 
 from server.engine.parallel.executor import Workers
-from server.engine.parallel.steps import pack_step
+from server.engine.parallel.steps import StepLag, pack_step
 from server.engine.runner import HostBatch, ModelRunner
 from server.model.shard import TensorParallel
 
@@ -19,14 +19,27 @@ class ParallelRunner(ModelRunner):
                  kv_chunk_bounds: tuple[int, ...] = (), *, workers: Workers):
         super().__init__(model, pool, num_blocks, block_size, dtype, kv_chunk_bounds)
         self.workers = workers
+        self.lag = StepLag()
 
     @torch.inference_mode()
     def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.workers.send_all("step", pack_step(hb))
+        packed = pack_step(hb)
+        self.workers.send_all("step", packed)
         try:
-            return super().forward(hb)
+            out = super().forward(hb)
         except Exception as e:  # a collective that failed because a rank died says so
             raise self.workers.explain(e) from e
+        if hb.decode_only:
+            self.lag.add(packed[0], self.launched)
+        return out
+
+    def step_lag(self) -> dict[int, dict]:
+        """Each rank's StepLag summary since the last call (steps.py): how long after rank 0 sent a
+        decode step each rank launched its graph (and, on workers, received the step)."""
+        lags = {0: self.lag.take()}
+        for rank in self.workers.conns:
+            lags[rank] = self.workers.send_one(rank, "step_lag")
+        return lags
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Whole tensors (in rank 0's memory): each worker gets its slices (CPU tensors travel through

@@ -1,15 +1,52 @@
 """A step's inputs on the wire to the workers: the plain lists of a HostBatch, without the sequences
-(only rank 0 samples). One pickle of a few int lists per step (tens of microseconds at batch 64)."""
+(only rank 0 samples), and the moment rank 0 sent them. One pickle of a few int lists per step (tens
+of microseconds at batch 64).
+
+The send time lets each rank measure how long after it its forward was launched (StepLag):
+time.perf_counter is the host's monotonic clock, the same in every process. A worker that launches
+later than rank 0 makes rank 0's GPU wait at the step's first all-reduce."""
 from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
 
 from server.engine.runner import HostBatch
 
 
 def pack_step(hb: HostBatch) -> tuple:
-    return (hb.ids, hb.positions, hb.slots, hb.decode_tables, hb.decode_lens, hb.spans, hb.sample_rows,
-            hb.prompt_rows)
+    return (time.perf_counter(), hb.ids, hb.positions, hb.slots, hb.decode_tables, hb.decode_lens, hb.spans,
+            hb.sample_rows, hb.prompt_rows)
 
 
-def unpack_step(packed: tuple) -> HostBatch:
-    ids, positions, slots, tables, lens, spans, sample_rows, prompt_rows = packed
-    return HostBatch(ids, positions, slots, tables, lens, spans, sample_rows, [], prompt_rows=prompt_rows)
+def unpack_step(packed: tuple) -> tuple[float, HostBatch]:
+    """(rank 0's send time, the batch)."""
+    sent, ids, positions, slots, tables, lens, spans, sample_rows, prompt_rows = packed
+    return sent, HostBatch(ids, positions, slots, tables, lens, spans, sample_rows, [], prompt_rows=prompt_rows)
+
+
+class StepLag:
+    """Per decode step (a CUDA graph's replay, or the eager forward): microseconds from rank 0's send to this rank's
+    receipt of the step (workers) and to its graph launch. The last 4096 steps; a summary reads
+    and clears them (bench/tensor_parallel.py prints them)."""
+
+    def __init__(self) -> None:
+        self.recv: deque[float] = deque(maxlen=4096)
+        self.launch: deque[float] = deque(maxlen=4096)
+
+    def add(self, sent: float, launched: float, received: float | None = None) -> None:
+        self.launch.append((launched - sent) * 1e6)
+        if received is not None:
+            self.recv.append((received - sent) * 1e6)
+
+    def take(self) -> dict[str, dict[str, float]]:
+        out = {name: _summary(values) for name, values in (("recv_us", self.recv), ("launch_us", self.launch))
+               if values}
+        self.recv.clear()
+        self.launch.clear()
+        return out
+
+
+def _summary(values: deque[float]) -> dict[str, float]:
+    s = sorted(values)
+    return {"steps": len(s), "median": statistics.median(s), "p90": s[int(0.9 * (len(s) - 1))], "max": s[-1]}

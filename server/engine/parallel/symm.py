@@ -147,6 +147,9 @@ def try_symm(nccl, rank: int, world: int, device: torch.device, nbytes: int, req
             except Exception as e:  # an older torch has one backend only
                 log.debug("symmetric memory set_backend: %s", e)
             group_name = dist.group.WORLD.group_name
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None and not hasattr(enable, "__deprecated__"):
+                enable(group_name)  # torch before the rendezvous read the group's store itself
             free0 = torch.cuda.mem_get_info(device)[0]
             buf = symm_mem._SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8, device)
         except Exception as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.build import build_rank, rank_device
 from server.engine.parallel.group import Group, comm_options
-from server.engine.parallel.steps import unpack_step
+from server.engine.parallel.steps import StepLag, unpack_step
 from server.engine.sampler import PROMPT_ROWS_PER_PASS
 from server.heap import freeze_startup_heap
 from server.model.config import ModelConfig
@@ -26,6 +27,19 @@ from server.model.loader import resolve_model
 from server.model.shard import TensorParallel
 
 log = logging.getLogger("sleepserve.engine")
+
+
+def spin_seconds(device: torch.device) -> float:
+    """How long a worker polls for the next step before it blocks: SLEEPSERVE_TP_WORKER_SPIN_US
+    (microseconds), default 1000 on CUDA; never on CPU, where the ranks share the cores."""
+    if device.type != "cuda":
+        return 0.0
+    raw = os.environ.get("SLEEPSERVE_TP_WORKER_SPIN_US", "1000")
+    try:
+        return max(0.0, min(float(raw), 100_000.0)) / 1e6
+    except ValueError:
+        log.warning("SLEEPSERVE_TP_WORKER_SPIN_US=%r is not a number of microseconds: 1000 used", raw)
+        return 1e-3
 
 
 def cpu_threads(world: int) -> int:
@@ -51,15 +65,27 @@ class Worker:
         self.pool = self.parts.pool
         self.fail_next: dict[str, str] = {}  # op -> message: a failure armed by a test (inject_failure)
         self.receiver = None  # weight_transfer.receiver.WeightReceiver, made by the first wt_init
+        self.lag = StepLag()
+        self.spin = spin_seconds(device)
 
     def serve(self) -> None:
+        stepped = False
         while True:
+            if stepped and self.spin:
+                # The next step comes as soon as rank 0 has sampled this one: poll for it a short
+                # while instead of sleeping in recv (a blocked process wakes tens of microseconds
+                # late, and rank 0's GPU waits for this rank at the step's first all-reduce).
+                deadline = time.perf_counter() + self.spin
+                while not self.conn.poll(0) and time.perf_counter() < deadline:
+                    pass
             try:
                 op, arg = self.conn.recv()
             except (EOFError, OSError):
                 return  # rank 0 is gone: nothing left to serve
-            if op == "step":
-                self.step(arg)
+            received = time.perf_counter()
+            stepped = op == "step"
+            if stepped:
+                self.step(arg, received)
                 continue
             if op == "close":
                 return
@@ -78,9 +104,11 @@ class Worker:
                 self.conn.send(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}; ({e})")))
 
     @torch.inference_mode()
-    def step(self, packed: tuple) -> None:
-        hb = unpack_step(packed)
+    def step(self, packed: tuple, received: float) -> None:
+        sent, hb = unpack_step(packed)
         _, prompt_hidden = self.runner.forward(hb)
+        if hb.decode_only:
+            self.lag.add(sent, self.runner.launched, received)
         if prompt_hidden is not None:  # rank 0 scores prompt log-probs in these chunks: gather the same
             for lo in range(0, prompt_hidden.shape[0], PROMPT_ROWS_PER_PASS):
                 self.runner.model.compute_logits(prompt_hidden[lo:lo + PROMPT_ROWS_PER_PASS])
@@ -142,6 +170,9 @@ class Worker:
     def op_wt_close(self, _: Any) -> None:
         if self.receiver is not None:
             self.receiver.close()
+
+    def op_step_lag(self, _: Any) -> dict:
+        return self.lag.take()
 
     def op_inject_failure(self, arg: tuple[str, str]) -> None:
         op, message = arg
