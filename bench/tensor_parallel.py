@@ -1,14 +1,21 @@
 """Tensor parallelism on a multi-GPU host: TP=N against TP=1 on an 8B-shape model (random weights).
 
-Per world size: decode tok/s at batch 1 and 64, sleep and wake seconds per level, greedy tokens before
-and after each level (they must be identical: the stage fails otherwise), and each GPU's memory in use
-while asleep beside three references measured first on the same GPUs, one process per GPU: a plain
+Per run (TP=1, then TP=N with each --tp-all-reduce backend asked, nccl and symm by default): decode
+step time and tok/s at batch 1, 8 and 64, decode only (the difference between a 16- and a 144-token
+generate, so prefill cancels out), with each rank's step lag (how long after rank 0 sent a step each
+rank launched it, and whether any step ran without its CUDA graph); sleep and wake seconds per level,
+greedy tokens before and after each level (they must be identical: the stage fails otherwise), and
+each GPU's memory in use while asleep beside three references measured first on the same GPUs, one process per GPU: a plain
 CUDA process (one small tensor), a process that initialised NCCL and ran one all-reduce (group alive),
 and the same after destroy_process_group (what NCCL leaves once initialised: the floor a sleeping
 rank, whose group is destroyed, can reach). Device memory is read with nvidia-smi, so no extra CUDA
 context is created in the measuring process on the other GPUs.
 
+A last run repeats the last backend with workers that block in recv at once (no spin-poll) and no
+sleep cycles: the difference is what the spin buys.
+
     python bench/tensor_parallel.py --world 2 --out $OUT
+    python bench/tensor_parallel.py --world 2 --profile          # rank 0's top GPU kernels at batch 64
 """
 from __future__ import annotations
 
@@ -86,35 +93,74 @@ def tokens(llm, prompts: list[str], max_tokens: int = 32) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def decode_tps(llm, batch: int, max_tokens: int) -> float:
+def decode(llm, batch: int, short: int, long: int) -> dict:
+    """Decode only: generate `short` and `long` new tokens (ignore_eos, same prompts, their prefill
+    cached after the first call) and divide the difference by the extra tokens, so the prefill and
+    the request's set-up cancel out. With tensor parallelism, also each rank's StepLag over the
+    timed steps (parallel/steps.py: how long after rank 0's send each rank launched a step)."""
     from server import SamplingParams
 
     prompts = [PROMPT + str(i) for i in range(batch)]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    times = []
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up, prefix cached
+    runner = llm.engine.runner
+    lagged = hasattr(runner, "step_lag")
+    if lagged:
+        runner.step_lag()  # clear
+    times: dict[int, list[float]] = {short: [], long: []}
     for _ in range(3):
-        t = time.perf_counter()
-        llm.generate(prompts, params)
-        times.append(time.perf_counter() - t)
-    return batch * max_tokens / statistics.median(times)
+        for n in (short, long):
+            t = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            times[n].append(time.perf_counter() - t)
+    t_short, t_long = statistics.median(times[short]), statistics.median(times[long])
+    step = (t_long - t_short) / (long - short)
+    res = {"step_ms": step * 1e3, "tok_s": batch / step, "short_s": t_short, "long_s": t_long}
+    if lagged:
+        res["lag"] = {str(r): v for r, v in runner.step_lag().items()}
+    return res
 
 
-def bench_world(folder: Path, world: int, idle: list[int], kv: str, max_tokens: int) -> dict:
+def lag_text(lag: dict | None) -> str:
+    """'rank 1 recv 21/35 us, launch 48/70 (rank 0 launch 30/41)' (median/p90), eager steps when any."""
+    if not lag:
+        return ""
+    parts = []
+    for rank, v in sorted(lag.items(), key=lambda kv: int(kv[0])):
+        if not v:
+            continue
+        text = f"rank {rank}"
+        if "recv_us" in v:
+            text += f" recv {v['recv_us']['median']:.0f}/{v['recv_us']['p90']:.0f} us,"
+        text += f" launch {v['launch_us']['median']:.0f}/{v['launch_us']['p90']:.0f} us"
+        if v.get("eager_steps"):
+            text += f" ({v['eager_steps']} eager steps!)"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def bench_world(folder: Path, label: str, world: int, all_reduce: str, idle: list[int], args, cycles: bool) -> dict:
     from server import LLM
 
     t = time.perf_counter()
-    llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_model_len=4096, kv_cache_memory=kv,
-              tensor_parallel_size=world)
-    res: dict = {"world": world, "start_s": time.perf_counter() - t,
+    llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_model_len=4096,
+              kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=world, tp_all_reduce=all_reduce)
+    ranks = llm.engine.runner.ranks()
+    res: dict = {"label": label, "world": world, "all_reduce_asked": all_reduce,
+                 "all_reduce": [r.get("all_reduce", "-") for r in ranks], "start_s": time.perf_counter() - t,
                  "awake_used": [u - i for u, i in zip(gpu_used(world), idle)]}
+    print(f"{label}: started in {res['start_s']:.1f} s, all-reduce per rank {res['all_reduce']}", flush=True)
     prompts = [PROMPT * 3, "def fibonacci(n):", "Once upon a time"]
     before = tokens(llm, prompts)
     res["tokens"] = before
-    res["decode_tok_s"] = {str(b): decode_tps(llm, b, max_tokens) for b in (1, 64)}
-    # Progress lines: a run cut short by a time limit still leaves these figures in the log.
-    print(f"TP={world}: started in {res['start_s']:.1f} s, decode tok/s {res['decode_tok_s']}", flush=True)
-    for level in (1, 2):
+    res["decode"] = {}
+    for b in args.batches:
+        d = res["decode"][str(b)] = decode(llm, b, args.short, args.long)
+        # Progress lines: a run cut short by a time limit still leaves these figures in the log.
+        print(f"{label} batch {b}: decode step {d['step_ms']:.3f} ms ({d['tok_s']:.0f} tok/s); "
+              f"{args.short} tokens {d['short_s'] * 1e3:.0f} ms, {args.long} tokens {d['long_s'] * 1e3:.0f} ms"
+              + (f"; {lag_text(d.get('lag'))}" if d.get("lag") else ""), flush=True)
+    res["decode_tok_s"] = {b: d["tok_s"] for b, d in res["decode"].items()}
+    for level in (1, 2) if cycles else ():
         rows = []
         for _ in range(3):
             s = llm.sleep(level=level)
@@ -131,9 +177,42 @@ def bench_world(folder: Path, world: int, idle: list[int], kv: str, max_tokens: 
                                 "wake_s": statistics.median(r["wake_s"] for r in rows[1:]),
                                 "asleep_used": rows[-1]["asleep_used"],
                                 "identical": all(r["identical"] for r in rows)}
-        print(f"TP={world} level {level}: {res[f'level{level}']}", flush=True)
+        print(f"{label} level {level}: {res[f'level{level}']}", flush=True)
     llm.close()
     return res
+
+
+def profile_world(folder: Path, label: str, world: int, all_reduce: str, args) -> None:
+    """torch.profiler on rank 0 over decode steps at one batch: the GPU kernels that take the most
+    time per step (CUDA graphs' kernels included), to find what a step spends its time on."""
+    import torch
+    from server import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_model_len=4096,
+              kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=world, tp_all_reduce=all_reduce)
+    b, n = args.profile_batch, 24
+    prompts = [PROMPT + str(i) for i in range(b)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        torch.cuda.synchronize()
+    llm.close()
+    rows = []
+    for e in prof.key_averages():
+        gpu = getattr(e, "self_device_time_total", None)
+        if gpu is None:
+            gpu = getattr(e, "self_cuda_time_total", 0)
+        if gpu > 0:
+            rows.append((gpu, e.count, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"\nprofile {label} batch {b}, rank 0, {n} new tokens ({n - 1} decode steps): GPU total "
+          f"{total / 1e3:.2f} ms, {total / 1e3 / (n - 1):.3f} ms per decode step", flush=True)
+    from bench.common import table
+
+    print(table([[f"{g / 1e3 / (n - 1):.3f}", c, k[:90]] for g, c, k in rows[:15]],
+                ["ms per step", "calls", "GPU op / kernel"]), flush=True)
 
 
 def main() -> None:
@@ -141,7 +220,15 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--kv-cache-memory", default="16GiB")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,8,64", help="decode batch sizes")
+    ap.add_argument("--short", type=int, default=16, help="new tokens of the short generate")
+    ap.add_argument("--long", type=int, default=144, help="new tokens of the long generate")
+    ap.add_argument("--all-reduce", default="nccl,symm", help="--tp-all-reduce values to run at TP=world")
+    ap.add_argument("--no-spin-run", action="store_true",
+                    help="skip the extra run whose workers block in recv (SLEEPSERVE_TP_WORKER_SPIN_US=0)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: profile rank 0's decode steps at --profile-batch, TP=1 and TP=world")
+    ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--hold", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -150,6 +237,8 @@ def main() -> None:
     if args.hold:
         hold(args.hold, args.rank, args.world, args.port)
         return
+    args.batches = [int(b) for b in args.batches.split(",")]
+    reduces = [a for a in args.all_reduce.split(",") if a]
 
     import torch
 
@@ -160,36 +249,63 @@ def main() -> None:
     if torch.cuda.device_count() < world:
         sys.exit(f"needs {world} GPUs, this host has {torch.cuda.device_count()}")
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
+    if args.profile:
+        profile_world(folder, "TP=1", 1, "nccl", args)
+        for a in reduces:
+            profile_world(folder, f"TP={world} {a}", world, a, args)
+        return
     idle = gpu_used(world)
     refs = {kind: reference(kind, world) for kind in ("cuda", "nccl", "nccl-destroyed")}
     print(f"references (bytes per GPU): {refs}", flush=True)
-    folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
-    runs = [bench_world(folder, w, idle, args.kv_cache_memory, args.max_tokens) for w in (1, world)]
+    plan = [("TP=1", 1, "nccl", True)] + [(f"TP={world} {a}", world, a, True) for a in reduces]
+    runs = [bench_world(folder, label, w, a, idle, args, cycles) for label, w, a, cycles in plan]
+    if not args.no_spin_run and reduces:
+        # The same as the last TP run but with workers that block in recv at once: what the spin buys.
+        os.environ["SLEEPSERVE_TP_WORKER_SPIN_US"] = "0"  # the workers read it (they inherit the environment)
+        try:
+            runs.append(bench_world(folder, f"TP={world} {reduces[-1]} no spin", world, reduces[-1], idle, args,
+                                    cycles=False))
+        finally:
+            del os.environ["SLEEPSERVE_TP_WORKER_SPIN_US"]
+    one = runs[0]
     result = {"date": now_iso(), "hardware": hardware(torch.device("cuda")), "nccl": nccl, "model": args.model,
-              "references_used": refs, "runs": runs,
-              "tp_tokens_equal_tp1": runs[1]["tokens"] == runs[0]["tokens"]}
-    one, tp = runs
-    result["speedup"] = {b: tp["decode_tok_s"][b] / one["decode_tok_s"][b] for b in one["decode_tok_s"]}
+              "decode_tokens": [args.short, args.long], "references_used": refs, "runs": runs,
+              "tokens_equal_tp1": {r["label"]: r["tokens"] == one["tokens"] for r in runs[1:]},
+              "speedup": {r["label"]: {b: r["decode"][b]["tok_s"] / one["decode"][b]["tok_s"] for b in one["decode"]}
+                          for r in runs[1:]}}
     write_json(args.out, f"tensor-parallel-{world}", result)
 
-    print(f"\ntensor parallel ({result['hardware']}, NCCL {nccl}, {result['date']}; {args.model} dummy weights)")
+    print(f"\ntensor parallel ({result['hardware']}, NCCL {nccl}, {result['date']}; {args.model} dummy weights; "
+          f"decode step = (generate {args.long} - generate {args.short} new tokens) / {args.long - args.short})")
     print(f"references per GPU: plain CUDA {[round(v / MiB) for v in refs['cuda']]} MiB, NCCL initialised "
           f"{[round(v / MiB) for v in refs['nccl']]} MiB, NCCL after destroy_process_group "
           f"{[round(v / MiB) for v in refs['nccl-destroyed']]} MiB")
     rows = []
     for r in runs:
+        speed = result["speedup"].get(r["label"])
+        rows.append([r["label"], "/".join(r["all_reduce"])]
+                    + [f"{r['decode'][str(b)]['step_ms']:.3f} ms ({r['decode'][str(b)]['tok_s']:.0f})" for b in args.batches]
+                    + ([" / ".join(f"{speed[str(b)]:.2f}x" for b in args.batches)] if speed else ["-"])
+                    + [lag_text(r["decode"][str(args.batches[0])].get("lag")) or "-"])
+    print(table(rows, ["run", "all-reduce per rank"] + [f"batch {b}: step (tok/s)" for b in args.batches]
+                + ["vs TP=1", f"step lag at batch {args.batches[0]} (median/p90 after rank 0's send)"]))
+    rows = []
+    for r in runs:
         for level in (1, 2):
-            lv = r[f"level{level}"]
-            rows.append([f"TP={r['world']}", f"{r['decode_tok_s']['1']:.1f}", f"{r['decode_tok_s']['64']:.0f}",
-                         f"L{level}", f"{lv['sleep_s'] * 1e3:.0f} ms", f"{lv['wake_s'] * 1e3:.0f} ms",
+            lv = r.get(f"level{level}")
+            if lv is None:
+                continue
+            rows.append([r["label"], f"L{level}", f"{lv['sleep_s'] * 1e3:.0f} ms", f"{lv['wake_s'] * 1e3:.0f} ms",
                          " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(lv["asleep_used"], refs["nccl-destroyed"])),
                          " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(lv["asleep_used"], refs["cuda"])),
                          "yes" if lv["identical"] else "NO"])
-    print(table(rows, ["run", "bs1 tok/s", "bs64 tok/s", "level", "sleep", "wake",
-                       "asleep - NCCL-once ref (MiB/rank)", "asleep - CUDA ref (MiB/rank)", "greedy identical"]))
-    print(f"TP={world} / TP=1 decode: batch 1 {result['speedup']['1']:.2f}x, batch 64 {result['speedup']['64']:.2f}x; "
-          f"TP={world} tokens equal TP=1's: {result['tp_tokens_equal_tp1']}")
-    if not all(r[f"level{lv}"]["identical"] for r in runs for lv in (1, 2)):
+    print(table(rows, ["run", "level", "sleep", "wake", "asleep - NCCL-once ref (MiB/rank)",
+                       "asleep - CUDA ref (MiB/rank)", "greedy identical"]))
+    for label, speed in result["speedup"].items():
+        print(f"{label} / TP=1 decode: " + ", ".join(f"batch {b} {v:.2f}x" for b, v in speed.items())
+              + f"; tokens equal TP=1's: {result['tokens_equal_tp1'][label]}")
+    if not all(r[f"level{lv}"]["identical"] for r in runs for lv in (1, 2) if f"level{lv}" in r):
         sys.exit("greedy outputs changed after a sleep/wake cycle")
 
 

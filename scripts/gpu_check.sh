@@ -2,9 +2,12 @@
 # `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
 # Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
 # goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile hostcost sleepwake e2e weights rlloop
-# structured flows serve rollout (default: all of these), and by name on the 2-GPU host: weights-nccl and tp
-# (TP=2 vs TP=1 on an 8B shape: decode tok/s, sleep/wake per level, per-rank memory asleep against NCCL and
-# CUDA references; bench/tensor_parallel.py).
+# structured flows serve rollout (default: all of these), and by name on the 2-GPU host: weights-nccl, tp
+# (tests/gpu/test_tensor_parallel_gpu.py: the symmetric-memory all-reduce against NCCL's, eager and in a graph,
+# TP=2 greedy tokens with both backends; then bench/tensor_parallel.py: TP=1, TP=2 nccl, TP=2 symm and TP=2
+# symm without the workers' spin-poll on an 8B shape: decode-only step ms and tok/s at batch 1/8/64 with each
+# rank's step lag, sleep/wake per level, per-rank memory asleep against NCCL and CUDA references) and
+# tp-profile (rank 0's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend).
 # hostcost: bench/step_host_cost.py, a decode step's host work beside its forward at batch 64 and 256 (temperature 1,
 # logprobs 0, n 8; an output every step as streaming requests get, and FINAL_ONLY as non-streaming ones).
 # serve: bench/serve.py, Poisson arrivals through HTTP vs in-process (1B shape); rollout: bench/rollout.py,
@@ -62,7 +65,9 @@ for stage in $stages; do
     weights)    run weights-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py -k ipc \
                   -p no:cacheprovider
                 run weights $PY bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out "$RESULTS" ;;
-    tp)         run tp $PY bench/tensor_parallel.py --world 2 --out "$RESULTS" ;;
+    tp)         run tp-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider
+                run tp $PY bench/tensor_parallel.py --world 2 --out "$RESULTS" ;;
+    tp-profile) run tp-profile $PY bench/tensor_parallel.py --world 2 --profile ;;
     weights-nccl)  # every receive path checked against a disk load first, then timed (with its breakdown)
                 run weights-nccl-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py \
                   -k nccl -p no:cacheprovider
@@ -85,8 +90,11 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|tensor parallel)" "$LOG" || true
+grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver)" "$LOG" || true
+grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
+grep -h -E "^TP=[0-9].* (batch [0-9]+: decode step|started in)" "$LOG" || true
+grep -h -A18 -E "^profile TP=" "$LOG" || true
 # limits: where each sleep's and wake's milliseconds went, per cycle (the answers' `timings`)
 grep -h -E "^llama-[0-9]+b( L[12] cycle [0-9]+|: request after a wake)" "$LOG" || true
 grep -h -E "^iter [0-9]+:" "$LOG" || true

@@ -60,6 +60,7 @@ def test_each_rank_reports_when_it_launched_each_decode_step(tp2, reference):
     # 8 tokens: the prefill samples the first, then 7 decode-only steps, seen by both ranks
     assert lags[0]["launch_us"]["steps"] == lags[1]["launch_us"]["steps"] == 7
     assert "recv_us" not in lags[0] and lags[1]["recv_us"]["steps"] == 7
+    assert lags[0]["eager_steps"] == lags[1]["eager_steps"] == 7  # CPU: no CUDA graphs
     # a worker receives each step before it launches it (same clock: perf_counter is system-wide)
     assert 0 < lags[1]["recv_us"]["median"] <= lags[1]["launch_us"]["median"]
     assert tp2.engine.runner.step_lag() == {0: {}, 1: {}}  # read and cleared

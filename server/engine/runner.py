@@ -95,7 +95,8 @@ class ModelRunner:
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
         self.graphs = None  # set by enable_cuda_graphs(): decode-only batches replay captured graphs
-        self.launched = 0.0  # perf_counter() when the last forward was launched (parallel/steps.py StepLag)
+        # When the last forward was launched (perf_counter) and whether a graph ran it (parallel/steps.py)
+        self.launched, self.replayed = 0.0, False
         # Structured outputs: grammar token masks, computed while the forward runs (grammar_masks.py).
         # On CUDA its 8-byte table of bit values lives in the pool (restored by every wake, as the graphs').
         bits = None
@@ -236,8 +237,9 @@ class ModelRunner:
         """(logits of the sampled rows, final hidden states of the prompt-log-prob rows or None)."""
         if (hb.decode_only and not hb.prompt_rows and self.graphs is not None
                 and self.graphs.covers(len(hb.ids))):
+            self.replayed = True
             return self.graphs.run(hb), None
-        self.launched = time.perf_counter()
+        self.launched, self.replayed = time.perf_counter(), False
         ids, positions, ctx, rows = self.to_device(hb)
         hidden = self.model(ids, positions, ctx)
         prompt_hidden = None

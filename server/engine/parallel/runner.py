@@ -30,7 +30,7 @@ class ParallelRunner(ModelRunner):
         except Exception as e:  # a collective that failed because a rank died says so
             raise self.workers.explain(e) from e
         if hb.decode_only:
-            self.lag.add(packed[0], self.launched)
+            self.lag.add(packed[0], self.launched, self.replayed)
         return out
 
     def step_lag(self) -> dict[int, dict]:

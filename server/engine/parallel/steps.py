@@ -33,17 +33,22 @@ class StepLag:
     def __init__(self) -> None:
         self.recv: deque[float] = deque(maxlen=4096)
         self.launch: deque[float] = deque(maxlen=4096)
+        self.eager = 0  # decode steps that ran eagerly (no graph covered them) since the last take()
 
-    def add(self, sent: float, launched: float, received: float | None = None) -> None:
+    def add(self, sent: float, launched: float, graph: bool, received: float | None = None) -> None:
         self.launch.append((launched - sent) * 1e6)
         if received is not None:
             self.recv.append((received - sent) * 1e6)
+        self.eager += not graph
 
-    def take(self) -> dict[str, dict[str, float]]:
-        out = {name: _summary(values) for name, values in (("recv_us", self.recv), ("launch_us", self.launch))
-               if values}
+    def take(self) -> dict:
+        out: dict = {name: _summary(values) for name, values in (("recv_us", self.recv), ("launch_us", self.launch))
+                     if values}
+        if out:
+            out["eager_steps"] = self.eager
         self.recv.clear()
         self.launch.clear()
+        self.eager = 0
         return out
 
 

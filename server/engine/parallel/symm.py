@@ -1,16 +1,18 @@
-"""A one-shot all-reduce over CUDA symmetric memory, for the small all-reduces of decode steps.
+"""One- and two-shot all-reduces over CUDA symmetric memory, for the small all-reduces of decode steps.
 
 A decode step of an 8B model at TP=2 all-reduces 65 times (after every o_proj and down_proj, and the
 embedding), each a few KiB to 2 MiB (rows x hidden): latency-bound, where NCCL's protocol costs the
 most. One-shot (torch.distributed._symmetric_memory): every rank holds one buffer that every other
 rank has mapped (peer memory over NVLink, exchanged once at start); an all-reduce copies the rows
 into it, the ranks meet at a barrier on the buffer's signal pads, and each rank reads every rank's
-rows and sums them itself, in rank order (so every rank gets the same bits). Two kernels, captured
-by a CUDA graph like any other, no host work on replay.
+rows and sums them itself, in rank order (so every rank gets the same bits). From 256 KiB the
+two-shot kernel instead sums one slice per rank and gathers the slices. Two kernels per all-reduce,
+captured by a CUDA graph like any other, no host work on replay.
 
-No NVLink multicast, ever: only peer loads and stores (one_shot_all_reduce_out, never the multimem
-ops), and the rendezvous runs with TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (set when absent; with any
-other value the rendezvous would create a multicast object, so NCCL is used instead).
+No NVLink multicast, ever: only peer loads and stores (one_shot_all_reduce_out and
+two_shot_all_reduce_out, never the multimem ops), and the rendezvous runs with
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (set when absent; with any other value the rendezvous would create
+a multicast object, so NCCL is used instead).
 
 Messages above the buffer (prefill chunks), dtypes the kernel lacks (float16) and odd alignments go
 to NCCL, as does every all-gather. The buffer is allocated by torch's symmetric-memory allocator,
@@ -34,6 +36,12 @@ CHOICES = ("auto", "nccl", "symm")
 # its peers, so NCCL's ring wins earlier with more ranks.
 ONE_SHOT_LIMIT = {2: 8 << 20, 4: 2 << 20}
 ONE_SHOT_LIMIT_DEFAULT = 1 << 20
+# From this size the two-shot kernel (reduce-scatter then all-gather through the same buffers: each
+# rank reads 2 (world - 1) / world of the message instead of world - 1 times it) is used, where this
+# torch has it. H200x2 in a graph, per op, rows of 4096 bf16: 1 row 7.1 / 7.0 us one-/two-shot, 8 rows
+# 8.0 / 8.0, 64 rows 10.4 / 8.4, 256 rows 18.8 / 13.3 (NCCL 13.7, 15.3, 17.9, 34.3).
+TWO_SHOT_FROM = 256 << 10
+_TWO_SHOT_WORLDS = (2, 4, 8)  # the kernel's builds
 _DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel is built for
 _MULTICAST_OFF = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
@@ -60,11 +68,15 @@ class SymmComm:
         self.limit = buf.numel()
         self.views: dict[torch.dtype, torch.Tensor] = {}
         self.one_shot = torch.ops.symm_mem.one_shot_all_reduce_out
+        self.two_shot = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
+        world = dist.get_world_size()
+        self.two_shot_from = TWO_SHOT_FROM if self.two_shot is not None and world in _TWO_SHOT_WORLDS else 1 << 62
 
     def fits(self, x: torch.Tensor) -> bool:
         n = x.numel() * x.element_size()
+        # The kernels move 16 bytes per load and store; two-shot checks its output's offset too.
         return (0 < n <= self.limit and n % 16 == 0 and x.dtype in _DTYPES and x.is_contiguous()
-                and x.data_ptr() % 16 == 0)
+                and x.data_ptr() % 16 == 0 and x.storage_offset() * x.element_size() % 16 == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank makes the same choice: the same forward gives the same shapes on every rank.
@@ -75,9 +87,12 @@ class SymmComm:
             view = self.views[x.dtype] = self.buf.view(x.dtype)
         staged = view[:x.numel()]
         staged.copy_(x.view(-1))
-        # Reads every rank's staged rows (after a barrier), writes the sum into x, then a second
-        # barrier: no rank refills its buffer while a peer still reads it.
-        self.one_shot(staged, "sum", self.group_name, x.view(-1))
+        # Both kernels start with a barrier (every rank's rows are staged) and end with one (no rank
+        # refills its buffer while a peer still reads it); x, the output, is not in the buffer.
+        if staged.numel() * staged.element_size() >= self.two_shot_from:
+            self.two_shot(staged, "sum", self.group_name, x.view(-1))
+        else:
+            self.one_shot(staged, "sum", self.group_name, x.view(-1))
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -111,7 +126,8 @@ def _probe(comm: SymmComm, rank: int, world: int, device: torch.device) -> str |
     """A known sum through the one-shot path, at one row and at the whole buffer; None when right,
     else what was wrong. Small integers are exact in bfloat16."""
     limit = comm.limit // 2  # bfloat16 elements
-    for n in sorted({min(limit, 4096), limit}):
+    # One row (one-shot), the whole buffer (two-shot where used), an odd size in between.
+    for n in sorted({min(limit, 4096), min(limit, 4096 * 37), limit}):
         pattern = torch.arange(n, device=device, dtype=torch.int64) % 7
         x = (pattern * (rank + 1)).to(torch.bfloat16)
         if not comm.fits(x):

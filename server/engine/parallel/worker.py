@@ -108,7 +108,7 @@ class Worker:
         sent, hb = unpack_step(packed)
         _, prompt_hidden = self.runner.forward(hb)
         if hb.decode_only:
-            self.lag.add(sent, self.runner.launched, received)
+            self.lag.add(sent, self.runner.launched, self.runner.replayed, received)
         if prompt_hidden is not None:  # rank 0 scores prompt log-probs in these chunks: gather the same
             for lo in range(0, prompt_hidden.shape[0], PROMPT_ROWS_PER_PASS):
                 self.runner.model.compute_logits(prompt_hidden[lo:lo + PROMPT_ROWS_PER_PASS])
