@@ -160,3 +160,41 @@ def test_shards_cover_every_checkpoint_tensor_exactly_once():
         assert tp.config.num_kv_heads == 1 and tp.config.num_heads == 2
         kv = rank // 2  # query heads 2r, 2r+1 read KV head r // 2
         assert torch.equal(tp.shard("model.layers.0.self_attn.k_proj.weight").take(k), k[kv * 4:(kv + 1) * 4])
+
+
+def test_row_parallel_writes_into_a_staging_communicator_and_sums():
+    """A communicator with a staging buffer (symmetric memory on CUDA) gets o_proj/down_proj's output
+    written into its buffer, then reduced; one without gets linear(x) all-reduced. Both give the sum.
+    Here the 'ranks' are two identical ones (the reduction doubles), in one process."""
+    from server.model.config import ModelConfig
+    from server.model.shard import TensorParallel
+
+    class Staging:
+        def __init__(self) -> None:
+            self.buf = torch.full((64,), float("nan"))
+            self.staged = 0
+
+        def all_reduce(self, x):
+            return x.mul_(2)
+
+        def staging(self, rows, cols, dtype):
+            return None if rows * cols > 64 else self.buf[:rows * cols].view(rows, cols)
+
+        def reduce_staged(self, staged):
+            assert staged.data_ptr() == self.buf.data_ptr(), "the matmul wrote outside the buffer"
+            self.staged += 1
+            return staged * 2
+
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=11, hidden_size=8, intermediate_size=8,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=4))
+    tp = TensorParallel(cfg, 0, 2)
+    tp.comm = Staging()
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(6, 8, bias=bias)
+        for rows in (3, 9):  # 24 values fit the buffer, 72 do not
+            x = torch.randn(rows, 6)
+            with torch.no_grad():
+                assert torch.allclose(tp.row_parallel(linear, x), 2 * linear(x), atol=1e-6)
+    assert tp.comm.staged == 2  # the rows that fit went through the buffer, with and without a bias
+    assert torch.equal(TensorParallel(cfg).row_parallel(linear, x), linear(x))  # one rank: linear alone

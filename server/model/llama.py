@@ -64,7 +64,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
         q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention)
-        return self.tp.all_reduce(self.o_proj(out.reshape(T, self.num_heads * D)))
+        return self.tp.row_parallel(self.o_proj, out.reshape(T, self.num_heads * D))
 
 
 class MLP(nn.Module):
@@ -81,7 +81,7 @@ class MLP(nn.Module):
         return {"gate_up": [self.gate_proj, self.up_proj]}
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(ops.gate_up_act(self, x)))
+        return self.tp.row_parallel(self.down_proj, ops.gate_up_act(self, x))
 
 
 class DecoderLayer(nn.Module):

@@ -148,6 +148,22 @@ class TensorParallel:
             self._comm().all_reduce(x)
         return x
 
+    def row_parallel(self, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """linear(x) summed over the ranks (o_proj, down_proj: each rank holds some input columns).
+        A communicator with a staging buffer (symmetric memory) gets the matmul's output written
+        straight into it, saving the copy an all-reduce of a separate tensor needs."""
+        if self.world == 1:
+            return linear(x)
+        comm = self._comm()
+        staging = getattr(comm, "staging", None)
+        out = None if staging is None or x.dim() != 2 else staging(x.shape[0], linear.out_features, x.dtype)
+        if out is None:
+            return comm.all_reduce(linear(x))
+        torch.mm(x, linear.weight.t(), out=out)  # what F.linear computes without a bias
+        if linear.bias is not None:
+            out.add_(linear.bias)  # a row-parallel bias is held by rank 0 only (zeros elsewhere)
+        return comm.reduce_staged(out)
+
     def _comm(self):
         if self.comm is None:
             raise RuntimeError("the tensor-parallel communicator is released (the engine sleeps); wake it first")

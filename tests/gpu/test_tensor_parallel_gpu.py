@@ -48,6 +48,7 @@ def test_symm_all_reduce_equals_nccl_eager_and_in_a_graph():
             assert c["ints_equal"], f"{rows} rows: small integers must sum exactly on both paths"
             assert c["close"], f"{rows} rows: symm and NCCL sums differ beyond bf16 rounding ({c})"
         assert out["graph"] == [True, True, True], "the captured one-shot all-reduce gave a wrong sum on replay"
+        assert all(out["staged"].values()), f"sums of rows written into the buffer differ from NCCL's: {out['staged']}"
     # Both ranks hold the same result: every rank sums in rank order.
     assert outs[0]["checks"] == outs[1]["checks"]
 

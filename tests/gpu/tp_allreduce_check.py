@@ -1,7 +1,8 @@
 """One rank of test_tensor_parallel_gpu's all-reduce check (run as `python this RANK WORLD PORT`, one
 process per GPU): the server's own Group start (control group, NCCL communicator, symmetric memory
 with its probe), then the same inputs all-reduced by the symmetric-memory path and by NCCL, eagerly
-and inside a CUDA graph replayed with new data. Prints one JSON line: what matched."""
+(copied into the buffer, and written there as a row-parallel layer does) and inside a CUDA graph
+replayed with new data. Prints one JSON line: what matched."""
 from __future__ import annotations
 
 import json
@@ -48,6 +49,17 @@ def main(rank: int, world: int, port: int) -> None:
         checks[rows] = {"one_shot": symm.fits(x), "ints_equal": torch.equal(ia, ib),
                         "close": torch.allclose(a, b, rtol=2 ** -7, atol=1e-3),
                         "equal": torch.equal(a, b), "mismatches": int((a != b).sum())}
+    # A row-parallel layer's output written straight into the buffer (TensorParallel.row_parallel).
+    staged_ok = {}
+    for rows in (1, 64, 256):
+        ints = torch.randint(-8, 8, (rows, HIDDEN), device=device, generator=gen).to(torch.bfloat16)
+        into = symm.staging(rows, HIDDEN, torch.bfloat16)
+        into.copy_(ints)
+        got = symm.reduce_staged(into)
+        want = nccl.all_reduce(ints.clone())
+        torch.cuda.synchronize()
+        staged_ok[rows] = torch.equal(got, want)
+    out["staged"] = staged_ok
     # Captured: the graph reads the buffer's address and the input's, replayed with new data each time.
     rows = 64
     x = torch.zeros(rows, HIDDEN, device=device, dtype=torch.bfloat16)

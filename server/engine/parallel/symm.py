@@ -3,11 +3,12 @@
 A decode step of an 8B model at TP=2 all-reduces 65 times (after every o_proj and down_proj, and the
 embedding), each a few KiB to 2 MiB (rows x hidden): latency-bound, where NCCL's protocol costs the
 most. One-shot (torch.distributed._symmetric_memory): every rank holds one buffer that every other
-rank has mapped (peer memory over NVLink, exchanged once at start); an all-reduce copies the rows
-into it, the ranks meet at a barrier on the buffer's signal pads, and each rank reads every rank's
-rows and sums them itself, in rank order (so every rank gets the same bits). From 256 KiB the
-two-shot kernel instead sums one slice per rank and gathers the slices. Two kernels per all-reduce,
-captured by a CUDA graph like any other, no host work on replay.
+rank has mapped (peer memory over NVLink, exchanged once at start); o_proj and down_proj write their
+partial sums straight into it (TensorParallel.row_parallel; other inputs are copied in), the ranks
+meet at a barrier on the buffer's signal pads, and each rank reads every rank's rows and sums them
+itself, in rank order (so every rank gets the same bits). From 256 KiB the two-shot kernel instead
+sums one slice per rank and gathers the slices. One kernel per all-reduce, captured by a CUDA graph
+like any other, no host work on replay.
 
 No NVLink multicast, ever: only peer loads and stores (one_shot_all_reduce_out and
 two_shot_all_reduce_out, never the multimem ops), and the rendezvous runs with
@@ -78,22 +79,43 @@ class SymmComm:
         return (0 < n <= self.limit and n % 16 == 0 and x.dtype in _DTYPES and x.is_contiguous()
                 and x.data_ptr() % 16 == 0 and x.storage_offset() * x.element_size() % 16 == 0)
 
+    def _view(self, dtype: torch.dtype) -> torch.Tensor:
+        view = self.views.get(dtype)
+        if view is None:
+            view = self.views[dtype] = self.buf.view(dtype)
+        return view
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank makes the same choice: the same forward gives the same shapes on every rank.
         if not self.fits(x):
             return self.nccl.all_reduce(x)
-        view = self.views.get(x.dtype)
-        if view is None:
-            view = self.views[x.dtype] = self.buf.view(x.dtype)
-        staged = view[:x.numel()]
+        staged = self._view(x.dtype)[:x.numel()]
         staged.copy_(x.view(-1))
-        # Both kernels start with a barrier (every rank's rows are staged) and end with one (no rank
-        # refills its buffer while a peer still reads it); x, the output, is not in the buffer.
-        if staged.numel() * staged.element_size() >= self.two_shot_from:
-            self.two_shot(staged, "sum", self.group_name, x.view(-1))
-        else:
-            self.one_shot(staged, "sum", self.group_name, x.view(-1))
+        self._reduce(staged, x.view(-1))
         return x
+
+    def staging(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a row-parallel layer can write its partial sums directly (no copy into the buffer
+        before the all-reduce): a [rows, cols] view of the buffer, or None when they would not fit."""
+        n = rows * cols * dtype.itemsize
+        if not 0 < n <= self.limit or n % 16 or dtype not in _DTYPES:
+            return None
+        return self._view(dtype)[:rows * cols].view(rows, cols)
+
+    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of what each wrote into staging(), as a new tensor."""
+        out = torch.empty_like(staged)
+        self._reduce(staged.view(-1), out.view(-1))
+        return out
+
+    def _reduce(self, staged: torch.Tensor, out: torch.Tensor) -> None:
+        # Both kernels start with a barrier (every rank's rows are staged) and end with one (no rank
+        # refills its buffer while a peer still reads it); the output is never in the buffer (peers
+        # read this rank's buffer while it writes the output).
+        if staged.numel() * staged.element_size() >= self.two_shot_from:
+            self.two_shot(staged, "sum", self.group_name, out)
+        else:
+            self.one_shot(staged, "sum", self.group_name, out)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self.nccl.all_gather(x)
