@@ -15,7 +15,7 @@ A last run repeats the last backend with workers that block in recv at once (no 
 sleep cycles: the difference is what the spin buys.
 
     python bench/tensor_parallel.py --world 2 --out $OUT
-    python bench/tensor_parallel.py --world 2 --profile          # rank 0's top GPU kernels at batch 64
+    python bench/tensor_parallel.py --world 2 --profile          # each rank's top GPU kernels at batch 64
 """
 from __future__ import annotations
 
@@ -183,36 +183,40 @@ def bench_world(folder: Path, label: str, world: int, all_reduce: str, idle: lis
 
 
 def profile_world(folder: Path, label: str, world: int, all_reduce: str, args) -> None:
-    """torch.profiler on rank 0 over decode steps at one batch: the GPU kernels that take the most
-    time per step (CUDA graphs' kernels included), to find what a step spends its time on."""
+    """torch.profiler on every rank over decode steps at one batch: the GPU kernels that take the most
+    time per step on each (CUDA graphs' kernels included), to find what a step spends its time on. A
+    rank that waits for a late peer shows it as time in the all-reduce kernels."""
     import torch
     from server import LLM, SamplingParams
+    from server.engine.parallel.worker import gpu_ops
+
+    from bench.common import table
 
     llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_model_len=4096,
               kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=world, tp_all_reduce=all_reduce)
+    runner = llm.engine.runner
+    workers = getattr(runner, "workers", None)
     b, n = args.profile_batch, 24
     prompts = [PROMPT + str(i) for i in range(b)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    if workers is not None:
+        for r in workers.conns:
+            workers.send_one(r, "profile", "start")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         torch.cuda.synchronize()
+    per_rank = {0: gpu_ops(prof)}
+    if workers is not None:
+        for r in workers.conns:
+            per_rank[r] = workers.send_one(r, "profile", "stop")
     llm.close()
-    rows = []
-    for e in prof.key_averages():
-        gpu = getattr(e, "self_device_time_total", None)
-        if gpu is None:
-            gpu = getattr(e, "self_cuda_time_total", 0)
-        if gpu > 0:
-            rows.append((gpu, e.count, e.key))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    print(f"\nprofile {label} batch {b}, rank 0, {n} new tokens ({n - 1} decode steps): GPU total "
-          f"{total / 1e3:.2f} ms, {total / 1e3 / (n - 1):.3f} ms per decode step", flush=True)
-    from bench.common import table
-
-    print(table([[f"{g / 1e3 / (n - 1):.3f}", c, k[:90]] for g, c, k in rows[:15]],
-                ["ms per step", "calls", "GPU op / kernel"]), flush=True)
+    for rank, rows in per_rank.items():
+        total = sum(g for g, _, _ in rows)
+        print(f"\nprofile {label} batch {b}, rank {rank}, {n} new tokens ({n - 1} decode steps and the prefill): "
+              f"GPU total {total / 1e3:.2f} ms, {total / 1e3 / (n - 1):.3f} ms per step", flush=True)
+        print(table([[f"{g / 1e3 / (n - 1):.3f}", c, k[:90]] for g, c, k in rows[:15]],
+                    ["ms per step", "calls", "GPU op / kernel"]), flush=True)
 
 
 def main() -> None:
@@ -227,7 +231,7 @@ def main() -> None:
     ap.add_argument("--no-spin-run", action="store_true",
                     help="skip the extra run whose workers block in recv (SLEEPSERVE_TP_WORKER_SPIN_US=0)")
     ap.add_argument("--profile", action="store_true",
-                    help="instead: profile rank 0's decode steps at --profile-batch, TP=1 and TP=world")
+                    help="instead: profile each rank's decode steps at --profile-batch, TP=1 and TP=world")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--hold", help=argparse.SUPPRESS)

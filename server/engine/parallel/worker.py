@@ -29,6 +29,18 @@ from server.model.shard import TensorParallel
 log = logging.getLogger("sleepserve.engine")
 
 
+def gpu_ops(prof) -> list[tuple[float, int, str]]:
+    """(self device microseconds, calls, name) of every op with GPU time in a torch.profiler run."""
+    rows = []
+    for e in prof.key_averages():
+        gpu = getattr(e, "self_device_time_total", None)
+        if gpu is None:
+            gpu = getattr(e, "self_cuda_time_total", 0)
+        if gpu > 0:
+            rows.append((float(gpu), int(e.count), str(e.key)))
+    return sorted(rows, reverse=True)
+
+
 def spin_seconds(device: torch.device) -> float:
     """How long a worker polls for the next step before it blocks: SLEEPSERVE_TP_WORKER_SPIN_US
     (microseconds), default 1000 on CUDA; never on CPU, where the ranks share the cores."""
@@ -67,6 +79,7 @@ class Worker:
         self.receiver = None  # weight_transfer.receiver.WeightReceiver, made by the first wt_init
         self.lag = StepLag()
         self.spin = spin_seconds(device)
+        self.profiler = None  # a torch.profiler run of bench/tensor_parallel.py --profile
 
     def serve(self) -> None:
         stepped = False
@@ -173,6 +186,22 @@ class Worker:
 
     def op_step_lag(self, _: Any) -> dict:
         return self.lag.take()
+
+    def op_profile(self, action: str) -> list[tuple[float, int, str]] | None:
+        """bench/tensor_parallel.py --profile: "start" torch.profiler on this rank, "stop" it and
+        return each GPU op's (self device microseconds, calls, name)."""
+        if action == "start":
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self.profiler = torch.profiler.profile(activities=acts)
+            self.profiler.__enter__()
+            return None
+        prof, self.profiler = self.profiler, None
+        if prof is None:
+            raise ValueError("profile stop without a start")
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        prof.__exit__(None, None, None)
+        return gpu_ops(prof)
 
     def op_inject_failure(self, arg: tuple[str, str]) -> None:
         op, message = arg
