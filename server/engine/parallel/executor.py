@@ -61,6 +61,7 @@ class Workers:
         self.lost: WorkerLostError | None = None
         self.infos: list[dict] = []  # each worker's rank, pid and device, once it is ready
         self.listeners: list[Callable[[BaseException], None]] = []
+        self.before_down: list[Callable[[], None]] = []  # run on rank 0 before its communicator goes
         self._closing = False
         self._exited = threading.Event()
         # One request-and-answer exchange at a time: the engine thread (sleep, wake, stats) and the
@@ -224,6 +225,11 @@ class Workers:
                 conn.send(("close", None))
             except OSError:
                 pass
+        for fn in self.before_down:  # rank 0's decode graphs (worker.drop_graphs says why)
+            try:
+                fn()
+            except Exception:
+                log.exception("tearing down before the communicator failed")
         # Every rank releases its device communicator at the same time (NCCL's teardown may wait for
         # its peers), then the workers exit; nothing here waits without a limit.
         _bounded(self.group.down, "releasing the device communicator")

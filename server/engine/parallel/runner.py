@@ -10,6 +10,7 @@ import torch
 
 from server.engine.parallel.executor import Workers
 from server.engine.parallel.steps import StepLag, pack_step
+from server.engine.parallel.worker import drop_graphs
 from server.engine.runner import HostBatch, ModelRunner
 from server.model.shard import TensorParallel
 
@@ -20,6 +21,7 @@ class ParallelRunner(ModelRunner):
         super().__init__(model, pool, num_blocks, block_size, dtype, kv_chunk_bounds)
         self.workers = workers
         self.lag = StepLag()
+        workers.before_down.append(lambda: drop_graphs(self))
 
     @torch.inference_mode()
     def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

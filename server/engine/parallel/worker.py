@@ -29,6 +29,17 @@ from server.model.shard import TensorParallel
 log = logging.getLogger("sleepserve.engine")
 
 
+def drop_graphs(runner) -> None:
+    """Destroy the decode graphs before the communicator: NCCL's teardown waits until every graph
+    that captured one of its collectives is destroyed (its persistent references), so with the graphs
+    alive ncclCommAbort never returned (close waited 15 s, then the worker was killed)."""
+    if getattr(runner, "graphs", None) is None:
+        return
+    runner.graphs = None  # the only reference: the CUDAGraphs are destroyed here
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
 def gpu_ops(prof) -> list[tuple[float, int, str]]:
     """(self device microseconds, calls, name) of every op with GPU time in a torch.profiler run."""
     rows = []
@@ -211,6 +222,7 @@ class Worker:
         if self.receiver is not None:
             self.receiver.close()
         try:
+            drop_graphs(self.runner)
             self.group.down()  # at the same time as rank 0 and the other workers (executor.Workers.close)
             self.pool.close()
         finally:
