@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from tests.models import model_folder  # noqa: E402
 from server.weight_transfer import rendezvous  # noqa: E402
 from server.weight_transfer.group import open_group  # noqa: E402
 from server.weight_transfer.protocol import pack_into, plan_buckets  # noqa: E402
-from server.weight_transfer.sender import WeightSender  # noqa: E402
+from server.weight_transfer.sender import WeightSender, _Clock  # noqa: E402
 from tests.http_server import ServerProcess  # noqa: E402
 
 GB = 1e9
@@ -231,8 +232,47 @@ def push_modes(sender: WeightSender, named, buckets: list[int], backend: str, de
             row["push_s"], row["push_mode"] = best["seconds"], label
         print(f"  push {label}: {best['seconds'] * 1e3:.1f} ms", flush=True)
     sender.packed, sender.bucket_bytes = True, buckets[-1]
+    control(sender, named, row)
+
+
+def control(sender: WeightSender, named, row: dict, rounds: int = 30) -> None:
+    """Where a push's HTTP round trips go: the median of `rounds` of each control call, through the
+    sender's own kept-alive connection, with one small tensor (no data to speak of). The floors: GET
+    /health (HTTP alone) and POST /reset_prefix_cache (HTTP and a round trip to the engine thread).
+    Then vLLM's calls one by one (start; an update of one tensor, until its answer, with the time until
+    the server said it receives; finish) and the whole one-tensor push as WeightSender sends it (the
+    start folded into the update, the finish posted while the bytes move): control_s, its best."""
     small = [min(named, key=lambda nt: nt[1].numel())]
-    row["control_s"] = best_send(sender, small)["seconds"]
+    distributed = sender.backend in ("nccl", "gloo")
+    calls: dict[str, list[float]] = {k: [] for k in ("health", "engine_floor", "start", "update", "update_ready",
+                                                     "finish", "push")}
+
+    def lap(key: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        calls[key].append(time.perf_counter() - t0)
+
+    for i in range(rounds + 3):  # the first 3: warm-up
+        lap("health", lambda: sender._http.get("/health"))
+        lap("engine_floor", lambda: sender.post("/reset_prefix_cache", {}))
+        lap("start", lambda: sender.post("/start_weight_update", {}))
+        clock = _Clock()
+        lap("update", lambda: sender._send_broadcast(small, clock, None) if distributed
+            else sender._send_handles(small, clock))
+        calls["update_ready"].append(clock.laps.get("ready_s", 0.0))
+        lap("finish", lambda: sender.post("/finish_weight_update", {}))
+        lap("push", lambda: sender.send(small))
+        if i < 3:
+            for v in calls.values():
+                v.clear()
+    row["control_ms"] = {k: statistics.median(v) * 1e3 for k, v in calls.items()}
+    row["control_s"] = min(calls["push"])
+    c = row["control_ms"]
+    print(f"  control calls (median of {rounds}, ms): GET /health {c['health']:.2f} (HTTP floor), "
+          f"POST /reset_prefix_cache {c['engine_floor']:.2f} (+ engine thread); vLLM's calls: start "
+          f"{c['start']:.2f}, update of one tensor {c['update']:.2f}"
+          + (f" (server receiving after {c['update_ready']:.2f})" if distributed else "")
+          + f", finish {c['finish']:.2f}; one-tensor push as WeightSender sends it {c['push']:.2f}", flush=True)
 
 
 def print_breakdown(rows: list[dict], backend: str) -> None:
@@ -246,7 +286,7 @@ def print_breakdown(rows: list[dict], backend: str) -> None:
                 f"all buckets enqueued {ms(r.get('raw_broadcast_pipelined_s'))}, "
                 f"one broadcast per tensor {ms(r.get('raw_broadcast_tensor_s'))})" if "raw_broadcast_synced_s" in r else None,
                 f"packing alone on the trainer {ms(r.get('pack_alone_s'))}" if "pack_alone_s" in r else None,
-                f"one-tensor update (HTTP round trips, no data) {ms(r.get('control_s'))}"]
+                f"one-tensor push (HTTP round trips, no data; best) {ms(r.get('control_s'))}"]
         print("; ".join(x for x in refs if x))
         lines = []
         for label, b in r["breakdown"].items():
@@ -283,6 +323,8 @@ def main() -> None:
     ap.add_argument("--models", default="llama-1b,llama-8b")
     ap.add_argument("--buckets", default="256MiB,1GiB", help="bucket sizes to try (comma-separated)")
     ap.add_argument("--no-disk", action="store_true")
+    ap.add_argument("--control-only", action="store_true",
+                    help="only the control calls' latency (no references, no full pushes): quick, e.g. on CPU")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     from server.config import parse_size
@@ -308,6 +350,13 @@ def main() -> None:
         server = ServerProcess(serve, env=env).start()
         row: dict = {"model": name, "GB": nbytes / GB, "tensors": len(named)}
         try:
+            if args.control_only:
+                sender = WeightSender(server.url, backend=backend, device=device, timeout_s=TIMEOUT_S)
+                sender.init()
+                control(sender, named, row)
+                sender.close()
+                rows.append(row)
+                continue
             if backend in ("ipc", "shm"):
                 row["d2d_copy_s"] = d2d_copy_s(named, device)
             else:
@@ -338,6 +387,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result["rows"] = rows
+    if args.control_only:
+        write_json(args.out, f"weight-transfer-control-{backend}-{args.device}", result)
+        return
     write_json(args.out, f"weight-transfer-{backend}-{args.device}", result)
     print(f"\nweight transfer ({backend}, {args.device}, {result['date']})")
     ref_name = "d2d copy" if backend in ("ipc", "shm") else "raw broadcast"

@@ -7,6 +7,9 @@ Prints one JSON line with the send report. --pause-after K: after bucket K has g
 PAUSED and wait forever (the test kills it there, mid-send). --unpacked: one broadcast per tensor
 (vLLM's packed: false). --flat: hold the tensors in one flat buffer, back to back in the order sent
 (as trainers with flat parameter buffers do), so the sender broadcasts buckets from it without packing.
+--vllm-calls (gloo): vLLM's trainer-side sequence, none of this package's extensions: POST
+/start_weight_update and wait; POST /update_weights (no ready key: broadcast at once, the answer read
+after); then POST /finish_weight_update.
 """
 from __future__ import annotations
 
@@ -38,6 +41,32 @@ def flatten(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tens
     return out
 
 
+def vllm_calls(sender: WeightSender, named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> dict:
+    """One update as vLLM's trainer helpers make it: three calls, each answered before the next, the
+    broadcast started without waiting for any go-ahead from the server."""
+    import threading
+
+    sender.post("/start_weight_update", {})
+    info = {"names": [n for n, _ in named], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named], "packed": sender.packed,
+            "packed_buffer_size_bytes": sender.bucket_bytes}
+    answer: dict = {}
+
+    def post() -> None:
+        try:
+            answer["ok"] = sender.post("/update_weights", {"update_info": info})
+        except WeightSendError as e:
+            answer["error"] = e
+    poster = threading.Thread(target=post)
+    poster.start()
+    sender._broadcast([t for _, t in named])
+    poster.join()
+    if "error" in answer:
+        raise answer["error"]
+    done = sender.post("/finish_weight_update", {"weight_version": weight_version} if weight_version else {})
+    return {"update": answer["ok"], "server": done, "sender": {}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
@@ -50,6 +79,7 @@ def main() -> int:
     ap.add_argument("--rename", default=None, help="send the first tensor under this name instead")
     ap.add_argument("--unpacked", action="store_true")
     ap.add_argument("--flat", action="store_true")
+    ap.add_argument("--vllm-calls", action="store_true")
     args = ap.parse_args()
     tensors = {}
     for f in sorted(Path(args.checkpoint).glob("*.safetensors")):
@@ -70,7 +100,10 @@ def main() -> int:
                           after_bucket=after, timeout_s=60, packed=not args.unpacked)
     try:
         sender.init()
-        report = sender.send(named, weight_version=args.weight_version)
+        if args.vllm_calls:
+            report = vllm_calls(sender, named, args.weight_version)
+        else:
+            report = sender.send(named, weight_version=args.weight_version)
     except WeightSendError as e:
         print(json.dumps({"error": str(e), "status": e.status}), flush=True)
         return 3

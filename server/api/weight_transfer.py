@@ -51,6 +51,8 @@ class UpdateInfo(RequestBody):
     ipc_handles_pickled: str | None = None
     tensor_sizes: list[int] | None = None
     sleepserve_ready_key: str | None = Field(None, max_length=200)
+    # Ours (WeightSender's): open the session first, as POST /start_weight_update would, in this call.
+    sleepserve_start_session: bool = False
 
 
 class UpdateRequest(RequestBody):

@@ -134,16 +134,19 @@ class EngineCommands:
                       packed: bool | None = None) -> dict:
         return self._transfers().init(master_address, master_port, rank_offset, world_size, packed)
 
-    @runs_on(THREAD)
+    # start, update and finish decide on the engine thread and answer from it; the receive itself
+    # blocks on the service's transfer thread (an update answers when its future resolves).
+
+    @runs_on(ENGINE)
     def transfer_start(self) -> dict:
         return self._transfers().start()
 
-    @runs_on(THREAD)
-    def transfer_update(self, update_info: dict) -> dict:
+    @runs_on(ENGINE)
+    def transfer_update(self, update_info: dict) -> Future:
         return self._transfers().update(update_info)
 
-    @runs_on(THREAD)
-    def transfer_finish(self, weight_version: str | None) -> dict:
+    @runs_on(ENGINE)
+    def transfer_finish(self, weight_version: str | None) -> dict | Future:
         return self._transfers().finish(weight_version)
 
     @runs_on(THREAD)

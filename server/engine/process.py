@@ -6,8 +6,9 @@ since both write the model's tensors; the API process never creates a CUDA conte
 - the engine thread runs commands between steps, steps, and sends one frame per loop turn (every
   request's delta, the replies, the status);
 - a reader thread receives commands and queues them (ENGINE commands) or hands them to a command
-  thread (THREAD commands: compiles, disk reads, transfers);
-- command threads, and the weight-transfer thread (server/weight_transfer/service.py).
+  thread (THREAD commands: compiles, disk reads, joining a transfer group);
+- command threads, and the weight-transfer thread (server/weight_transfer/service.py), which hands a
+  receive's end back to the engine thread (an ENGINE command answered by a future).
 The process ends when the API asks (`shutdown`) or goes away (end of the channel, or its death
 signal: the kernel kills this process if the API process dies, so no engine outlives its server).
 """
@@ -48,6 +49,7 @@ class EngineServer:
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
+        self._engine_thread: threading.Thread | None = None
         self.dead: str | None = None
         self.shutdown_call: Call | None = None
         self._pool = ThreadPoolExecutor(COMMAND_THREADS, thread_name_prefix="sleepserve-command")
@@ -63,7 +65,7 @@ class EngineServer:
         transfers = None
         if transfer_config is not None:
             from server.weight_transfer.service import WeightTransferService
-            transfers = WeightTransferService(transfer_config, core, self.on_engine)
+            transfers = WeightTransferService(transfer_config, core, self.on_engine, self._submit)
         self.transfers = transfers
         self.commands = EngineCommands(core, self.on_engine, self._emit, transfers)
         core.wire_outputs(self._emit_request)  # only what is new crosses, encoded from the request itself
@@ -156,7 +158,7 @@ class EngineServer:
         except BaseException as e:
             self._reply(call, None, e)
             return
-        if isinstance(result, Future):  # answered when it resolves (on the engine thread, in finish_sleep)
+        if isinstance(result, Future):  # answered when it resolves (finish_sleep, a transfer's end: engine thread)
             result.add_done_callback(lambda f: self._reply(call, None if f.exception() else f.result(),
                                                            f.exception()))
         else:
@@ -166,6 +168,9 @@ class EngineServer:
         if call.call_id is None:
             if error is not None:
                 log.warning("command %s failed: %s", call.name, error)
+            return
+        if threading.current_thread() is not self._engine_thread:  # a future resolved elsewhere
+            self._reply_from_thread(call, result, error)
             return
         self._local.append(Reply(call.call_id, result, WireError.of(error) if error else None))
 
@@ -201,6 +206,7 @@ class EngineServer:
                 self._stop = True  # the API is gone; the reader thread says so too
 
     def run(self) -> None:
+        self._engine_thread = threading.current_thread()
         core = self.core
         failures = 0
         while not self._stop:

@@ -19,6 +19,10 @@ _FLOAT32 = 7
 _NCCL_DTYPES = {torch.uint8: 1, torch.int8: 0, torch.int32: 2, torch.int64: 4, torch.float16: 6,
                 torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
 _IN_PROGRESS = 7  # ncclInProgress
+# How often wait_for looks at an event: the host notices the last bytes at most this late (a 0.5 ms
+# sleep overslept to ~0.55 ms, on the path of every update's answer, on both sides). A look is an
+# event query and an async-error query (a few microseconds, the GIL released in between).
+POLL_S = 50e-6
 
 
 class _UniqueId(ctypes.Structure):
@@ -108,7 +112,7 @@ class NcclComm:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the NCCL transfer did not complete within {self.timeout_s:.0f} s "
                                    "(did the trainer stop sending?)")
-            time.sleep(0.0005)
+            time.sleep(POLL_S)
 
     def close(self, abort: bool = False) -> None:
         # Always ncclCommAbort: with NCCL 2.28.9 ncclCommDestroy finalizes collectively, so the side that

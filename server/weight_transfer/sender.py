@@ -13,13 +13,12 @@ the server has copied it out when the post returns. Only the standard library ta
 """
 from __future__ import annotations
 
+import http.client
 import json
-import threading
+import select
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import uuid
-from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Callable, Iterable
 
@@ -62,37 +61,22 @@ class WeightSender:
         self._bucket: Any = None
         self._ring: list[torch.Tensor] = []
         self._pack_stream: Any = None
+        # Two kept-alive connections, both used from the calling thread: an update's request is written
+        # on the second, its answer read after the broadcast (no thread, so no GIL hand-off per update).
+        self._http = self._connection()
+        self._http2 = self._connection()
 
     # -- HTTP --------------------------------------------------------------------------------------
 
-    def post(self, route: str, body: dict | None, method: str = "POST") -> dict:
-        data = json.dumps(body).encode() if body is not None else None
+    def post(self, route: str, body: dict) -> dict:
+        """POST on this thread's kept-alive connection; WeightSendError for an HTTP error."""
+        return self._http.post(route, body)
+
+    def _connection(self) -> "_Http":
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url + route, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s + 30) as resp:
-                return json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            text = e.read().decode(errors="replace")
-            try:
-                err = json.loads(text)
-                message = err.get("error", {}).get("message", text)
-            except (json.JSONDecodeError, AttributeError):
-                err, message = text, text
-            raise WeightSendError(f"{method} {route}: {e.code}: {message}", e.code, err) from None
-
-    def _post_async(self, route: str, body: dict) -> Future:
-        fut: Future = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(self.post(route, body))
-            except BaseException as e:
-                fut.set_exception(e)
-        threading.Thread(target=run, daemon=True, name=f"post{route}").start()
-        return fut
+        return _Http(self.url, headers, self.timeout_s + 30)
 
     # -- setup -------------------------------------------------------------------------------------
 
@@ -102,25 +86,33 @@ class WeightSender:
         port = rendezvous.free_port(self.master_address)
         # The group is this trainer (rank 0) and every rank of the server (a tensor-parallel server
         # has several, each keeping its slices), as vLLM's trainers size it from /get_world_size.
-        world = 1 + int(self.post("/get_world_size", None, method="GET")["world_size"])
+        world = 1 + int(self._http.get("/get_world_size")["world_size"])
         info = {"master_address": self.master_address, "master_port": port, "rank_offset": 1, "world_size": world,
                 "packed": True}
         # The server joins while we host the store (its client retries until we listen), as vLLM's
         # trainers do it: post first, then rendezvous.
-        joined = self._post_async("/init_weight_transfer_engine", {"init_info": info})
+        route = "/init_weight_transfer_engine"
+        self._http2.send(route, {"init_info": info})  # answered once the server has joined
         try:
             self.store = rendezvous.host_store(self.master_address, port, world, self.timeout_s)
         except Exception:
-            if joined.done():
-                joined.result()  # the server's refusal says more than the store's timeout
+            if self._http2.answered():
+                self._http2.receive(route)  # the server's refusal says more than the store's timeout
+            self._http2.close()
             raise
-        self.group = open_group(self.backend, self.store, 0, world, self.device, self.timeout_s)
-        return joined.result(timeout=self.timeout_s + 30)
+        try:
+            self.group = open_group(self.backend, self.store, 0, world, self.device, self.timeout_s)
+        except Exception:
+            self._http2.close()
+            raise
+        return self._http2.receive(route)
 
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
         self.group, self.store = None, None
+        self._http.close()
+        self._http2.close()
         if self._bucket is not None:
             self._bucket.close()
             self._bucket = None
@@ -129,22 +121,24 @@ class WeightSender:
     # -- sending -----------------------------------------------------------------------------------
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> dict:
-        """One complete update: start, the tensors, finish. Returns timings and the server's answer:
-        `phases` (seconds of each step, as this process saw them), `sender` (buckets sent straight
-        from the tensors' memory or packed; device time of packing) and the server's `update` answer
-        (its receive timings)."""
+        """One complete update: a session (start, the tensors, finish) as vLLM's routes define it, in
+        fewer round trips: the first update call opens the session itself (update_info's
+        sleepserve_start_session, the same as POST /start_weight_update first), and over nccl / gloo
+        the finish is posted as soon as the server receives (it runs once the update's bytes have
+        landed). Returns timings and the server's answer: `phases` (seconds of each step, as this
+        process saw them), `sender` (buckets sent straight from the tensors' memory or packed; device
+        time of packing) and the server's `update` answer (its receive timings)."""
         named = [(n, t.detach()) for n, t in named_tensors]
         clock = _Clock()
-        self.post("/start_weight_update", {})
-        clock.lap("start_s")
+        finish_body = {"weight_version": weight_version} if weight_version else {}
         if self.backend in ("nccl", "gloo"):
-            update, sender = self._send_broadcast(named, clock)
+            update, sender, done = self._send_broadcast(named, clock, finish_body, open_session=True)
         else:
-            update, sender = self._send_handles(named, clock)
-        send_seconds = clock.elapsed()
-        done = self.post("/finish_weight_update", {"weight_version": weight_version} if weight_version else {})
+            update, sender = self._send_handles(named, clock, open_session=True)
+            done = self.post("/finish_weight_update", finish_body)
         clock.lap("finish_s")
         seconds = clock.elapsed()
+        send_seconds = seconds - clock.laps["finish_s"]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return {"bytes": nbytes, "send_seconds": send_seconds, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
                 "phases": clock.laps, "sender": sender, "update": update, "server": done}
@@ -153,8 +147,9 @@ class WeightSender:
         return {"names": [n for n, _ in named], "dtype_names": [dtype_name(t.dtype) for _, t in named],
                 "shapes": [list(t.shape) for _, t in named]}
 
-    def _wait_ready(self, key: str, answer: Future) -> None:
-        """Block until the server says it is receiving, or its answer shows it will not."""
+    def _wait_ready(self, key: str, route: str) -> None:
+        """Block until the server says it is receiving, or its answer to the update (on _http2) shows
+        it will not (a refusal is also in the store: it is noticed at once)."""
         deadline = time.monotonic() + self.timeout_s
         full = rendezvous.READY_PREFIX + key
         while True:
@@ -162,33 +157,46 @@ class WeightSender:
                 self.store.wait([full], timedelta(seconds=0.2))
                 break
             except Exception:  # the wait timed out
-                if answer.done():
-                    answer.result()  # raises the server's refusal
+                if self._http2.answered():
+                    self._http2.receive(route)  # raises the server's refusal
                     raise WeightSendError("the server answered before receiving anything")
                 if time.monotonic() > deadline:
+                    self._http2.close()
                     raise WeightSendError(f"the server did not start receiving within {self.timeout_s:.0f} s")
         message = self.store.get(full).decode()
         if message != "ok":
-            try:
-                answer.result(timeout=30)
-            except WeightSendError:
-                raise
+            self._http2.receive(route)  # the refusal's 4xx (WeightSendError)
             raise WeightSendError(f"the server refused the update: {message}")
 
-    def _send_broadcast(self, named: list[tuple[str, torch.Tensor]], clock: "_Clock") -> tuple[dict, dict]:
+    def _send_broadcast(self, named: list[tuple[str, torch.Tensor]], clock: "_Clock", finish_body: dict | None,
+                        open_session: bool = False) -> tuple[dict, dict, dict | None]:
+        """POST the update (open_session: it opens the session too); once the server says it receives,
+        POST the finish too (finish_body; None: no finish), then broadcast. The server runs that finish right after this update's write
+        closes, and fails it if the update fails (weight_version is set only for bytes that landed).
+        Both answers come back when the bytes have landed: the finish's round trip hides behind the data."""
         if self.group is None:
             raise WeightSendError("call init() before send()")
         key = uuid.uuid4().hex
         info = {**self._meta(named), "packed": self.packed, "packed_buffer_size_bytes": self.bucket_bytes,
                 "sleepserve_ready_key": key}
-        answer = self._post_async("/update_weights", {"update_info": info})
-        self._wait_ready(key, answer)
-        clock.lap("ready_s")
-        stats = self._broadcast([t for _, t in named])
-        clock.lap("data_s")
-        update = answer.result(timeout=self.timeout_s + 30)
-        clock.lap("answer_s")
-        return update, stats
+        if open_session:
+            info["sleepserve_start_session"] = True
+        self._http2.send("/update_weights", {"update_info": info})  # its answer is read after the broadcast
+        try:
+            self._wait_ready(key, "/update_weights")
+            if finish_body is not None:
+                self._http.send("/finish_weight_update", finish_body)  # its answer is read last
+            clock.lap("ready_s")
+            stats = self._broadcast([t for _, t in named])
+            clock.lap("data_s")
+            update = self._http2.receive("/update_weights")
+            clock.lap("answer_s")
+        except BaseException:
+            # An answer left unread (a failure too) would be taken for the next one: drop the connections.
+            self._http.close()
+            self._http2.close()
+            raise
+        return update, stats, None if finish_body is None else self._http.receive("/finish_weight_update")
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> dict:
         """Enqueue every broadcast, then wait for them in order (no host wait per bucket). A bucket
@@ -257,7 +265,8 @@ class WeightSender:
             self._ring = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
         return self._ring[:count]
 
-    def _send_handles(self, named: list[tuple[str, torch.Tensor]], clock: "_Clock") -> tuple[dict, dict]:
+    def _send_handles(self, named: list[tuple[str, torch.Tensor]], clock: "_Clock",
+                      open_session: bool = False) -> tuple[dict, dict]:
         sizes = [t.numel() * t.element_size() for _, t in named]
         capacity = max(min(self.bucket_bytes, sum(sizes)), max(sizes, default=1))
         if self._bucket is None or self._bucket.tensor.numel() < capacity:
@@ -288,6 +297,8 @@ class WeightSender:
                 torch.cuda.current_stream(self.device).synchronize()
             clock.lap("pack_s")
             info = {**self._meta(part), "packed": True, "tensor_sizes": [sizes[i] for i in idx]}
+            if open_session and n == 0:
+                info["sleepserve_start_session"] = True
             if pickled is not None:
                 info["ipc_handles_pickled"] = pickled
             else:
@@ -298,6 +309,96 @@ class WeightSender:
             if self.after_bucket:
                 self.after_bucket(n)
         return update, {"chunks": len(chunks), "server_copy_s": server_s}
+
+
+class _Http:
+    """One kept-alive HTTP/1.1 connection (urllib opens one per request: ~0.4 ms each on the CI host,
+    three times per update). Used by one thread at a time."""
+
+    IDLE_S = 3.0  # uvicorn closes a connection idle for 5 s: open a new one before that
+
+    def __init__(self, url: str, headers: dict[str, str], timeout_s: float):
+        parts = urllib.parse.urlsplit(url)
+        self.https = parts.scheme == "https"
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port
+        self.prefix = parts.path.rstrip("/")
+        self.headers = headers
+        self.timeout_s = timeout_s
+        self.conn: http.client.HTTPConnection | None = None
+        self.last = 0.0
+        self._reused = False
+        self._sent: bytes | None = None
+        self._method = "POST"
+
+    def post(self, route: str, body: dict) -> dict:
+        self.send(route, body)
+        return self.receive(route)
+
+    def get(self, route: str) -> dict:
+        self.send(route, None, "GET")
+        return self.receive(route)
+
+    def send(self, route: str, body: dict | None, method: str = "POST") -> None:
+        """Write the request; receive() reads its answer."""
+        data = json.dumps(body).encode() if body is not None else None
+        self._method = method
+        self._reused = self.conn is not None and time.monotonic() - self.last < self.IDLE_S
+        if not self._reused:
+            self.close()
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            self.conn = cls(self.host, self.port, timeout=self.timeout_s)
+        self._sent = data
+        try:
+            self.conn.request(method, self.prefix + route, body=data, headers=self.headers)  # type: ignore[union-attr]
+        except (ConnectionResetError, BrokenPipeError):
+            if not self._reused:
+                self.close()
+                raise
+            self._retry(route)
+
+    def receive(self, route: str) -> dict:
+        try:
+            try:
+                resp = self.conn.getresponse()  # type: ignore[union-attr]
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                # A kept connection that the server had closed never carried this request: send it again.
+                if not self._reused:
+                    raise
+                self._retry(route)
+                resp = self.conn.getresponse()  # type: ignore[union-attr]
+            payload = resp.read()
+        except BaseException:
+            self.close()
+            raise
+        self.last = time.monotonic()
+        if resp.will_close:
+            self.close()
+        if resp.status >= 400:
+            text = payload.decode(errors="replace")
+            try:
+                err = json.loads(text)
+                message = err.get("error", {}).get("message", text)
+            except (json.JSONDecodeError, AttributeError):
+                err, message = text, text
+            raise WeightSendError(f"{self._method} {route}: {resp.status}: {message}", resp.status, err)
+        return json.loads(payload or b"{}")
+
+    def answered(self) -> bool:
+        """Whether the answer to the request sent has arrived (or the connection closed): readable now."""
+        sock = self.conn.sock if self.conn is not None else None
+        return sock is None or bool(select.select([sock], [], [], 0)[0])
+
+    def _retry(self, route: str) -> None:
+        self.close()
+        self._reused = False
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        self.conn = cls(self.host, self.port, timeout=self.timeout_s)
+        self.conn.request(self._method, self.prefix + route, body=self._sent, headers=self.headers)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 class _Clock:

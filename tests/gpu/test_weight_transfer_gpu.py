@@ -1,8 +1,12 @@
 """CUDA IPC and NCCL weight transfer into a real server on the GPU (the CPU twins run in CI).
 
-A llama-tiny checkpoint of random weights is served; a perturbed copy is loaded once from disk for
-the reference greedy tokens; then the same tensors are pushed from this process (same GPU: IPC,
-packed and per-tensor handles; second GPU: NCCL) and the greedy tokens must be the same.
+A llama-tiny checkpoint of random weights is served (its decode steps replay CUDA graphs, so a push
+that moved a parameter would show); two other weight sets, A and B, are loaded once each from disk
+for the reference greedy tokens; then pushes alternate between A and B (same GPU: IPC, packed and
+per-tensor handles; second GPU: NCCL, every receive path), each checked against the disk load of the
+same weights. Alternating makes every push change the weights, so a push that landed nothing fails.
+Lean on purpose (one server per backend, started while the weight sets are made; one request per
+check; a decode batch of at most 4 sequences, so 3 graphs to capture): the stage has ~60 s.
 """
 from __future__ import annotations
 
@@ -33,66 +37,78 @@ def checkpoint(folder, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]
             .to(torch.bfloat16) for n, p in model.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def save(tensors: dict[str, torch.Tensor], folder) -> None:
     from safetensors.torch import save_file
 
-    base = model_folder("llama-tiny", tmp_path_factory.mktemp("models"), max_position_embeddings=1024)
-    save_file(checkpoint(base, 0), str(base / "model.safetensors"))
-    other = tmp_path_factory.mktemp("perturbed")
-    perturbed = checkpoint(base, 1)
-    save_file(perturbed, str(other / "model.safetensors"))
-    return base, other, perturbed
+    save_file(tensors, str(folder / "model.safetensors"))
 
 
-def greedy(server) -> list[list[int]]:
-    out = []
-    for ids in PROMPT_IDS:
-        r = httpx.post(server.url + "/v1/completions", timeout=120,
-                       json={"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0})
-        assert r.status_code == 200, r.text
-        out.append(r.json()["choices"][0]["logprobs"]["tokens"])
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    folder = model_folder("llama-tiny", tmp_path_factory.mktemp("models"), max_position_embeddings=1024)
+    save(checkpoint(folder, 0), folder)
+    return folder
+
+
+def weight_sets(base, tmp_path_factory) -> dict[str, tuple]:
+    """{"A": (folder, tensors), "B": ...}: two other weight sets, each also on disk for its reference."""
+    out = {}
+    for name, seed in (("A", 1), ("B", 2)):
+        folder = tmp_path_factory.mktemp(f"weights-{name}")
+        tensors = checkpoint(base, seed)
+        save(tensors, folder)
+        out[name] = (folder, tensors)
     return out
 
 
-def serve(folder, backend: str, env=None) -> ServerProcess:
+def greedy(server) -> list[list[str]]:
+    """Both prompts in one request: 8 greedy tokens each."""
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    return [c["logprobs"]["tokens"] for c in choices]
+
+
+def launch(folder, backend: str, env=None) -> ServerProcess:
     return ServerProcess([str(folder), "--device", "cuda", "--max-model-len", "512", "--kv-cache-memory", "1GiB",
-                          "--dev-mode", "--weight-transfer-config", json.dumps({"backend": backend, "timeout_s": 60})],
-                         env=env).start()
+                          "--max-num-seqs", "4", "--dev-mode",
+                          "--weight-transfer-config", json.dumps({"backend": backend, "timeout_s": 60})],
+                         env=env).launch()
 
 
-def reference(server, perturbed_folder) -> tuple[list, list]:
-    original = greedy(server)
-    assert httpx.post(server.url + "/update_weights", json={"path": str(perturbed_folder)}, timeout=300).status_code == 200
-    expected = greedy(server)
-    assert expected != original
-    assert httpx.post(server.url + "/update_weights", json={}, timeout=300).status_code == 200
-    assert greedy(server) == original
-    return original, expected
+def references(server, sets) -> dict[str, list]:
+    """Greedy tokens after a disk load of each weight set; they must differ (or no push could be told)."""
+    refs = {}
+    for name, (folder, _) in sets.items():
+        r = httpx.post(server.url + "/update_weights", json={"path": str(folder)}, timeout=300)
+        assert r.status_code == 200, r.text
+        refs[name] = greedy(server)
+    assert refs["A"] != refs["B"]
+    return refs
 
 
-def test_ipc_push_packed_and_per_tensor(folders):
-    base, other, perturbed = folders
-    server = serve(base, "ipc")
+def test_ipc_push_packed_and_per_tensor(base, tmp_path_factory):
+    server = launch(base, "ipc")
     try:
-        original, expected = reference(server, other)
-        named = [(n, t.cuda()) for n, t in perturbed.items()]
+        sets = weight_sets(base, tmp_path_factory)
+        server.wait_ready()
+        refs = references(server, sets)  # B is served now
+        named = {k: [(n, t.cuda()) for n, t in tensors.items()] for k, (_, tensors) in sets.items()}
         sender = WeightSender(server.url, backend="ipc", bucket_bytes=4 << 20)
         sender.init()
-        report = sender.send(named, weight_version="ipc-packed")
+        report = sender.send(named["A"], weight_version="ipc-packed")
         assert report["server"]["weights_valid"] is True
-        assert greedy(server) == expected
-        assert httpx.post(server.url + "/update_weights", json={}, timeout=300).status_code == 200
-        assert greedy(server) == original
-        # vLLM's unpacked form: one handle per tensor.
+        assert greedy(server) == refs["A"]
+        # vLLM's unpacked form: one handle per tensor, in one plain update (a session of its own).
         from torch.multiprocessing.reductions import reduce_tensor
         uuid = str(torch.cuda.get_device_properties(0).uuid)
-        update = {"names": [n for n, _ in named], "dtype_names": ["bfloat16"] * len(named),
-                  "shapes": [list(t.shape) for _, t in named], "packed": False,
-                  "ipc_handles_pickled": safe_pickle.dumps_b64([{uuid: reduce_tensor(t)[1]} for _, t in named])}
+        update = {"names": [n for n, _ in named["B"]], "dtype_names": ["bfloat16"] * len(named["B"]),
+                  "shapes": [list(t.shape) for _, t in named["B"]], "packed": False,
+                  "ipc_handles_pickled": safe_pickle.dumps_b64([{uuid: reduce_tensor(t)[1]} for _, t in named["B"]])}
         r = httpx.post(server.url + "/update_weights", json={"update_info": update}, timeout=300)
         assert r.status_code == 200, r.text
-        assert greedy(server) == expected
+        assert greedy(server) == refs["B"]
         sender.close()
     finally:
         server.stop()
@@ -110,37 +126,38 @@ def flat(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL transfer needs two GPUs")
-def test_nccl_push_from_another_gpu(folders):
-    """Every receive path on real streams: buckets unpacked on the copy stream (4 MiB buckets of
-    several tensors), buckets broadcast straight into the parameters (1-byte buckets: one tensor
-    each), one broadcast per tensor (packed=False), and a trainer with a flat buffer (no packing).
-    Each push is checked against a disk load of the same weights, from the original weights."""
-    base, other, perturbed = folders
-    server = serve(base, "nccl", env={"CUDA_VISIBLE_DEVICES": "1"})
+def test_nccl_push_from_another_gpu(base, tmp_path_factory):
+    """Every receive path on real streams, one server: buckets unpacked on the copy stream (4 MiB
+    buckets of several tensors), buckets broadcast straight into the parameters (1-byte buckets: one
+    tensor each), one broadcast per tensor (packed=False), and a trainer with a flat buffer (no
+    packing, unpacked on the server). Each push is checked against a disk load of the same weights."""
+    server = launch(base, "nccl", env={"CUDA_VISIBLE_DEVICES": "1"})
     try:
-        original, expected = reference(server, other)
-        named = [(n, t.cuda(0)) for n, t in perturbed.items()]
+        sets = weight_sets(base, tmp_path_factory)
+        named = {k: [(n, t.cuda(0)) for n, t in tensors.items()] for k, (_, tensors) in sets.items()}
+        server.wait_ready()
+        refs = references(server, sets)  # B is served now
         sender = WeightSender(server.url, backend="nccl", device="cuda:0", bucket_bytes=4 << 20, timeout_s=60)
         sender.init()
-        cases = [("staged", dict(bucket_bytes=4 << 20, packed=True), named),
-                 ("in place", dict(bucket_bytes=1, packed=True), named),
-                 ("per tensor", dict(packed=False), named),
-                 ("flat trainer", dict(bucket_bytes=4 << 20, packed=True), flat(named))]
-        for what, settings, tensors in cases:
+        cases = [("staged", dict(bucket_bytes=4 << 20, packed=True), "A", False),
+                 ("in place", dict(bucket_bytes=1, packed=True), "B", False),
+                 ("per tensor", dict(packed=False), "A", False),
+                 ("flat trainer", dict(bucket_bytes=4 << 20, packed=True), "B", True)]
+        for what, settings, which, flat_buffer in cases:
             for k, v in settings.items():
                 setattr(sender, k, v)
+            tensors = flat(named[which]) if flat_buffer else named[which]
             report = sender.send(tensors, weight_version=f"nccl-{what}")
             timings = report["update"]["timings"]
             assert report["server"]["weights_valid"] is True, (what, report)
+            assert report["server"]["weight_version"] == f"nccl-{what}", (what, report)
             if what == "staged":
                 assert timings["staged"] >= 1, timings
             elif what == "flat trainer":
                 assert report["sender"]["staged"] == 0 and timings["staged"] >= 1, (report["sender"], timings)
             else:
-                assert timings["staged"] == 0 and timings["direct"] == len(named), (what, timings)
-            assert greedy(server) == expected, what
-            assert httpx.post(server.url + "/update_weights", json={}, timeout=300).status_code == 200
-            assert greedy(server) == original, what
+                assert timings["staged"] == 0 and timings["direct"] == len(tensors), (what, timings)
+            assert greedy(server) == refs[which], what
         sender.close()
     finally:
         server.stop()
