@@ -197,6 +197,7 @@ def best_send(sender: WeightSender, named, rounds: int = 3) -> dict:
 def breakdown(report: dict) -> dict:
     """What one send spent where: host phases, the trainer's buckets, the server's receive."""
     return {"seconds": report["seconds"], "phases": report.get("phases", {}), "sender": report.get("sender", {}),
+            "stages": stage_times(report.get("walls") or {}, report.get("update")),
             "server": (report.get("update") or {}).get("timings", {}),
             "server_receive_s": (report.get("update") or {}).get("seconds")}
 
@@ -235,6 +236,20 @@ def push_modes(sender: WeightSender, named, buckets: list[int], backend: str, de
     control(sender, named, row)
 
 
+# An update's stages, from the trainer's and the server's wall clocks (one host): the sender's `walls`
+# and the server's `clock` in its answer.
+STAGES = [("trainer -> API", "posted", "api_in"), ("API -> engine thread", "api_in", "engine_in"),
+          ("engine -> transfer thread", "engine_in", "transfer_in"), ("go-ahead -> trainer", "transfer_in", "ready_seen"),
+          ("bytes", "ready_seen", "landed"),
+          ("landed -> engine thread", "landed", "closing"), ("engine -> API", "closing", "api_out"),
+          ("API -> trainer", "api_out", "answer_read")]
+
+
+def stage_times(walls: dict, update: dict | None) -> dict[str, float]:
+    moments = {**((update or {}).get("clock") or {}), **walls}
+    return {name: moments[b] - moments[a] for name, a, b in STAGES if a in moments and b in moments}
+
+
 def control(sender: WeightSender, named, row: dict, rounds: int = 30) -> None:
     """Where a push's HTTP round trips go: the median of `rounds` of each control call, through the
     sender's own kept-alive connection, with one small tensor (no data to speak of). The floors: GET
@@ -252,18 +267,22 @@ def control(sender: WeightSender, named, row: dict, rounds: int = 30) -> None:
         fn()
         calls[key].append(time.perf_counter() - t0)
 
+    where: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
     for i in range(rounds + 3):  # the first 3: warm-up
         lap("health", lambda: sender._http.get("/health"))
         lap("engine_floor", lambda: sender.post("/reset_prefix_cache", {}))
         lap("start", lambda: sender.post("/start_weight_update", {}))
         clock = _Clock()
-        lap("update", lambda: sender._send_broadcast(small, clock, None) if distributed
-            else sender._send_handles(small, clock))
+        answer: dict = {}
+        lap("update", lambda: answer.update(sender._send_broadcast(small, clock, None)[0] if distributed
+                                            else sender._send_handles(small, clock)[0]))
         calls["update_ready"].append(clock.laps.get("ready_s", 0.0))
+        for name, seconds in stage_times(clock.walls, answer).items():
+            where[name].append(seconds)
         lap("finish", lambda: sender.post("/finish_weight_update", {}))
         lap("push", lambda: sender.send(small))
         if i < 3:
-            for v in calls.values():
+            for v in [*calls.values(), *where.values()]:
                 v.clear()
     row["control_ms"] = {k: statistics.median(v) * 1e3 for k, v in calls.items()}
     row["control_s"] = min(calls["push"])
@@ -273,6 +292,10 @@ def control(sender: WeightSender, named, row: dict, rounds: int = 30) -> None:
           f"{c['start']:.2f}, update of one tensor {c['update']:.2f}"
           + (f" (server receiving after {c['update_ready']:.2f})" if distributed else "")
           + f", finish {c['finish']:.2f}; one-tensor push as WeightSender sends it {c['push']:.2f}", flush=True)
+    if all(where.values()):
+        row["update_stages_ms"] = {k: statistics.median(v) * 1e3 for k, v in where.items()}
+        print("  one-tensor update, where (median ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in row["update_stages_ms"].items()), flush=True)
 
 
 def print_breakdown(rows: list[dict], backend: str) -> None:
@@ -311,9 +334,16 @@ def print_breakdown(rows: list[dict], backend: str) -> None:
                                 "trainer in place/packed",
                                 "pack GPU", "server in place/unpacked", "unpack GPU", "server enqueue", "server wait",
                                 "server alloc", "server receive"]))
-            print("start/ready/data/answer/finish: the trainer's host phases (POST start; POST update until the server "
-                  "says it receives; broadcasting until the last bucket left; the update's answer; POST finish). "
-                  "in place = broadcast from/into the tensors' own memory; packed/unpacked = through a bucket buffer.")
+            staged = [[label, *(ms(b["stages"].get(name)) for name, _, _ in STAGES)]
+                      for label, b in r["breakdown"].items() if b.get("stages")]
+            if staged:
+                print(table(staged, ["mode", *(name for name, _, _ in STAGES)]))
+            print("start/ready/data/answer/finish: the trainer's host phases (start: folded into the update, so "
+                  "~0; POST update until the server says it receives; broadcasting until the last bucket left; the "
+                  "update's answer; the finish's answer, posted at 'ready'). in place = broadcast from/into the "
+                  "tensors' own memory; packed/unpacked = through a bucket buffer. Second table: the update's "
+                  "stages from both sides' wall clocks (bytes: from the trainer's go-ahead to the server's last "
+                  "byte landed).")
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ transfer).
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -118,8 +119,11 @@ async def _update(request: Request, info: UpdateInfo) -> dict:
     """Checked, received and written in the engine process; the engine finishes the write even if
     this client goes away."""
     engine = service(request)
+    api_in = time.time()
     report = await engine.transfer_update(info.model_dump())
     state = engine.state
+    if "clock" in report:  # wall-clock times of the update's stages, for bench/weight_transfer.py
+        report["clock"].update(api_in=api_in, api_out=time.time())
     return {**report, "weights_valid": state.weights_valid, "weight_version": state.weight_version,
             "state": state.as_dict()}
 

@@ -141,7 +141,7 @@ class WeightSender:
         send_seconds = seconds - clock.laps["finish_s"]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return {"bytes": nbytes, "send_seconds": send_seconds, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
-                "phases": clock.laps, "sender": sender, "update": update, "server": done}
+                "phases": clock.laps, "walls": clock.walls, "sender": sender, "update": update, "server": done}
 
     def _meta(self, named: list[tuple[str, torch.Tensor]]) -> dict:
         return {"names": [n for n, _ in named], "dtype_names": [dtype_name(t.dtype) for _, t in named],
@@ -181,15 +181,18 @@ class WeightSender:
                 "sleepserve_ready_key": key}
         if open_session:
             info["sleepserve_start_session"] = True
+        clock.wall("posted")
         self._http2.send("/update_weights", {"update_info": info})  # its answer is read after the broadcast
         try:
             self._wait_ready(key, "/update_weights")
+            clock.wall("ready_seen")
             if finish_body is not None:
                 self._http.send("/finish_weight_update", finish_body)  # its answer is read last
             clock.lap("ready_s")
             stats = self._broadcast([t for _, t in named])
             clock.lap("data_s")
             update = self._http2.receive("/update_weights")
+            clock.wall("answer_read")
             clock.lap("answer_s")
         except BaseException:
             # An answer left unread (a failure too) would be taken for the next one: drop the connections.
@@ -407,6 +410,10 @@ class _Clock:
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self.walls: dict[str, float] = {}  # wall-clock moments, comparable with the server's `clock`
+
+    def wall(self, name: str) -> None:
+        self.walls[name] = time.time()
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()

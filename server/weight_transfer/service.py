@@ -196,6 +196,7 @@ class WeightTransferService:
         future is resolved on the engine thread once the write is closed there (the command's reply);
         once the write has begun it is closed whatever happens to the HTTP request that asked."""
         key = info.get("sleepserve_ready_key")
+        clock = {"engine_in": time.time()}  # wall-clock times of the update's stages (the bench's breakdown)
         try:
             update = self._update(info)
             if info.get("sleepserve_start_session"):  # one round trip less for our sender: start, in this call
@@ -209,15 +210,17 @@ class WeightTransferService:
             raise
         done: Future = Future()
         self._after_write = []
-        self._thread.submit(self._receive, update, done)
+        self._thread.submit(self._receive, update, done, clock)
         return done
 
-    def _receive(self, update: Update, done: Future) -> None:
+    def _receive(self, update: Update, done: Future, clock: dict[str, float]) -> None:
         """Transfer thread: tell our sender to go, receive, hand the outcome to the engine thread."""
         t0 = time.perf_counter()
         try:
+            clock["transfer_in"] = time.time()
             self.receiver.signal(update.ready_key, "ok")
             loaded = self._receive_all(update)
+            clock["landed"] = time.time()
         except TransferFailedError as e:
             log.error("%s", e)
             error = EngineUnavailableError(f"{e}; the weights are marked invalid until a complete update" if e.loaded
@@ -232,12 +235,14 @@ class WeightTransferService:
         seconds = time.perf_counter() - t0
         report = {"tensors": len(loaded), "bytes": update.nbytes, "seconds": seconds,
                   "gb_per_s": update.nbytes / seconds / 1e9 if seconds > 0 else None,
-                  "timings": self.receiver.last_stats}
+                  "timings": self.receiver.last_stats, "clock": clock}
         self.defer(lambda: self._written(done, loaded, None, report))
 
     def _written(self, done: Future, loaded: set[str], error: BaseException | None, report: dict | None) -> None:
         """Engine thread: close the write, answer the update, then run the finishes that waited for it."""
         waiting, self._after_write = self._after_write or [], None
+        if report is not None:
+            report["clock"]["closing"] = time.time()
         answer: Any = report
         try:
             if weight_session.end_write(self.core, loaded, failed=error is not None) is not None:
