@@ -186,10 +186,20 @@ class WeightSender:
         try:
             self._wait_ready(key, "/update_weights")
             clock.wall("ready_seen")
-            if finish_body is not None:
-                self._http.send("/finish_weight_update", finish_body)  # its answer is read last
             clock.lap("ready_s")
-            stats = self._broadcast([t for _, t in named])
+
+            finish_sent = finish_body is None
+
+            def post_finish() -> None:
+                nonlocal finish_sent
+                if not finish_sent:
+                    self._http.send("/finish_weight_update", finish_body)  # its answer is read last
+                    finish_sent = True
+            if self.group.stream is None:  # gloo: each broadcast returns when its bytes are there, so now
+                post_finish()
+            # NCCL: once the first bucket is enqueued (the host returns at once): off the data's path.
+            stats = self._broadcast([t for _, t in named], post_finish)
+            post_finish()  # nothing was sent
             clock.lap("data_s")
             update = self._http2.receive("/update_weights")
             clock.wall("answer_read")
@@ -201,7 +211,7 @@ class WeightSender:
             raise
         return update, stats, None if finish_body is None else self._http.receive("/finish_weight_update")
 
-    def _broadcast(self, tensors: list[torch.Tensor]) -> dict:
+    def _broadcast(self, tensors: list[torch.Tensor], after_first: Callable[[], None] | None = None) -> dict:
         """Enqueue every broadcast, then wait for them in order (no host wait per bucket). A bucket
         whose tensors already lie back to back in one storage (protocol.region) is broadcast from
         there; any other is packed into one of two reused slots on a pack stream, the next pack into
@@ -218,6 +228,8 @@ class WeightSender:
             for i, t in enumerate(tensors):
                 pending.append(group.broadcast(t))
                 direct += 1
+                if i == 0 and after_first is not None:
+                    after_first()
                 if self.after_bucket:
                     self.after_bucket(i)
         else:
@@ -252,6 +264,8 @@ class WeightSender:
                             timed.append((start, _event(stream)))
                             free[s] = group.broadcast(buf)
                         pending.append(free[s])
+                if k == 0 and after_first is not None:
+                    after_first()
                 if self.after_bucket:
                     self.after_bucket(k)
         for token in pending:
