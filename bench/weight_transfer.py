@@ -311,6 +311,12 @@ def print_breakdown(rows: list[dict], backend: str) -> None:
                 f"packing alone on the trainer {ms(r.get('pack_alone_s'))}" if "pack_alone_s" in r else None,
                 f"one-tensor push (HTTP round trips, no data; best) {ms(r.get('control_s'))}"]
         print("; ".join(x for x in refs if x))
+        c = r.get("control_ms")
+        if c:
+            print(f"control calls (median ms): GET /health {c['health']:.2f}, POST /reset_prefix_cache "
+                  f"{c['engine_floor']:.2f}, start {c['start']:.2f}, one-tensor update {c['update']:.2f}, finish "
+                  f"{c['finish']:.2f}, one-tensor push {c['push']:.2f}; the update's stages: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in (r.get("update_stages_ms") or {}).items()))
         lines = []
         for label, b in r["breakdown"].items():
             ph, snd, srv = b["phases"], b["sender"], b["server"]

@@ -90,7 +90,7 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A16 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver)" "$LOG" || true
+grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver)" "$LOG" || true
 grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
 grep -h -E "^TP=[0-9].* (batch [0-9]+: decode step|started in)" "$LOG" || true
