@@ -6,7 +6,7 @@ engine is not stepping while a transfer session may write), for the moment they 
 weights are worth (server/engine/weight_session.py). Everything that blocks (rendezvous, receives,
 copies, releasing IPC mappings) runs on one transfer thread, in order; a receive hands its result
 back to the engine thread (`defer`), which closes the write and answers. So an update costs two
-thread hand-offs (engine -> transfer -> engine), not six, and no step runs on half-written weights.
+thread hand-offs (engine -> transfer -> engine), not eight, and no step runs on half-written weights.
 init and SGLang's update_from_tensor block as a whole and run on a command thread.
 """
 from __future__ import annotations
