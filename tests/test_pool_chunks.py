@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,41 @@ def test_a_chunk_that_is_not_mapped_yet_cannot_be_read():
     assert "first 0.0" in out.stdout, out.stderr[-2000:]
     assert "third" not in out.stdout
     assert out.returncode == -11, (out.returncode, out.stderr[-2000:])
+
+
+def test_the_mapper_gives_way_while_busy_unless_someone_waits(tmp_path):
+    """yield_mapping_while: while busy() the background mapper holds back (max_wait_s None: entirely),
+    a thread waiting for chunks makes it map at once, and once idle it maps the rest."""
+    pool = MemoryPool(HostBackend(tmp_path))
+    busy = threading.Event()
+    busy.set()
+    pool.yield_mapping_while(busy.is_set, max_wait_s=None)
+    try:
+        t = chunked(pool)
+        pool.sleep(discard_tags=["kv_cache"])
+        pool.wake_up()
+        time.sleep(0.3)  # a mapper that did not hold back would have mapped both chunks by now
+        assert pool.chunks_ready("kv_cache") == 1
+        assert pool.wait_chunks("kv_cache", 2, timeout=30) >= 2  # a waiter: mapped while busy
+        busy.clear()
+        assert pool.wait_chunks("kv_cache", 3, timeout=30) == 3
+        t.fill_(4.0)
+        assert torch.all(t == 4.0)
+    finally:
+        pool.close()
+
+
+def test_a_busy_foreground_only_paces_the_mapper(tmp_path):
+    """With max_wait_s the mapper still maps a piece at least that often: the cache fills while busy."""
+    pool = MemoryPool(HostBackend(tmp_path))
+    pool.yield_mapping_while(lambda: True, max_wait_s=0.005)
+    try:
+        chunked(pool)
+        pool.sleep(discard_tags=["kv_cache"])
+        pool.wake_up()
+        deadline = time.monotonic() + 30
+        while pool.chunks_ready("kv_cache") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.chunks_ready("kv_cache") == 3
+    finally:
+        pool.close()

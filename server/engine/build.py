@@ -129,6 +129,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
     if parts.runner.kv_chunked:
         blocks.residency = KVChunks(parts.pool, KV_CACHE, plan.chunk_bounds)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(parts.pool.device))
+    if parts.runner.kv_chunked:
+        # After a wake, the rest of the KV cache maps in the background: while requests run it maps
+        # a piece at most every 20 ms, unless the scheduler waits for blocks (then at full speed).
+        parts.pool.yield_mapping_while(lambda: scheduler.has_work)
     return EngineCore(
         config=config, device=parts.pool.device, dtype=parts.runner.dtype, model_path=source.folder,
         model_config=model_config, served_model_name=config.served_model_name or source.name, tokenizer=tokenizer,
