@@ -115,6 +115,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "(symm where its start-up probe passes, else nccl); CPU always uses gloo", "auto",
            choices=("auto", "nccl", "symm")),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
+    Option("--async-scheduling", "schedule and launch the next step while the device runs this one, and finish "
+           "this one's outputs meanwhile (tensor parallelism stays synchronous)", False, boolean,
+           negation="--no-async-scheduling"),
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),
     Option("--offload-dir", "CPU device: folder for offloaded weights while asleep (default: the temp folder)",
@@ -237,6 +240,7 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "kv_cache_memory": values["kv_cache_memory"], "gpu_memory_utilization": values["gpu_memory_utilization"],
         "load_format": values["load_format"], "served_model_name": values["served_model_name"],
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
+        "async_scheduling": values["async_scheduling"],
         "seed": values["seed"], "tensor_parallel_size": values["tensor_parallel_size"],
         "tp_all_reduce": values["tp_all_reduce"],
         "offload_dir": values["offload_dir"], "prepare_backups": values["prepare_backups"],

@@ -40,6 +40,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = True
     enforce_eager: bool = False               # no CUDA graphs
+    # Launch step t+1 before step t's tokens reach the host, and do t's host work while t+1 runs
+    # (server/engine/core.py); off until the gain is measured. Tensor parallelism stays synchronous.
+    async_scheduling: bool = False
     seed: int = 0
     # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes
     # it starts (server/engine/parallel/), one GPU each (gloo on CPU).

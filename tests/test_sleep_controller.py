@@ -20,11 +20,14 @@ class FakeEngine:
     def __init__(self, pool):
         self.pool = pool
         self.unfinished = 0
-        self.aborted = self.preempted = self.resets = 0
+        self.aborted = self.preempted = self.resets = self.drains = 0
 
     @property
     def has_unfinished(self) -> bool:
         return self.unfinished > 0
+
+    def drain(self) -> None:
+        self.drains += 1
 
     def abort_all(self) -> int:
         n, self.unfinished = self.unfinished, 0
@@ -105,6 +108,7 @@ def test_pending_sleep_drains_then_refuses_a_second(engine):
     assert ctl.ready
     report = ctl.finish_sleep()
     assert report.changed and report.aborted == 0 and not ctl.state.draining and ctl.state.level == 1
+    assert engine.drains == 1  # the step in flight (async scheduling) ended before the memory went
 
 
 def test_keep_preempts_only_when_memory_goes(engine):

@@ -1,8 +1,18 @@
 """The engine: owns the model runner, the scheduler and the requests; its SleepController owns the
 sleep state machine.
 
-Synchronous and single-threaded by design: the async engine (engine.py) and the in-process LLM
-(server/llm.py) drive it from one thread each, so every transition here is serialized.
+Single-threaded by design: the engine process (process.py) and the in-process LLM (server/llm.py)
+drive it from one thread each, so every transition here is serialized.
+
+With async scheduling (config.async_scheduling, vLLM's --async-scheduling) a step leaves its batch in
+flight on the device: step() launches step t+1 and then records step t (tokens, stops, text, outputs)
+while the device computes t+1. When every sequence of t goes on decoding, t+1 is scheduled before t's
+tokens reach the host (Scheduler.schedule_ahead) and takes its input ids from the device tensor t's
+sampler wrote; a sequence that stops at t has computed one token too many in t+1, which is dropped
+(its blocks were freed at t: the device writes into them only before any later step reuses them, in
+stream order). Otherwise (admissions, prefill chunks, grammars, penalties, preemption) t is recorded
+first and t+1 scheduled from the host's state, still launched before step() returns. Anything that
+changes what a step reads or writes (sleep, pause, weight updates, the prefix cache) calls drain() first.
 """
 from __future__ import annotations
 
@@ -23,9 +33,9 @@ from server.engine.memory_plan import KVPlan
 from server.engine.outputs import RequestOutput
 from server.engine.params import RequestOutputKind, SamplingParams
 from server.engine.prompt_check import check_prompt_ids
-from server.engine.runner import ModelRunner, Sampled
+from server.engine.runner import Launched, ModelRunner, Sampled
 from server.engine.scheduler import ScheduledBatch, Scheduler
-from server.engine.sequence import Request, Sequence
+from server.engine.sequence import Request, Sequence, SeqStatus
 from server.engine.sleep_controller import SleepController
 from server.engine.sleep_state import SleepState
 from server.engine.structured import GrammarCompiler
@@ -79,6 +89,12 @@ class EngineCore:
         # Set by wire_outputs() in the engine process: what receives each advanced request instead of
         # RequestOutputs built for its on_output.
         self._wire_sink: Callable[[Request], None] | None = None
+        # Async scheduling: the step on the device whose tokens are not recorded yet (drain() records it).
+        self.async_scheduling = config.async_scheduling and runner.supports_async
+        if config.async_scheduling and not runner.supports_async:
+            log.info("async scheduling is off: tensor parallelism sends each step's inputs from the host")
+        self._inflight: Launched | None = None
+        self.steps_ahead = 0  # steps launched before the previous one's tokens reached the host (benches, tests)
         # The sleep state machine's one owner; memory state per tag lives in the pool.
         self.sleep_control = SleepController(self, config.enable_sleep_mode, weight_version)
 
@@ -193,13 +209,17 @@ class EngineCore:
 
     @property
     def can_step(self) -> bool:
-        return self.scheduler.has_work and self.sleep_state.can_run
+        return (self.scheduler.has_work or self._inflight is not None) and self.sleep_state.can_run
 
     def preempt_all(self) -> None:
+        self.drain()
         self.scheduler.preempt_all()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and return an output for each request it advanced."""
+        """Schedule one batch, run it, and return an output for each request it advanced. With async
+        scheduling: launch the next batch, and return the outputs of the one that was in flight."""
+        if self.async_scheduling:
+            return self._step_async()
         self.step_tokens = 0
         if not self.can_step:
             return []
@@ -213,6 +233,55 @@ class EngineCore:
         sampled, scored = self.runner.execute(batch, self.eos_ids, self.tokenizer)
         self.step_tokens = batch.num_tokens
         return self.postprocess(batch, sampled, scored)
+
+    def _step_async(self) -> list[RequestOutput]:
+        self.step_tokens = 0
+        prev, self._inflight = self._inflight, None  # an error below leaves nothing in flight
+        nxt = None
+        if (prev is not None and prev.meta is not None and prev.meta.can_follow and self.sleep_state.can_run
+                and len(prev.hb.sample_seqs) == len(prev.batch.items)):
+            seqs = prev.hb.sample_seqs
+            ahead = self.scheduler.schedule_ahead(seqs, self.max_model_len)
+            if ahead is not None:
+                batch, rows = ahead
+                ids = prev.tokens
+                if len(rows) < len(seqs):
+                    ids = ids[torch.tensor(rows, device=ids.device)]  # type: ignore[index]
+                nxt = self._launch(batch, ids)
+                self.steps_ahead += 1
+        outputs = self._record(prev) if prev is not None else []
+        if nxt is None and self.scheduler.has_work and self.sleep_state.can_run:
+            batch = self.scheduler.schedule()
+            if batch:
+                nxt = self._launch(batch, None)
+        self._inflight = nxt
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, ids: torch.Tensor | None) -> Launched:
+        started = time.monotonic()
+        for seq, _ in batch.items:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = started
+        launched = self.runner.launch(batch, self.eos_ids, self.tokenizer, ids)
+        self.step_tokens = batch.num_tokens
+        return launched
+
+    def _record(self, launched: Launched) -> list[RequestOutput]:
+        """postprocess() a launched step once its tokens are on the host. A sequence that ended after it was
+        scheduled (a stop in the step before, an abort) is no longer running: what it computed is dropped."""
+        sampled, scored = launched.collect()
+        batch = launched.batch
+        items = [it for it in batch.items if it[0].status is SeqStatus.RUNNING]
+        if len(items) < len(batch.items):
+            batch = ScheduledBatch(items, batch.preempted, sum(n for _, n in items))
+            sampled = [x for x in sampled if x[0].status is SeqStatus.RUNNING]
+        return self.postprocess(batch, sampled, scored)
+
+    def drain(self) -> list[RequestOutput]:
+        """Record the step in flight, if any (async scheduling): afterwards nothing runs on the device for
+        this engine and every sequence's state is the host's. Returns the outputs it made."""
+        prev, self._inflight = self._inflight, None
+        return self._record(prev) if prev is not None else []
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sampled],
                     scored: Iterable[tuple[Request, list]] = ()) -> list[RequestOutput]:
@@ -266,6 +335,7 @@ class EngineCore:
             preemptions=self.scheduler.num_preemptions)
 
     def reset_prefix_cache(self) -> None:
+        self.drain()
         self.blocks.reset_prefix_cache()
 
     # -- weights ---------------------------------------------------------------------------------
@@ -279,6 +349,7 @@ class EngineCore:
         from this checkpoint (the HTTP route reads files off the engine thread), `served` when it is
         the served one; they are then checked and reported as a path would be."""
         self.sleep_control.check_weight_update()
+        self.drain()  # no step may read the weights while they change
         weights_valid = self.sleep_state.weights_valid
         t0 = time.perf_counter()
         if named_tensors is not None:
@@ -310,6 +381,11 @@ class EngineCore:
                 "weight_version": state.weight_version, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
+        try:
+            self.drain()
+        except Exception:  # a dead device: the memory is released all the same
+            log.warning("the step in flight failed while closing", exc_info=True)
+            self._inflight = None
         self.abort_all()
         self.pool.close()
 

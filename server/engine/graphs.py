@@ -53,8 +53,11 @@ class DecodeGraphs:
         self.lens.fill_(1)
         # What a padding row of each of ids, positions, slots, lengths holds.
         self.padding = (0, 0, NULL_BLOCK * runner.block_size, 1)
-        self.host = torch.zeros(self.stage.shape, dtype=torch.long, pin_memory=True)
-        self.host_np = self.host.numpy()
+        # Two pinned host buffers, used in turn, each with the event of the last copy out of it: with
+        # async scheduling the next step is staged while the previous step's copy may still be queued.
+        self.hosts = [torch.zeros(self.stage.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every graph writes its logits (model dtype) into the first rows of this one buffer.
         model = runner.model
@@ -97,7 +100,12 @@ class DecodeGraphs:
 
     def run(self, hb: "HostBatch") -> torch.Tensor:
         """Stage a decode batch, replay the graph of its bucket, return the sampled rows' logits."""
-        n, B, h = len(hb.ids), self.largest, self.host_np
+        n, B = len(hb.ids), self.largest
+        turn = self.turn = 1 - self.turn
+        host, copied = self.hosts[turn], self.copied[turn]
+        if copied is not None:
+            copied.synchronize()  # its last copy has long run in practice: the step before last
+        h = host.numpy()
         bucket = next(b for b in self.buckets if b >= n)
         w = max(len(t) for t in hb.decode_tables)
         for i, values in enumerate((hb.ids, hb.positions, hb.slots, hb.decode_lens)):
@@ -108,10 +116,13 @@ class DecodeGraphs:
         pad_tables(hb.decode_tables, w, h[base:base + n * w].reshape(n, w))
         h[base + n * w:base + bucket * w] = NULL_BLOCK
         used = base + bucket * w
-        # The host buffer is rewritten only after this step's results were read (a sync), so the
-        # asynchronous copy never races with the next fill.
-        self.stage[:used].copy_(self.host[:used], non_blocking=True)
+        self.stage[:used].copy_(host[:used], non_blocking=True)
+        if copied is None:
+            copied = self.copied[turn] = torch.cuda.Event()
+        copied.record()
         self.tables[:bucket, :w].copy_(self.stage[base:used].view(bucket, w))
+        if hb.ids_from is not None:  # async scheduling: the previous step's tokens, never on the host
+            self.input_ids[:n].copy_(hb.ids_from)
         self.runner.launched = time.perf_counter()
         self.graphs[bucket].replay()
         logits = self.logits[:n] if len(hb.sample_rows) == n else self.logits[hb.sample_rows]

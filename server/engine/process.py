@@ -92,11 +92,13 @@ class EngineServer:
     # -- from other threads ------------------------------------------------------------------------
 
     def on_engine(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Run fn(core) on the engine thread between two steps; block this (command) thread for it."""
+        """Run fn(core) on the engine thread between two steps, none in flight (these write weights or read
+        the engine's whole state); block this (command) thread for it."""
         fut: Future = Future()
 
         def run() -> None:
             try:
+                self.core.drain()
                 fut.set_result(fn(self.core))
             except BaseException as e:
                 fut.set_exception(e)

@@ -20,7 +20,7 @@ from allocator import PoolError
 from server.engine.grammar_masks import GrammarMasks, bit_values_on
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.outputs import TokenLogprobs
-from server.engine.sampler import SamplingMeta, prompt_logprobs, sample
+from server.engine.sampler import DeviceSample, SamplingMeta, prompt_logprobs, read_sample, sample, sample_on_device
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Request, Sequence
 from server.engine.tags import CUDA_GRAPH, KV_CACHE
@@ -51,6 +51,9 @@ class HostBatch:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_groups: list[tuple[Request, int]] = field(default_factory=list)
+    # Async scheduling: the input ids as a device tensor (the previous step's sampled tokens, in row
+    # order) instead of `ids`, which then holds placeholders: they never went through the host.
+    ids_from: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -69,6 +72,11 @@ def pad_tables(tables: list[list[int]], width: int, out: np.ndarray) -> None:
 
 
 class ModelRunner:
+    # Async scheduling (core.py) launches a step before the previous one's tokens reach the host, its
+    # input ids taken on the device. A tensor-parallel runner sends each step's inputs to its workers
+    # from the host, so it runs synchronously.
+    supports_async = True
+
     def __init__(self, model: LlamaForCausalLM, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
                  kv_chunk_bounds: tuple[int, ...] = ()):
         self.model = model
@@ -203,6 +211,19 @@ class ModelRunner:
         sample_seqs = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
         return HostBatch(ids, starts, slots, tables, lens, [], rows, sample_seqs)
 
+    def prepare_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> HostBatch:
+        """prepare() for a batch scheduled before the previous step's tokens reached the host (async
+        scheduling, core.py): one token per sequence, at position num_tokens (the token still in flight,
+        which the scheduler has room for already), its id taken on the device from `ids`."""
+        seqs = [seq for seq, _ in batch.items]
+        bs = self.block_size
+        starts = [s.num_tokens for s in seqs]
+        tables = [s.block_table for s in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
+        lens = [p + 1 for p in starts]
+        return HostBatch([0] * len(seqs), starts, slots, tables, lens, [], list(range(len(seqs))), seqs,
+                         ids_from=ids)
+
     def to_device(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """(input ids, positions, attention context, sample rows) on the device, from ONE host-to-
         device copy: small copies each cost a round of driver overhead, and a step has many."""
@@ -241,6 +262,8 @@ class ModelRunner:
             return self.graphs.run(hb), None
         self.launched, self.replayed = time.perf_counter(), False
         ids, positions, ctx, rows = self.to_device(hb)
+        if hb.ids_from is not None:
+            ids = hb.ids_from
         hidden = self.model(ids, positions, ctx)
         prompt_hidden = None
         if hb.prompt_rows:
@@ -251,17 +274,32 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer
                 ) -> tuple[list[Sampled], list[tuple[Request, list[TokenLogprobs]]]]:
         """(sampled tokens, new prompt log-prob entries per request), both from this one forward."""
-        hb = self.prepare(batch)
+        return self.launch(batch, eos_ids, tokenizer).collect()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer,
+               ids: torch.Tensor | None = None) -> "Launched":
+        """Queue a step on the device up to its sampled tokens' copy to the host; collect() waits for them.
+        ids: the batch was scheduled ahead (prepare_ahead): its input ids, on the device."""
+        hb = self.prepare(batch) if ids is None else self.prepare_ahead(batch, ids)
         logits, prompt_hidden = self.forward(hb)
         scored: list[tuple[Request, list[TokenLogprobs]]] = []
-        if prompt_hidden is not None:
+        if prompt_hidden is not None:  # synchronizes (a prefill with prompt log-probs is never overlapped)
             ks = [req.params.prompt_logprobs or 0 for req, count in hb.prompt_groups for _ in range(count)]
             entries = prompt_logprobs(self.model.compute_logits, prompt_hidden, hb.prompt_targets, ks, tokenizer)
             at = 0
             for req, count in hb.prompt_groups:
                 scored.append((req, entries[at:at + count]))
                 at += count
-        return self.sample(hb, logits, eos_ids, tokenizer), scored
+        if not hb.sample_seqs:
+            return Launched(batch, hb, None, None, scored, tokenizer, self.wire_logprobs)
+        # The grammar first: what it forbids is never sampled, whatever else applies.
+        self.masks.apply(logits, hb.sample_seqs)
+        meta = self._sampling
+        if meta is None or not meta.matches(hb.sample_seqs):
+            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+        ds = sample_on_device(logits, hb.sample_seqs, eos_ids, meta)
+        return Launched(batch, hb, ds, meta, scored, tokenizer, self.wire_logprobs)
 
     @torch.inference_mode()
     def sample(self, hb: HostBatch, logits: torch.Tensor, eos_ids: frozenset[int], tokenizer) -> list[Sampled]:
@@ -274,3 +312,28 @@ class ModelRunner:
             meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
         tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta, self.wire_logprobs)
         return list(zip(hb.sample_seqs, tokens, logprobs))
+
+
+@dataclass
+class Launched:
+    """A step queued on the device (ModelRunner.launch): its batch, inputs, and sampled tokens on their way
+    to the host. collect() waits for them; until then the host may prepare and launch the next step."""
+    batch: ScheduledBatch
+    hb: HostBatch
+    sampled: DeviceSample | None
+    meta: SamplingMeta | None
+    scored: list[tuple[Request, list[TokenLogprobs]]]
+    tokenizer: object
+    wire: bool
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The sampled tokens on the device, one per hb.sample_seqs, in order."""
+        return None if self.sampled is None else self.sampled.tokens
+
+    def collect(self) -> tuple[list[Sampled], list[tuple[Request, list[TokenLogprobs]]]]:
+        if self.sampled is None:
+            return [], self.scored
+        tokens, logprobs = read_sample(self.sampled, self.hb.sample_seqs, self.meta, self.tokenizer,  # type: ignore[arg-type]
+                                       self.wire)
+        return list(zip(self.hb.sample_seqs, tokens, logprobs)), self.scored

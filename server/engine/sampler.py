@@ -47,6 +47,9 @@ class SamplingMeta:
         params = [s.params for s in seqs]
         # Rows whose logits depend on their history (penalties, a bias, min_tokens): edited one by one.
         self.history = [i for i, p in enumerate(params) if p.logit_bias or p.needs_penalties or p.min_tokens]
+        # Whether the next step may be sampled before this one's tokens reach the host (async scheduling):
+        # not when a row's logits depend on its tokens (penalties, min_tokens) or its grammar's state.
+        self.can_follow = not any(p.needs_penalties or p.min_tokens or p.grammar is not None for p in params)
         greedy = [p.greedy for p in params]
         self.all_greedy = all(greedy)
         self.temps = self.greedy_rows = self.top_k = self.top_p = self.min_p = None
@@ -96,6 +99,35 @@ def _filter(scaled: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:
     return scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+class DeviceSample:
+    """A batch's sampled tokens (and log-prob table) on the device, on their way to the host: the copies
+    are queued behind the sampling (into pinned memory on CUDA) with an event, so the host can do other
+    work (async scheduling: launch the next step) before read() waits for them."""
+
+    def __init__(self, tokens: torch.Tensor, table: torch.Tensor | None, tokens_in_table: bool = False):
+        self.tokens = tokens  # [N] int64 on the device: the next step's input ids come from here
+        # Only what the host needs crosses: the table alone when its first column holds every token.
+        sources = [t for t in (None if tokens_in_table else tokens, table) if t is not None]
+        self._event = None
+        if tokens.device.type == "cuda":
+            # non_blocking device-to-host copies land in pinned memory, queued on the current stream.
+            self._host = [t.to("cpu", non_blocking=True) for t in sources]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = sources
+        self._has_tokens = not tokens_in_table
+        self._has_table = table is not None
+
+    def read(self) -> tuple[list[int] | None, torch.Tensor | None]:
+        """(the tokens as a list, or None when the table's first column holds them; the table or None)."""
+        if self._event is not None:
+            self._event.synchronize()
+        host = list(self._host)
+        tokens = host.pop(0).tolist() if self._has_tokens else None
+        return tokens, (host[0] if self._has_table else None)
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int], tokenizer=None,
            meta: SamplingMeta | None = None, wire: bool = False) -> tuple[list[int], list]:
     """logits [N, V] float32, one row per sequence that needs a token (grammar masks already applied).
@@ -103,6 +135,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int], 
     with `wire` WireLogprobs tuples (channel.py: the engine process sends them as they are)."""
     if meta is None or not meta.matches(seqs):
         meta = SamplingMeta(seqs, logits.device)
+    return read_sample(sample_on_device(logits, seqs, eos_ids, meta), seqs, meta, tokenizer, wire)
+
+
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
+                     meta: SamplingMeta) -> DeviceSample:
+    """The device half of sample(): everything up to the tokens and log-prob table, queued, with their
+    copies to the host; no synchronization (except rows that edit their logits from their history)."""
     for i in meta.history:
         s = seqs[i]
         p = s.params
@@ -121,17 +160,24 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int], 
         drawn = (probs / noise).argmax(-1)
         tokens = drawn if meta.greedy_rows is None else torch.where(meta.greedy_rows, tokens, drawn)
     if not meta.want:
-        return tokens.tolist(), [None] * len(seqs)
-    return _logprobs(logits, seqs, tokens, meta, tokenizer, wire)
+        return DeviceSample(tokens, None)
+    return DeviceSample(tokens, _logprob_table(logits, tokens, meta), tokens_in_table=meta.want_rows is None)
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, meta: SamplingMeta,
-              tokenizer, wire: bool = False) -> tuple[list[int], list]:
-    """The tokens, and for every row that asks, the sampled token's log-prob and rank plus the top-k:
-    computed for all those rows at once and read back with the tokens in one transfer (RL rollouts ask
-    for logprobs=0 on every token; a few syncs per row cost milliseconds a step at batch 256)."""
-    want = meta.want
-    result: list[TokenLogprobs | None] = [None] * len(seqs)
+def read_sample(ds: DeviceSample, seqs: list[Sequence], meta: SamplingMeta, tokenizer,
+                wire: bool = False) -> tuple[list[int], list]:
+    """The host half of sample(): waits for the copies, returns (tokens, log-probs per row)."""
+    tokens, table = ds.read()
+    if table is None:
+        return tokens, [None] * len(seqs)  # type: ignore[return-value]
+    return _logprobs(table, tokens, seqs, meta, tokenizer, wire)
+
+
+def _logprob_table(logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:
+    """For every row that asks, the sampled token's log-prob and rank plus the top-k, computed for all
+    those rows at once and read back with the tokens in one transfer (RL rollouts ask for logprobs=0 on
+    every token; a few syncs per row cost milliseconds a step at batch 256). Columns: token id, log-prob,
+    rank, then k top log-probs and k top ids (float64 holds every id and rank exactly)."""
     # Extreme penalties make ±inf logits and NaN log-probs, which JSON cannot carry: report them as
     # vLLM does, -9999.0 for anything not finite (and for -inf, the log-prob of a masked token).
     rows = logits if meta.want_rows is None else logits[meta.want_rows]
@@ -140,14 +186,19 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, 
     chosen_ids = (tokens if meta.want_rows is None else tokens[meta.want_rows])[:, None]
     chosen = rows.gather(1, chosen_ids)
     parts = [chosen_ids, chosen, (rows > chosen).sum(-1, keepdim=True) + 1]
-    k = meta.k
-    if k:
-        top_v, top_i = rows.topk(k, dim=-1)
+    if meta.k:
+        top_v, top_i = rows.topk(meta.k, dim=-1)
         parts += [top_v, top_i]
-    # One device-to-host transfer for everything (float64 holds every id and rank exactly); the columns
-    # are then split on the host.
-    table = torch.cat([p.to(torch.float64) for p in parts], dim=1).cpu()
-    token_list = table[:, 0].long().tolist() if meta.want_rows is None else tokens.tolist()
+    return torch.cat([p.to(torch.float64) for p in parts], dim=1)
+
+
+def _logprobs(table: torch.Tensor, tokens: list[int] | None, seqs: list[Sequence], meta: SamplingMeta,
+              tokenizer, wire: bool = False) -> tuple[list[int], list]:
+    """The tokens and each asking row's log-probs, from the table _logprob_table made (on the host)."""
+    want = meta.want
+    k = meta.k
+    result: list = [None] * len(seqs)
+    token_list = table[:, 0].long().tolist() if tokens is None else tokens
     chosen_tokens = table[:, 0].long().tolist()
     chosen_lps = table[:, 1].tolist()
     ranks = table[:, 2].long().tolist()

@@ -94,6 +94,40 @@ class Scheduler:
         batch.num_tokens = self.max_num_batched_tokens - budget
         return batch
 
+    def schedule_ahead(self, seqs: list[Sequence], max_model_len: int) -> tuple[ScheduledBatch, list[int]] | None:
+        """Async scheduling (core.py): the next decode step of `seqs`, the sequences the step in flight
+        samples, before its tokens reach the host. Each goes on with one token at position num_tokens (the
+        token in flight) and gets the block for it now, except a sequence that ends with the token in flight
+        by its length (max_tokens, the context), known ahead; one that ends by a stop (EOS, a stop token or
+        string) computes one token too many, which the engine drops. Returns the batch and the index in
+        `seqs` of each of its items, or None when the step needs the host's results first: a running
+        sequence not in `seqs`, a request to admit, a block that is not free without a preemption."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None  # admission (schedule()) comes after the tokens in flight are recorded
+        live = [i for i, s in enumerate(seqs) if s.status is SeqStatus.RUNNING]  # not aborted meanwhile
+        if len(live) != len(self.running) or len(live) > self.max_num_batched_tokens:
+            return None
+        bs, blocks = self.blocks.block_size, self.blocks
+        batch = ScheduledBatch()
+        rows = []
+        for i in live:
+            seq = seqs[i]
+            p = seq.params
+            if (p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens) or \
+                    seq.num_tokens + 1 >= max_model_len:
+                continue  # the token in flight is its last
+            need = seq.num_tokens + 1
+            if need > len(seq.block_table) * bs:
+                if not blocks.can_grow(seq, need):
+                    return None  # schedule() preempts, once the tokens in flight are recorded
+                blocks.grow(seq, need)
+            batch.items.append((seq, 1))
+            rows.append(i)
+        if not rows:
+            return None
+        batch.num_tokens = len(rows)
+        return batch, rows
+
     def advance(self, batch: ScheduledBatch) -> None:
         """The batch ran: its new tokens have KV now, and blocks it filled join the prefix cache."""
         bs, blocks = self.blocks.block_size, self.blocks

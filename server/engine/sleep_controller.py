@@ -32,6 +32,8 @@ class SleepTarget(Protocol):
     @property
     def has_unfinished(self) -> bool: ...
 
+    def drain(self) -> object: ...  # record the step in flight (async scheduling): nothing runs on the device
+
     def abort_all(self) -> int: ...
 
     def preempt_all(self) -> None: ...
@@ -167,6 +169,8 @@ class SleepController:
     def _apply(self, p: _Pending, clock: Clock) -> tuple[SleepReport, dict]:
         """Apply a pending sleep; returns its report and the pool's timings (marking clock's phases)."""
         plan, target = p.plan, self._target
+        target.drain()  # the step in flight ends first: it reads and writes what is about to change
+        clock.mark("drain")
         aborted = 0
         if plan.mode in ("abort", "wait"):
             aborted = target.abort_all()

@@ -16,6 +16,8 @@ from server.model.shard import TensorParallel
 
 
 class ParallelRunner(ModelRunner):
+    supports_async = False  # the workers get each step's input ids from the host (pack_step)
+
     def __init__(self, model, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
                  kv_chunk_bounds: tuple[int, ...] = (), *, workers: Workers):
         super().__init__(model, pool, num_blocks, block_size, dtype, kv_chunk_bounds)
