@@ -84,7 +84,7 @@ class ModelCost:
 class StepRecorder:
     """Records every batch an EngineCore schedules (tokens cached, new tokens per sequence), so the
     roofline of the steps a run really took can be summed afterwards. Wraps the scheduler's
-    schedule() of that one engine instance; benchmark-only."""
+    schedule() and schedule_ahead() (async scheduling) of that one engine instance; benchmark-only."""
 
     def __init__(self, core):
         self.steps: list[tuple[list[tuple[int, int]], int]] = []
@@ -100,6 +100,16 @@ class StepRecorder:
             return batch
 
         core.scheduler.schedule = recording
+        ahead = getattr(core.scheduler, "schedule_ahead", None)  # absent in trees from before async scheduling
+
+        def recording_ahead(seqs, max_model_len):
+            got = ahead(seqs, max_model_len)  # type: ignore[misc]
+            if got is not None:  # one token per sequence at position num_tokens (the token in flight)
+                self.steps.append(([(seq.num_tokens, 1) for seq, _ in got[0].items], len(got[0].items)))
+            return got
+
+        if ahead is not None:
+            core.scheduler.schedule_ahead = recording_ahead
 
     def roofline_seconds(self, cost: ModelCost, device: Device) -> float:
         return sum(cost.step_seconds(items, sampled, device) for items, sampled in self.steps)
@@ -107,3 +117,4 @@ class StepRecorder:
     def close(self) -> None:
         """Stop recording: the scheduler's own schedule() again."""
         del self._scheduler.schedule
+        self._scheduler.__dict__.pop("schedule_ahead", None)

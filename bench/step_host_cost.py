@@ -12,6 +12,11 @@ RL-rollout-like load (temperature 1, top-p, logprobs=0, n sequences per prompt) 
 - api: the API process's side: unpickle the frame, apply each delta to its request's OutputStream and
   take the merged output, as a streaming route's consumer does every step.
 
+Then (--async-scheduling off,on) the wall time per step as the engine process runs them (step() and the
+frame's pickling, no synchronization inside the loop), with async scheduling off and on, side by side: with
+it on, the host's work of one step overlaps the device's forward of the next, so on CUDA the step time
+falls from forward + host toward the larger of the two (the forward_ms column is that floor).
+
 Then (--http) the same kind of decode through the real server: C requests at once, streamed and not, and
 the CPU time each process (API, engine) spends per output token.
 
@@ -21,6 +26,7 @@ host there (on CUDA they are launches). With --profile the engine part's hottest
 
     python bench/step_host_cost.py --device cpu
     python bench/step_host_cost.py --device cuda --model llama-1b --out $OUT
+    python bench/step_host_cost.py --device cuda --model llama-1b --async-scheduling off,on --http none
 """
 from __future__ import annotations
 
@@ -154,6 +160,52 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
     return row
 
 
+def step_wall(llm, batch: int, kind: str, n: int, steps: int, temperature: float, top_p: float,
+              logprobs: int | None, stop: list[str] | None, async_on: bool) -> dict:
+    """Wall milliseconds per decode step with async scheduling on or off, as the engine process runs them:
+    step(), then the step's deltas pickled into a frame; synchronized only around the whole run."""
+    from server import SamplingParams
+    from server.engine import channel
+    from server.engine.channel import Frame, Status, pack
+    from server.engine.params import RequestOutputKind
+
+    core = llm.engine
+    dev = core.device
+    core.set_async_scheduling(async_on)
+    kind_arg = RequestOutputKind.FINAL_ONLY if kind == "final" else RequestOutputKind.CUMULATIVE
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=steps + 64, ignore_eos=True,
+                            logprobs=logprobs, stop=stop, output_kind=kind_arg)
+    outs: list = []
+    core.wire_outputs(lambda req: outs.append(channel.encode_delta(req)))
+    try:
+        for i in range(batch // n):
+            ids = [(100 + 7 * i + j) % 1000 + 16 for j in range(32)]
+            core.add_request(f"w{batch}-{async_on}-{i}", prompt_token_ids=ids, params=params, on_output=outs.append)
+        while any(r.first_token_time is None for r in core.requests.values()):
+            core.step()
+        for _ in range(3):  # into the steady state (with async on: a step in flight)
+            core.step()
+        outs.clear()
+        status = Status(core.stats())
+        ahead0 = core.steps_ahead
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+            pack(Frame(outs, status, [batch]))
+            outs.clear()
+        sync(dev)
+        seconds = time.perf_counter() - t0
+        ahead = core.steps_ahead - ahead0
+    finally:
+        core.abort_all()
+        core.drain()
+        core.wire_outputs(None)
+        core.set_async_scheduling(False)
+    return {"batch": batch, "kind": kind, "async": async_on, "ms_per_step": 1e3 * seconds / steps,
+            "tok_s": batch * steps / seconds, "steps_ahead": ahead / steps}
+
+
 def _cpu_seconds(pid: int) -> float:
     """user + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -161,7 +213,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, temperature: float,
-              kv: dict) -> list[dict]:
+              kv: dict, async_on: bool = False) -> list[dict]:
     """The same decode through the real server: C requests at once (one prompt each, `tokens` new tokens,
     streamed and not), and each process's CPU time per output token: the API process (HTTP, the frames,
     the outputs, SSE/JSON) and the engine process (steps, deltas, pickling). CPU time, not wall: what a
@@ -172,7 +224,7 @@ def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, 
     from tests.http_server import ServerProcess
 
     flags = [str(folder), "--device", device, "--load-format", "dummy", "--max-num-seqs", str(max(concurrencies)),
-             "--max-model-len", "2048", "--log-level", "warning"]
+             "--max-model-len", "2048", "--log-level", "warning"] + (["--async-scheduling"] if async_on else [])
     for k, v in kv.items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
     server = ServerProcess(flags).start()
@@ -195,7 +247,8 @@ def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, 
                 if errors:
                     raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
                 n = sum(r.output_tokens for r in results)
-                rows.append({"concurrency": c, "stream": stream, "tokens": n, "tok_s": n / (t1 - t0),
+                rows.append({"concurrency": c, "stream": stream, "async": async_on, "tokens": n,
+                             "tok_s": n / (t1 - t0),
                              "api_cpu_us_per_token": 1e6 * (a1 - a0) / n,
                              "engine_cpu_us_per_token": 1e6 * (e1 - e0) / n})
     finally:
@@ -222,8 +275,11 @@ def main() -> None:
                                                      "(CPU time per token of each process); 'none' skips it")
     ap.add_argument("--http-tokens", type=int, default=None, help="new tokens per request (default: 256 on CUDA, "
                                                                   "64 on CPU)")
+    ap.add_argument("--async-scheduling", default="off",
+                    help="off, on, or off,on: wall ms per step (and the --http pass) with each, side by side")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    async_modes = [{"off": False, "on": True}[m.strip()] for m in args.async_scheduling.split(",")]
     from server import LLM
 
     if args.device == "cpu":
@@ -241,6 +297,8 @@ def main() -> None:
     # On a thread, as the server drives the engine (bench/common.in_thread says why it matters on CPU).
     rows = [in_thread(measure, llm, b, kind, args.n, args.steps, args.temperature, args.top_p, logprobs, stop,
                       args.profile) for kind in args.kinds.split(",") for b in batches]
+    wall_rows = [in_thread(step_wall, llm, b, kind, args.n, args.steps, args.temperature, args.top_p, logprobs, stop,
+                           on) for kind in args.kinds.split(",") for b in batches for on in async_modes]
     llm.close()
     for r in rows:
         if "profile" in r:
@@ -250,20 +308,36 @@ def main() -> None:
     print(f"\nhost cost per decode step ({model}, {args.device}, temperature {args.temperature}, top_p {args.top_p}, "
           f"logprobs {logprobs}, n {args.n}, stop {stop})")
     print(table([[r["batch"], r["kind"]] + [f"{r[k]:.3f}" for k in keys] for r in rows], ["batch", "kind"] + keys))
+    forward = {(r["batch"], r["kind"]): r["forward_ms"] for r in rows}
+    wall = {(r["batch"], r["kind"], r["async"]): r for r in wall_rows}
+    print(f"\nwall time per decode step, async scheduling {' vs '.join(m.strip() for m in args.async_scheduling.split(','))}"
+          " (step + frame, as the engine process; forward_ms: the forward alone, the floor with full overlap)")
+    wrows = []
+    for b, kind in dict.fromkeys((r["batch"], r["kind"]) for r in wall_rows):
+        off, on = wall.get((b, kind, False)), wall.get((b, kind, True))
+        wrows.append([b, kind, f"{forward[(b, kind)]:.3f}",
+                      f"{off['ms_per_step']:.3f}" if off else "-", f"{on['ms_per_step']:.3f}" if on else "-",
+                      f"{off['tok_s']:.0f}" if off else "-", f"{on['tok_s']:.0f}" if on else "-",
+                      f"{off['ms_per_step'] / on['ms_per_step']:.2f}x" if off and on else "-",
+                      f"{100 * on['steps_ahead']:.0f}%" if on else "-"])
+    print(table(wrows, ["batch", "kind", "forward_ms", "off ms/step", "on ms/step", "off tok/s", "on tok/s",
+                        "on speedup", "steps ahead"]))
     http_rows = []
     if args.http != "none":
         tokens = args.http_tokens or (256 if args.device == "cuda" else 64)
-        http_rows = http_cost(folder, args.device, [int(c) for c in args.http.split(",")], tokens,
-                              args.temperature, kv)
+        for on in async_modes:
+            http_rows += http_cost(folder, args.device, [int(c) for c in args.http.split(",")], tokens,
+                                   args.temperature, kv, on)
         hkeys = ["tokens", "tok_s", "api_cpu_us_per_token", "engine_cpu_us_per_token"]
         print(f"\nthrough the HTTP server ({tokens} new tokens per request, one prompt each, temperature "
               f"{args.temperature}): each process's CPU time per output token")
-        print(table([[r["concurrency"], r["stream"]] + [f"{r[k]:.1f}" for k in hkeys] for r in http_rows],
-                    ["concurrency", "stream"] + hkeys))
+        print(table([[r["concurrency"], r["stream"], "on" if r["async"] else "off"] + [f"{r[k]:.1f}" for k in hkeys]
+                     for r in http_rows], ["concurrency", "stream", "async"] + hkeys))
     if args.out is not None:
         write_json(args.out, "step_host_cost" + ("" if args.device == "cuda" else "-cpu"),
                    {"model": model, "device": args.device, "temperature": args.temperature, "top_p": args.top_p,
-                    "logprobs": logprobs, "n": args.n, "stop": stop, "rows": rows, "http": http_rows})
+                    "logprobs": logprobs, "n": args.n, "stop": stop, "rows": rows, "wall": wall_rows,
+                    "http": http_rows})
 
 
 if __name__ == "__main__":

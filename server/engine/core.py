@@ -277,6 +277,11 @@ class EngineCore:
             sampled = [x for x in sampled if x[0].status is SeqStatus.RUNNING]
         return self.postprocess(batch, sampled, scored)
 
+    def set_async_scheduling(self, on: bool) -> None:
+        """Turn async scheduling on or off between steps (the benches compare both on one engine)."""
+        self.drain()
+        self.async_scheduling = on and self.runner.supports_async
+
     def drain(self) -> list[RequestOutput]:
         """Record the step in flight, if any (async scheduling): afterwards nothing runs on the device for
         this engine and every sequence's state is the host's. Returns the outputs it made."""
