@@ -11,6 +11,10 @@ of (weights + KV read) / measured memory bandwidth and FLOPs / measured dense-ma
     python bench/rollout.py --device cpu --model llama-tiny --smoke
     python bench/rollout.py --device cuda --model llama-1b --out $OUT
     python bench/rollout.py --device cuda --model llama-8b --out $OUT
+    python bench/rollout.py --device cuda --model llama-1b --async-scheduling both --no-hf --out $OUT
+
+With --async-scheduling both, the server runs twice (without and with --async-scheduling) and the
+in-process engine runs the rollout twice (switched between runs), printed side by side.
 
 Outputs are forced to their full length (ignore_eos, as TRL's generation_kwargs allow) so every run
 generates the same number of tokens from random weights.
@@ -153,6 +157,8 @@ def main() -> None:
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="prompts (x n) per transformers generate call; default 32 (smoke: all)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--async-scheduling", default="off", choices=["off", "on", "both"],
+                    help="run the server and the engine with async scheduling off, on, or both (side by side)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -198,17 +204,20 @@ def main() -> None:
         progress("transformers", result["hf"])
     from tests.http_server import ServerProcess
 
-    server = ServerProcess([*flags, "--log-level", "warning"]).start()
-    try:
-        import httpx
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
+    for on in modes:
+        key = "http_async" if on else "http"
+        server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else [])]).start()
+        try:
+            import httpx
 
-        served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        http_rollout(server.url, "EMPTY", served, prompts[:2], 1, 4, args.temperature)  # warm-up
-        result["http"] = http_rollout(server.url, "EMPTY", served, prompts, args.n, args.max_tokens,
-                                      args.temperature, args.requests)
-        progress("HTTP", result["http"])
-    finally:
-        server.stop()
+            served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            http_rollout(server.url, "EMPTY", served, prompts[:2], 1, 4, args.temperature)  # warm-up
+            result[key] = http_rollout(server.url, "EMPTY", served, prompts, args.n, args.max_tokens,
+                                       args.temperature, args.requests)
+            progress("HTTP" + (" async" if on else ""), result[key])
+        finally:
+            server.stop()
 
     from server import LLM
 
@@ -217,25 +226,40 @@ def main() -> None:
     measured = Device.measure(device, dtype)  # before the engine takes the device's memory
     llm = LLM(model=folder, device=args.device, load_format="dummy" if load else "auto",
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory=kv)
-    in_thread(engine_rollout, llm, prompts[:2], 1, 4, args.temperature)  # warm-up
-    recorder = StepRecorder(llm.engine)
-    result["engine"] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature)
-    progress("in-process", result["engine"])
     cost = ModelCost.of(llm.engine.model)
-    roof_s = recorder.roofline_seconds(cost, measured)
-    steps = recorder.steps
+    roofs: dict[str, tuple[float, list]] = {}
+    for on in modes:
+        key = "engine_async" if on else "engine"
+        llm.engine.set_async_scheduling(on)
+        in_thread(engine_rollout, llm, prompts[:2], 1, 4, args.temperature)  # warm-up
+        recorder = StepRecorder(llm.engine)
+        result[key] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature)
+        recorder.close()
+        progress("in-process" + (" async" if on else ""), result[key])
+        roofs[key] = (recorder.roofline_seconds(cost, measured), recorder.steps)
     result["hardware"] = hardware(device)
     llm.close()
 
-    result["roofline"] = {"seconds": roof_s, "tok_s": result["engine"]["tokens"] / roof_s, "steps": len(steps),
+    # The roofline of the steps the (first) engine run took; each run against its own steps too.
+    first = "engine" if "engine" in roofs else "engine_async"
+    roof_s, steps = roofs[first]
+    result["roofline"] = {"seconds": roof_s, "tok_s": result[first]["tokens"] / roof_s, "steps": len(steps),
                           "memory_bandwidth_GBs": measured.bandwidth / 1e9, "matmul_TFLOPs": measured.gemm_flops / 1e12,
                           "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
                           "largest_batch": max((len(items) for items, _ in steps), default=0)}
-    for key in ("http", "engine"):
+    for key in ("http", "engine", "http_async", "engine_async"):
+        if key not in result:
+            continue
         result[key]["fraction_of_roofline"] = roof_s / result[key]["seconds"]
         if "hf" in result:
             result[key]["x_vs_hf"] = result[key]["tok_s"] / result["hf"]["tok_s"]
-    result["http"]["http_over_engine"] = result["http"]["tok_s"] / result["engine"]["tok_s"]
+    for suffix in ("", "_async"):
+        if "http" + suffix in result and "engine" + suffix in result:
+            result["http" + suffix]["http_over_engine"] = result["http" + suffix]["tok_s"] / result["engine" + suffix]["tok_s"]
+    if "engine_async" in roofs:
+        own_s, own_steps = roofs["engine_async"]
+        result["engine_async"]["own_roofline_fraction"] = own_s / result["engine_async"]["seconds"]
+        result["engine_async"]["steps"] = len(own_steps)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out, f"rollout-{name}-{args.device}", result)
     plot(result, args.out / f"rollout-{name}-{args.device}.png")
@@ -252,8 +276,10 @@ def report(r: dict) -> None:
     print(f"\nrollout ({r['model']}, {r['device']}, {r['prompts']} prompts x n={r['n']}, {r['max_tokens']} new tokens, "
           f"temperature {r['temperature']}, {r['date']})")
     rows = []
-    for key, label in (("http", f"HTTP /v1/completions ({r['requests']} request(s), as TRL)"),
-                       ("engine", "in-process engine"), ("hf", "transformers generate")):
+    http_label = f"HTTP /v1/completions ({r['requests']} request(s), as TRL)"
+    for key, label in (("http", http_label), ("http_async", http_label + ", async scheduling"),
+                       ("engine", "in-process engine"), ("engine_async", "in-process engine, async scheduling"),
+                       ("hf", "transformers generate")):
         if key in r:
             x = r[key]
             rows.append([label, x["sequences"], f"{x['seconds']:.2f}", f"{x['tok_s']:.0f}",
@@ -264,8 +290,13 @@ def report(r: dict) -> None:
                        "vs transformers (target >= 10x)"]))
     print(f"roofline: {roof['steps']} steps (largest batch {roof['largest_batch']}), memory "
           f"{roof['memory_bandwidth_GBs']:.0f} GB/s, matmul {roof['matmul_TFLOPs']:.1f} TFLOP/s, weights "
-          f"{roof['weight_bytes'] / 1e9:.2f} GB, KV {roof['kv_bytes_per_token'] / 1024:.0f} KiB/token; "
-          f"HTTP / in-process {r['http']['http_over_engine']:.2f}")
+          f"{roof['weight_bytes'] / 1e9:.2f} GB, KV {roof['kv_bytes_per_token'] / 1024:.0f} KiB/token; " +
+          "; ".join(f"HTTP / in-process{' (async)' if s else ''} {r['http' + s]['http_over_engine']:.2f}"
+                    for s in ("", "_async") if "http_over_engine" in r.get("http" + s, {})))
+    for path in ("http", "engine"):
+        if path in r and path + "_async" in r:
+            print(f"async scheduling on / off, {path}: {r[path + '_async']['tok_s'] / r[path]['tok_s']:.2f}x "
+                  f"({r[path]['tok_s']:.0f} -> {r[path + '_async']['tok_s']:.0f} tok/s)")
 
 
 def plot(r: dict, path: Path) -> None:
@@ -273,10 +304,11 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in ("http", "engine", "hf") if k in r]
-    labels = {"http": "HTTP (TRL batch)", "engine": "in-process", "hf": "transformers"}
+    keys = [k for k in ("http", "http_async", "engine", "engine_async", "hf") if k in r]
+    labels = {"http": "HTTP (TRL batch)", "http_async": "HTTP, async", "engine": "in-process",
+              "engine_async": "in-process, async", "hf": "transformers"}
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([labels[k] for k in keys], [r[k]["tok_s"] for k in keys], color=["C0", "C1", "C2"][:len(keys)])
+    ax.bar([labels[k] for k in keys], [r[k]["tok_s"] for k in keys], color=["C0", "C3", "C1", "C4", "C2"][:len(keys)])
     ax.axhline(r["roofline"]["tok_s"], color="k", ls="--", lw=1, label="roofline of the engine's steps")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"rollout {r['prompts']}x{r['n']}, {r['max_tokens']} tokens: {r['model']} on "
