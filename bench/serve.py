@@ -9,6 +9,10 @@ at once (C = 64 and 256 on CUDA), streamed and not, for the throughput ratio at 
     python bench/serve.py --device cuda --model llama-1b --out $OUT         # H200: random 1B weights
     python bench/serve.py --url http://host:8000 --model NAME ...           # a server already running
 
+With --async-scheduling both, the server runs twice (without and with --async-scheduling) and the
+in-process engine runs every pass twice (switched between passes); the paths are then http / http+async
+and engine / engine+async, with a table of on/off output tok/s side by side.
+
 Results: serve-<device>.json and serve-<device>.png in --out. ITL is measured per streamed chunk, as
 vLLM's benchmark does; a chunk may carry more than one token when the server batches a step's output.
 """
@@ -246,6 +250,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", default="off", choices=["off", "on", "both"],
+                    help="the server and the in-process engine with async scheduling off, on, or both (side by side)")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for development and CI")
     ap.add_argument("--seed", type=int, default=0)
@@ -286,30 +292,34 @@ def main() -> None:
                     "range_ratio": args.range_ratio, "temperature": args.temperature, "rows": []}
     rows = result["rows"]
 
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     # HTTP first: on CUDA the server process must have the device to itself while it sizes its cache.
-    server = None
-    url = args.url
-    served = args.served_model_name
-    if url is None:
-        from tests.http_server import ServerProcess
+    for on in modes:
+        server = None
+        url = args.url
+        served = args.served_model_name
+        if url is None:
+            from tests.http_server import ServerProcess
 
-        server = ServerProcess([*flags, "--log-level", "warning"]).start()
-        url = server.url
-    try:
-        import httpx
+            server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else [])]).start()
+            url = server.url
+        elif len(modes) > 1:
+            raise SystemExit("--url with --async-scheduling both: the flag is the running server's; run once per server")
+        try:
+            import httpx
 
-        headers = {"Authorization": f"Bearer {args.api_key}"}
-        served = served or httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+            headers = {"Authorization": f"Bearer {args.api_key}"}
+            served = served or httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
-        def http(reqs: list[Req], stream: bool):
-            return asyncio.run(run_http(url, args.api_key, served, reqs, stream, args.temperature, args.timeout))
+            def http(reqs: list[Req], stream: bool):
+                return asyncio.run(run_http(url, args.api_key, served, reqs, stream, args.temperature, args.timeout))
 
-        http(by_conc[0][1][:2], True)  # warm-up: connections, first compiles
-        for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
-            rows.append({"path": "http", **row})
-    finally:
-        if server is not None:
-            server.stop()
+            http(by_conc[0][1][:2], True)  # warm-up: connections, first compiles
+            for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
+                rows.append({"path": "http+async" if on else "http", **row})
+        finally:
+            if server is not None:
+                server.stop()
 
     if not args.no_engine:
         import torch
@@ -323,12 +333,15 @@ def main() -> None:
         def engine(reqs: list[Req], stream: bool):
             return in_thread(run_engine, core, reqs, args.temperature, f"r{next(counter)}")
 
-        engine(by_conc[0][1][:2], True)  # warm-up
-        for row in run_pass("rate", args, by_rate, engine):
-            rows.append({"path": "engine", **row})
-        for c, reqs in by_conc:  # streaming is an HTTP notion: one in-process run per concurrency
-            res, duration = engine(reqs, True)
-            rows.append({"path": "engine", "pass": "saturation", "key": c, "stream": None, **summarize(res, duration)})
+        for on in modes:
+            core.set_async_scheduling(on)
+            path = "engine+async" if on else "engine"
+            engine(by_conc[0][1][:2], True)  # warm-up
+            for row in run_pass("rate", args, by_rate, engine):
+                rows.append({"path": path, **row})
+            for c, reqs in by_conc:  # streaming is an HTTP notion: one in-process run per concurrency
+                res, duration = engine(reqs, True)
+                rows.append({"path": path, "pass": "saturation", "key": c, "stream": None, **summarize(res, duration)})
         llm.close()
     ratios(result)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -338,11 +351,12 @@ def main() -> None:
 
 
 def ratios(result: dict) -> None:
-    """HTTP output tok/s over in-process output tok/s, for the same pass and key."""
-    engine = {(r["pass"], r["key"]): r["output_tok_s"] for r in result["rows"] if r["path"] == "engine"}
+    """HTTP output tok/s over in-process output tok/s, for the same pass and key (and async scheduling)."""
+    engine = {(r["path"].replace("engine", "http"), r["pass"], r["key"]): r["output_tok_s"]
+              for r in result["rows"] if r["path"].startswith("engine")}
     for r in result["rows"]:
-        if r["path"] == "http" and (r["pass"], r["key"]) in engine:
-            r["http_over_engine"] = r["output_tok_s"] / engine[(r["pass"], r["key"])]
+        if r["path"].startswith("http") and (r["path"], r["pass"], r["key"]) in engine:
+            r["http_over_engine"] = r["output_tok_s"] / engine[(r["path"], r["pass"], r["key"])]
 
 
 def _rate(key) -> str:
@@ -370,10 +384,23 @@ def report(result: dict) -> None:
                   f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-"] for r in sat],
                 ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)"]))
-    eng = {r["key"]: r["output_tok_s"] for r in sat if r["path"] == "engine"}
-    if len(eng) > 1:
-        lo, hi = min(eng), max(eng)
-        print(f"in-process tok/s at {hi} concurrent / at {lo}: {eng[hi] / eng[lo]:.2f}x (target >= 2.5x for 256 / 64)")
+    for path in ("engine", "engine+async"):
+        eng = {r["key"]: r["output_tok_s"] for r in sat if r["path"] == path}
+        if len(eng) > 1:
+            lo, hi = min(eng), max(eng)
+            print(f"{path}: in-process tok/s at {hi} concurrent / at {lo}: {eng[hi] / eng[lo]:.2f}x "
+                  "(target >= 2.5x for 256 / 64)")
+    on = {(r["path"].removesuffix("+async"), r["pass"], r["key"], r["stream"]): r for r in result["rows"]
+          if r["path"].endswith("+async")}
+    pairs = [(r, on[(r["path"], r["pass"], r["key"], r["stream"])]) for r in result["rows"]
+             if (r["path"], r["pass"], r["key"], r["stream"]) in on]
+    if pairs:
+        print("\nserve: async scheduling off vs on (output tok/s; TPOT p50 ms)")
+        print(table([[a["path"], a["pass"], _rate(a["key"]) if a["pass"] == "rate" else a["key"],
+                      {True: "stream", False: "no stream", None: "-"}[a["stream"]],
+                      f"{a['output_tok_s']:.0f}", f"{b['output_tok_s']:.0f}", f"{b['output_tok_s'] / a['output_tok_s']:.2f}x",
+                      p(a["tpot_ms"], "p50"), p(b["tpot_ms"], "p50")] for a, b in pairs],
+                    ["path", "pass", "rate / C", "mode", "off tok/s", "on tok/s", "on / off", "off TPOT", "on TPOT"]))
     failed = sum(r["failed"] for r in result["rows"])
     if failed:
         errs = {e for r in result["rows"] for e in r.get("errors", [])}
@@ -387,7 +414,8 @@ def plot(result: dict, path: Path) -> None:
 
     rows = [r for r in result["rows"] if r["pass"] == "rate" and math.isfinite(r["key"])]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
-    for path_name, style, color in (("http", "-o", "C0"), ("engine", "--s", "C1")):
+    for path_name, style, color in (("http", "-o", "C0"), ("engine", "--s", "C1"), ("http+async", "-^", "C3"),
+                                    ("engine+async", "--v", "C4")):
         rs = sorted((r for r in rows if r["path"] == path_name), key=lambda r: r["key"])
         if not rs:
             continue
