@@ -13,6 +13,9 @@
 # serve: bench/serve.py, Poisson arrivals through HTTP vs in-process (1B shape); rollout: bench/rollout.py,
 # 256 prompts x n=8 x 512 tokens through HTTP as TRL sends them, in-process and transformers (rollout-1b and
 # rollout-8b run one shape each).
+# async: async scheduling (--async-scheduling) off vs on, side by side in each run: its GPU test (the graphs
+# fed by the device's tokens), the decode step's wall time and the HTTP pass (bench/step_host_cost.py), the
+# 1B rollout (HTTP and in-process) and bench/serve.py's passes; hostcost prints the off/on step times too.
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -36,7 +39,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-stages=${*:-tests pool throughput profile hostcost sleepwake e2e weights rlloop structured flows serve rollout}
+stages=${*:-tests pool throughput profile hostcost sleepwake e2e weights rlloop structured flows serve rollout async}
 failed=()
 
 run() {  # run NAME CMD...: log everything, print the tail, remember failures
@@ -60,7 +63,16 @@ for stage in $stages; do
     sleepwake)  run sleepwake $PY bench/sleep_wake.py --device cuda --out "$RESULTS" ;;
     profile)    run profile $PY bench/step_profile.py --out "$RESULTS"
                 run profile-rl $PY bench/step_profile.py --temperature 1 --logprobs 0 --out "$RESULTS" ;;
-    hostcost)   run hostcost $PY bench/step_host_cost.py --device cuda --model llama-1b --steps 100 --out "$RESULTS" ;;
+    hostcost)   run hostcost $PY bench/step_host_cost.py --device cuda --model llama-1b --steps 100 \
+                  --async-scheduling off,on --out "$RESULTS" ;;
+    async)      run async-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_async_scheduling_gpu.py \
+                  -p no:cacheprovider
+                run async-hostcost $PY bench/step_host_cost.py --device cuda --model llama-1b --steps 200 \
+                  --kinds stream,final --async-scheduling off,on --http none --out "$RESULTS/async"
+                run async-rollout $PY bench/rollout.py --device cuda --model llama-1b --no-hf --async-scheduling both \
+                  --out "$RESULTS/async"
+                run async-serve $PY bench/serve.py --device cuda --model llama-1b --async-scheduling both \
+                  --out "$RESULTS/async" ;;
     e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
     weights)    run weights-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py -k ipc \
                   -p no:cacheprovider
@@ -90,8 +102,9 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver)" "$LOG" || true
+grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|wall time per decode step|host cost per decode step)" "$LOG" || true
 grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
+grep -h -E "^async scheduling on / off" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
 grep -h -E "^TP=[0-9].* (batch [0-9]+: decode step|started in)" "$LOG" || true
 grep -h -A18 -E "^profile TP=" "$LOG" || true
