@@ -91,15 +91,15 @@ def test_mixed_batch_equals_synchronous(llm, async_llm):
     """Ends at every step (different max_tokens, a stop string, a stop token), log-probs with and without
     a top-k, n=2 seeded sampling, prompt log-probs: identical outputs, no token past any end."""
     stop_token = tokens_of(llm, PROMPTS[3], 9)[6]
-    reqs = [(p, greedy(4 + 5 * i)) for i, p in enumerate(PROMPTS)]
+    reqs = [(p, greedy(2 + 3 * i)) for i, p in enumerate(PROMPTS)]
     reqs += [
-        (PROMPTS[1], greedy(40, stop=["\n"])),
-        (PROMPTS[2], greedy(40, stop=[" the", "."], include_stop_str_in_output=True)),
-        (PROMPTS[3], greedy(40, stop_token_ids=[stop_token])),
-        (PROMPTS[4], greedy(20, logprobs=0)),
-        (PROMPTS[5], greedy(20, logprobs=3)),
-        (PROMPTS[6], SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=18, logprobs=1)),
-        (PROMPTS[7], greedy(12, prompt_logprobs=2)),
+        (PROMPTS[1], greedy(24, stop=["\n"])),
+        (PROMPTS[2], greedy(24, stop=[" the", "."], include_stop_str_in_output=True)),
+        (PROMPTS[3], greedy(24, stop_token_ids=[stop_token])),
+        (PROMPTS[4], greedy(12, logprobs=0)),
+        (PROMPTS[5], greedy(12, logprobs=3)),
+        (PROMPTS[6], SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=12, logprobs=1)),
+        (PROMPTS[7], greedy(8, prompt_logprobs=2)),
     ]
     got = compare(llm, async_llm, reqs)
     assert got["r10"].outputs[0].finish_reason == "stop" and got["r10"].outputs[0].stop_reason == stop_token
@@ -113,7 +113,7 @@ def test_eos_stops_without_an_extra_token(llm, async_llm):
     eos = frozenset({ref[5]})
     llm.engine.eos_ids = async_llm.engine.eos_ids = eos
     try:
-        got = compare(llm, async_llm, [(PROMPTS[0], greedy(30)), (PROMPTS[1], greedy(30)), (PROMPTS[2], greedy(8))])
+        got = compare(llm, async_llm, [(PROMPTS[0], greedy(16)), (PROMPTS[1], greedy(16)), (PROMPTS[2], greedy(8))])
     finally:
         llm.engine.eos_ids, async_llm.engine.eos_ids = saved
     first = ref.index(ref[5])
@@ -123,16 +123,16 @@ def test_eos_stops_without_an_extra_token(llm, async_llm):
 def test_grammar_and_penalties_fall_back_to_synchronous_steps(llm, async_llm):
     """Masks and penalties need the previous token on the host: those steps run synchronously, others not."""
     reqs = [
-        (PROMPTS[3], greedy(16, structured_outputs=StructuredOutputs(regex=r"(red|green|blue)(, (red|green|blue))*"))),
-        (PROMPTS[0], greedy(30, repetition_penalty=1.3)),
-        (PROMPTS[1], greedy(10, min_tokens=4)),
-        (PROMPTS[5], greedy(40)),  # outlives the others: its last steps go ahead again
+        (PROMPTS[3], greedy(10, structured_outputs=StructuredOutputs(regex=r"(red|green|blue)(, (red|green|blue))*"))),
+        (PROMPTS[0], greedy(12, repetition_penalty=1.3)),
+        (PROMPTS[1], greedy(8, min_tokens=4)),
+        (PROMPTS[5], greedy(20)),  # outlives the others: its last steps go ahead again
     ]
     compare(llm, async_llm, reqs)
 
 
 def test_abort_mid_batch(llm, async_llm):
-    reqs = [(p, greedy(24)) for p in PROMPTS[:4]]
+    reqs = [(p, greedy(14)) for p in PROMPTS[:4]]
     reference = run(llm, reqs)
     eng = async_llm.engine
     aborted = []
@@ -158,12 +158,12 @@ def test_abort_mid_batch(llm, async_llm):
 def test_sleep_or_pause_with_a_step_in_flight(llm, async_llm, how):
     """mode=keep in the middle of a batch: the step in flight is recorded first, the sequences recompute
     their KV after the wake, and the outputs equal an uninterrupted synchronous run."""
-    reqs = [(p, greedy(20 + 3 * i)) for i, p in enumerate(PROMPTS[:5])]
+    reqs = [(p, greedy(10 + 2 * i)) for i, p in enumerate(PROMPTS[:4])]
     eng = async_llm.engine
     slept = []
 
     def hook(step: int, done: dict) -> None:
-        if step == 6:
+        if step == 5:
             assert eng._inflight is not None
             if how == "sleep":
                 async_llm.sleep(level=1, mode="keep")
@@ -181,14 +181,14 @@ def test_sleep_or_pause_with_a_step_in_flight(llm, async_llm, how):
 
 def test_weight_update_and_prefix_reset_drain(llm, async_llm):
     """A weight reload (same weights) and a prefix-cache reset mid-batch wait for the step in flight."""
-    reqs = [(p, greedy(16)) for p in PROMPTS[:3]]
+    reqs = [(p, greedy(10)) for p in PROMPTS[:3]]
     eng = async_llm.engine
 
     def hook(step: int, done: dict) -> None:
         if step == 4:
             async_llm.reset_prefix_cache()
             assert eng._inflight is None
-        if step == 7:
+        if step == 6:
             async_llm.pause(mode="keep")
             async_llm.update_weights()
             assert eng._inflight is None
@@ -200,7 +200,7 @@ def test_weight_update_and_prefix_reset_drain(llm, async_llm):
 def test_preemption_and_chunked_prefill(llm, default_model_folder):
     """A cache too small for every sequence at once (schedule_ahead finds no free block: the step falls back
     and preempts) and prompts split into chunks (no step goes ahead while a prompt is unfinished)."""
-    reqs = [(p, greedy(40)) for p in PROMPTS]
+    reqs = [(p, greedy(24)) for p in PROMPTS]
     reference = run(llm, reqs)
     cfg = llm.engine.model_config
     per_block = kv_bytes_per_block(cfg, 16, llm.engine.dtype)
@@ -218,7 +218,7 @@ def test_preemption_and_chunked_prefill(llm, default_model_folder):
 
 def test_llm_generate_and_max_model_len(llm, async_llm):
     """LLM.generate (FINAL_ONLY outputs, text at the end) and sequences that end at the context limit."""
-    params = [greedy(30), greedy(7), greedy(1), greedy(50, stop=[","])]
+    params = [greedy(12), greedy(5), greedy(1), greedy(20, stop=[","])]
     ref = llm.generate(PROMPTS[:4], params)
     got = async_llm.generate(PROMPTS[:4], params)
     for a, b in zip(got, ref):
@@ -227,10 +227,10 @@ def test_llm_generate_and_max_model_len(llm, async_llm):
     n = len(llm.engine.encode(long))
     eng = async_llm.engine
     saved = eng.max_model_len, llm.engine.max_model_len
-    eng.max_model_len = llm.engine.max_model_len = n + 9
+    eng.max_model_len = llm.engine.max_model_len = n + 6
     try:
         got = compare(llm, async_llm, [(long, SamplingParams(temperature=0.0, max_tokens=None)),
-                                       (PROMPTS[0], greedy(12))])
+                                       (PROMPTS[0], greedy(8))])
     finally:
         eng.max_model_len, llm.engine.max_model_len = saved
-    assert got["r0"].outputs[0].finish_reason == "length" and len(got["r0"].outputs[0].token_ids) == 9
+    assert got["r0"].outputs[0].finish_reason == "length" and len(got["r0"].outputs[0].token_ids) == 6
