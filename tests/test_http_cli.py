@@ -36,7 +36,7 @@ def test_defaults():
 def test_every_flag_reads_its_environment_variable():
     samples = {"port": ("9001", 9001), "device": ("cpu", "cpu"), "max_model_len": ("512", 512),
                "gpu_memory_utilization": ("0.5", 0.5), "dev_mode": ("1", True), "no_prefix_caching": ("yes", True),
-               "enforce_eager": ("true", True), "log_level": ("debug", "debug"), "seed": ("-3", -3),
+               "enforce_eager": ("true", True), "async_scheduling": ("on", True), "log_level": ("debug", "debug"), "seed": ("-3", -3),
                "max_num_seqs": ("3", 3), "max_num_batched_tokens": ("128", 128), "block_size": ("32", 32),
                "max_held_requests": ("7", 7), "held_request_timeout": ("2.5", 2.5),
                "no_docs": ("1", True), "shutdown_grace_period": ("2.5", 2.5), "tensor_parallel_size": ("2", 2)}

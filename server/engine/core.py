@@ -245,8 +245,11 @@ class EngineCore:
             if ahead is not None:
                 batch, rows = ahead
                 ids = prev.tokens
-                if len(rows) < len(seqs):
-                    ids = ids[torch.tensor(rows, device=ids.device)]  # type: ignore[index]
+                if len(rows) < len(seqs):  # some end with the token in flight: the others' rows, in order
+                    index = torch.tensor(rows)
+                    if ids.device.type == "cuda":  # a pinned, non-blocking copy: a blocking one waits for step t
+                        index = index.pin_memory().to(ids.device, non_blocking=True)
+                    ids = ids[index]  # type: ignore[index]
                 nxt = self._launch(batch, ids)
                 self.steps_ahead += 1
         outputs = self._record(prev) if prev is not None else []
