@@ -37,6 +37,14 @@ def _apply_history(row: torch.Tensor, seq: Sequence, stop_ids: list[int]) -> Non
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
+def _on(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without waiting for the device: on CUDA through pinned
+    memory, non-blocking (a blocking copy waits for every queued kernel: with async scheduling, for the
+    step in flight)."""
+    t = torch.tensor(values)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 class SamplingMeta:
     """What a batch's rows ask for, as lists and device tensors, built once per batch composition: the
     decode steps of a steady batch (the same sequences in the same order) reuse it, so a step does no
@@ -55,24 +63,23 @@ class SamplingMeta:
         self.temps = self.greedy_rows = self.top_k = self.top_p = self.min_p = None
         self.seeded = [i for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
         if not self.all_greedy:
-            self.temps = torch.tensor([p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
-                                      device=device)[:, None]
-            self.greedy_rows = torch.tensor(greedy, device=device) if any(greedy) else None
+            self.temps = _on([float(p.temperature) if not g else 1.0 for p, g in zip(params, greedy)], device)[:, None]
+            self.greedy_rows = _on(greedy, device) if any(greedy) else None
             top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
             top_p = [p.top_p for p in params]
             min_p = [p.min_p for p in params]
             if any(min_p):
-                self.min_p = torch.tensor(min_p, device=device)[:, None]
+                self.min_p = _on([float(m) for m in min_p], device)[:, None]
             if any(top_k) or not all(p >= 1.0 for p in top_p):
-                self.top_k = torch.tensor([k if k else -1 for k in top_k], device=device)[:, None]
-                self.top_p = torch.tensor(top_p, device=device)[:, None]
+                self.top_k = _on([k if k else -1 for k in top_k], device)[:, None]
+                self.top_p = _on([float(p) for p in top_p], device)[:, None]
         # Log-probs: the rows that ask, and the largest top-k among them.
         self.want = [i for i, p in enumerate(params) if p.logprobs is not None]
         self.want_k = [params[i].logprobs or 0 for i in self.want]
         self.k = max(self.want_k, default=0)
         self.want_rows = None
         if self.want and len(self.want) < len(seqs):
-            self.want_rows = torch.tensor(self.want, device=device)
+            self.want_rows = _on(self.want, device)
 
     def matches(self, seqs: list[Sequence]) -> bool:
         return seqs == self.seqs  # identity first, element by element, in C
