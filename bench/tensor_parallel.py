@@ -178,7 +178,10 @@ def bench_world(folder: Path, label: str, world: int, all_reduce: str, idle: lis
                                 "asleep_used": rows[-1]["asleep_used"],
                                 "identical": all(r["identical"] for r in rows)}
         print(f"{label} level {level}: {res[f'level{level}']}", flush=True)
+    t = time.perf_counter()
     llm.close()
+    res["close_s"] = time.perf_counter() - t
+    print(f"{label}: closed in {res['close_s']:.1f} s", flush=True)
     return res
 
 

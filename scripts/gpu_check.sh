@@ -106,7 +106,7 @@ grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|
 grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
 grep -h -E "^async scheduling on / off" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
-grep -h -E "^TP=[0-9].* (batch [0-9]+: decode step|started in)" "$LOG" || true
+grep -h -E "^TP=[0-9].* (batch [0-9]+: decode step|started in|closed in)" "$LOG" || true
 grep -h -A18 -E "^profile TP=" "$LOG" || true
 # limits: where each sleep's and wake's milliseconds went, per cycle (the answers' `timings`)
 grep -h -E "^llama-[0-9]+b( L[12] cycle [0-9]+|: request after a wake)" "$LOG" || true
