@@ -225,11 +225,7 @@ class Workers:
                 conn.send(("close", None))
             except OSError:
                 pass
-        for fn in self.before_down:  # rank 0's decode graphs (worker.drop_graphs says why)
-            try:
-                fn()
-            except Exception:
-                log.exception("tearing down before the communicator failed")
+        self.run_before_down()
         # Every rank releases its device communicator at the same time (NCCL's teardown may wait for
         # its peers), then the workers exit; nothing here waits without a limit.
         _bounded(self.group.down, "releasing the device communicator")
@@ -243,6 +239,16 @@ class Workers:
         for conn in self.conns.values():
             conn.close()
         _bounded(self.group.close, "leaving the control group")
+
+    def run_before_down(self) -> None:
+        """Rank 0's teardown that must precede the communicator's (its decode graphs: worker.drop_graphs
+        says why), once; ParallelPool.close runs it before rank 0's pool goes, close() again (no-op)."""
+        hooks, self.before_down = self.before_down, []
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:
+                log.exception("tearing down before the communicator failed")
 
     def _kill_all(self) -> None:
         self._closing = True

@@ -142,6 +142,7 @@ class ParallelPool:
 
     def close(self) -> None:
         try:
+            self.workers.run_before_down()  # rank 0's decode graphs, while its pool still holds their memory
             self.local.close()
         finally:
             self.workers.close()
