@@ -50,6 +50,7 @@ def start(core: "EngineCore") -> dict:
 
 def begin_write(core: "EngineCore") -> None:
     check_writable(core)
+    core.drain()  # a step in flight (async scheduling) reads the weights: it ends before the first byte lands
     ctl = core.sleep_control
     if ctl.weight_session is None:
         ctl.weight_session = WeightSession(valid_before=ctl.weights_valid, explicit=False)
