@@ -7,7 +7,7 @@
 # TP=2 greedy tokens with both backends; then bench/tensor_parallel.py: TP=1, TP=2 nccl, TP=2 symm and TP=2
 # symm without the workers' spin-poll on an 8B shape: decode-only step ms and tok/s at batch 1/8/64 with each
 # rank's step lag, sleep/wake per level, per-rank memory asleep against NCCL and CUDA references) and
-# tp-profile (rank 0's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend).
+# tp-profile (each rank's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend).
 # hostcost: bench/step_host_cost.py, a decode step's host work beside its forward at batch 64 and 256 (temperature 1,
 # logprobs 0, n 8; an output every step as streaming requests get, and FINAL_ONLY as non-streaming ones).
 # serve: bench/serve.py, Poisson arrivals through HTTP vs in-process (1B shape); rollout: bench/rollout.py,
