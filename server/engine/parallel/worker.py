@@ -54,15 +54,16 @@ def gpu_ops(prof) -> list[tuple[float, int, str]]:
 
 def spin_seconds(device: torch.device) -> float:
     """How long a worker polls for the next step before it blocks: SLEEPSERVE_TP_WORKER_SPIN_US
-    (microseconds), default 1000 on CUDA; never on CPU, where the ranks share the cores."""
+    (microseconds), default 2000 on CUDA (rank 0's host work between two steps at batch 64 is ~1.2 ms:
+    sampling, bookkeeping, scheduling, inputs); never on CPU, where the ranks share the cores."""
     if device.type != "cuda":
         return 0.0
-    raw = os.environ.get("SLEEPSERVE_TP_WORKER_SPIN_US", "1000")
+    raw = os.environ.get("SLEEPSERVE_TP_WORKER_SPIN_US", "2000")
     try:
         return max(0.0, min(float(raw), 100_000.0)) / 1e6
     except ValueError:
-        log.warning("SLEEPSERVE_TP_WORKER_SPIN_US=%r is not a number of microseconds: 1000 used", raw)
-        return 1e-3
+        log.warning("SLEEPSERVE_TP_WORKER_SPIN_US=%r is not a number of microseconds: 2000 used", raw)
+        return 2e-3
 
 
 def cpu_threads(world: int) -> int:
