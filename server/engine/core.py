@@ -93,6 +93,8 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and runner.supports_async
         if config.async_scheduling and not runner.supports_async:
             log.info("async scheduling is off: tensor parallelism sends each step's inputs from the host")
+        elif self.async_scheduling:
+            log.info("async scheduling on: each step is launched before the previous one is recorded")
         self._inflight: Launched | None = None
         self.steps_ahead = 0  # steps launched before the previous one's tokens reached the host (benches, tests)
         # The sleep state machine's one owner; memory state per tag lives in the pool.
