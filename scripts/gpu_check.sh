@@ -7,7 +7,8 @@
 # TP=2 greedy tokens with both backends; then bench/tensor_parallel.py: TP=1, TP=2 nccl, TP=2 symm and TP=2
 # symm without the workers' spin-poll on an 8B shape: decode-only step ms and tok/s at batch 1/8/64 with each
 # rank's step lag, sleep/wake per level, per-rank memory asleep against NCCL and CUDA references) and
-# tp-profile (each rank's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend).
+# tp-profile (each rank's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend) and
+# tp-noreg (the tp bench's TP=1 and TP=2 nccl runs with NCCL_GRAPH_REGISTER=0 in every process).
 # hostcost: bench/step_host_cost.py, a decode step's host work beside its forward at batch 64 and 256 (temperature 1,
 # logprobs 0, n 8; an output every step as streaming requests get, and FINAL_ONLY as non-streaming ones).
 # serve: bench/serve.py, Poisson arrivals through HTTP vs in-process (1B shape); rollout: bench/rollout.py,
@@ -80,6 +81,9 @@ for stage in $stages; do
     tp)         run tp-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider
                 run tp $PY bench/tensor_parallel.py --world 2 --out "$RESULTS" ;;
     tp-profile) run tp-profile $PY bench/tensor_parallel.py --world 2 --profile ;;
+    tp-noreg)   # NCCL without CUDA-graph buffer registration, every rank (a suspect of TP=2's slow batch 64)
+                run tp-noreg env NCCL_GRAPH_REGISTER=0 $PY bench/tensor_parallel.py --world 2 --all-reduce nccl \
+                  --no-spin-run --out "$RESULTS/noreg" ;;
     weights-nccl)  # every receive path checked against a disk load first, then timed (with its breakdown)
                 run weights-nccl-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py \
                   -k nccl -p no:cacheprovider
