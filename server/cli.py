@@ -112,7 +112,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "server; rank 0 is the server's own process", 1, positive_int, metavar="N"),
     Option("--tp-all-reduce", "with --tensor-parallel-size > 1 on CUDA, what the model's all-reduces run on: nccl, "
            "symm (one-shot over NVLink on symmetric memory for decode-sized messages, NCCL for larger ones) or auto "
-           "(symm where its start-up probe passes, else nccl); CPU always uses gloo", "auto",
+           "(nccl: symm was not faster inside the model on the H200s); CPU always uses gloo", "auto",
            choices=("auto", "nccl", "symm")),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
     Option("--async-scheduling", "schedule and launch the next step while the device runs this one, and finish "
