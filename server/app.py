@@ -97,7 +97,18 @@ def startup_lines(engine: EngineClient, settings: ServerSettings) -> list[str]:
         "sleep mode dev routes: " + (f"on (POST /sleep, /wake_up, /update_weights, ...; {admin_key})"
                                      if settings.dev_mode else "off (start with --dev-mode to enable)"),
         "API key: " + ("required on /v1/*" if settings.api_key else "none (anyone who can connect may generate)"),
+        f"HTTP: {_http_stack()}",
     ]
+
+
+def _http_stack() -> str:
+    """What uvicorn's "auto" picks: uvloop and httptools when installed (requirements/base.txt lists
+    them; they cut the API process's CPU per streamed chunk), else asyncio's loop and h11."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio (uvloop not installed)"
+    parser = "httptools" if importlib.util.find_spec("httptools") else "h11 (httptools not installed)"
+    return f"event loop {loop}, parser {parser}"
 
 
 class GracefulServer:

@@ -8,6 +8,7 @@ by a collector, so this module keeps no copy of engine state.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from dataclasses import asdict
 from typing import Any, Iterable
 
@@ -34,6 +35,44 @@ _ITERATION = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N = (1, 2, 5, 10, 20)
 
 
+class _Buckets:
+    """Observations of one histogram not yet added to it: counts per bucket and their sum.
+    Histogram.observe takes a lock twice and walks the bounds per call; a stream observes per request
+    per engine step, so the counts gather here and reach the histogram at the next scrape."""
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds + (float("inf"),)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+    def add(self, value: float, times: int) -> None:
+        self.counts[bisect_left(self.bounds, value)] += times  # the first bound >= value: observe's bucket
+        self.total += value * times
+
+    def flush(self, histogram: Any) -> None:
+        """Into a prometheus_client Histogram (or a labelled child): its buckets and sum, as `times`
+        calls of observe(value) each would have left them (tests/test_stream_metrics.py checks it)."""
+        if not any(self.counts):
+            return
+        assert tuple(histogram._upper_bounds) == self.bounds, "the histogram's buckets changed"
+        for i, c in enumerate(self.counts):
+            if c:
+                histogram._buckets[i].inc(c)
+                self.counts[i] = 0
+        histogram._sum.inc(self.total)
+        self.total = 0.0
+
+
+class _Pending:
+    """What the streams counted since the last scrape (see _Buckets): generated tokens, both ITL histograms."""
+
+    def __init__(self) -> None:
+        self.generated = 0
+        self.itl = _Buckets(_LATENCY)
+        self.v_itl = _Buckets(_LATENCY)
+
+
 class RequestTracker:
     """Per-request timing: TTFT, inter-token latency, tokens, outcome, and vLLM's per-request histograms."""
 
@@ -57,8 +96,7 @@ class RequestTracker:
         if not new:
             return
         self.generated += new
-        m.generation_tokens.inc(new)
-        m.v_generation_tokens.inc(new)
+        m.pending.generated += new
         if self.last_token is None:
             m.ttft.observe(now - self.start)
             m.v_ttft.observe(now - self.start)
@@ -68,10 +106,8 @@ class RequestTracker:
             # of each sequence (its n sequences are n requests there).
             steps = max(counts)
             interval = (now - self.last_token) / steps
-            for _ in range(steps):
-                m.itl.observe(interval)
-            for _ in range(new):
-                m.v_itl.observe(interval)
+            m.pending.itl.add(interval, steps)
+            m.pending.v_itl.add(interval, new)
         self.last_token = now
 
     def finish(self, last: RequestOutput | None) -> None:
@@ -165,6 +201,7 @@ class ServerMetrics:
         self.v_iteration = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      _ITERATION)
         self._own = own
+        self.pending = _Pending()
         engine.on_transition.append(self.on_transition)
         engine.on_step.append(self.v_iteration.observe)
 
@@ -182,8 +219,19 @@ class ServerMetrics:
             self.wake_seconds.labels(str(report.level)).observe(report.seconds)
             self.bytes_restored.inc(report.bytes_restored)
 
+    def flush(self) -> None:
+        """The counts the streams gathered since the last scrape, into the metrics a scrape reads."""
+        p = self.pending
+        if p.generated:
+            self.generation_tokens.inc(p.generated)
+            self.v_generation_tokens.inc(p.generated)
+            p.generated = 0
+        p.itl.flush(self.itl)
+        p.v_itl.flush(self.v_itl)
+
     def render(self, ranks: list[dict] | None) -> bytes:
         """ranks: each rank's pool stats (one rank without tensor parallelism), None when not read."""
+        self.flush()
         registry = CollectorRegistry(auto_describe=False)
         for metric in self._own:
             registry.register(metric)

@@ -13,7 +13,7 @@ from server.api import generation
 from server.api.body import parse_body
 from server.api.formatting import TokenNames, chat_choice, chat_logprobs, envelope, prompt_logprobs_json, usage
 from server.api.schemas import ChatCompletionRequest
-from server.api.streaming import events, sse_response
+from server.api.streaming import ENCODER, ChunkFrame, events, json_ids, json_str, sse, sse_response
 from server.engine.outputs import RequestOutput
 from server.engine.params import InvalidRequestError
 
@@ -28,21 +28,23 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "a
 
 
 class ChatChunks:
+    """Each engine output → one stream chunk per choice that has news, framed as SSE."""
+
     def __init__(self, request_id: str, created: int, model: str, body: ChatCompletionRequest):
         self.head = (CHUNK_KIND, request_id, created, model)
+        self.frame = ChunkFrame(CHUNK_KIND, request_id, created, model, body.include_usage).frame
         self.body = body
         self.n = body.n
         self.include_usage = body.include_usage
         self.top_k = (body.top_logprobs or 0) if body.logprobs else None
+        self.plain = self.top_k is None  # a chunk with text (and token ids) only, as text: most chunks
+        self.with_ids = body.return_token_ids
         self.names = TokenNames(body.return_tokens_as_token_ids)
         self.started = False
         self.finished: set[int] = set()
         self.last: RequestOutput | None = None
 
-    def _chunk(self, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return envelope(*self.head, [choice], **extra, **({"usage": None} if self.include_usage else {}))
-
-    def chunks(self, item: tuple[int, RequestOutput]) -> list[dict[str, Any]]:
+    def chunks(self, item: tuple[int, RequestOutput]) -> bytes:
         _, out = item
         self.last = out
         result = []
@@ -53,25 +55,37 @@ class ChatChunks:
                 extra["prompt_token_ids"] = out.prompt_token_ids
             if self.body.prompt_logprobs is not None:
                 extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.names)
-            result += [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}, **(extra if i == 0 else {})) for i in range(self.n)]
+            for i in range(self.n):
+                head = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                if i == 0 and extra:  # extras sit beside the choices: a chunk of its own shape
+                    result.append(sse(envelope(*self.head, [head], **extra,
+                                               **({"usage": None} if self.include_usage else {}))))
+                else:
+                    result.append(self.frame(ENCODER.encode(head)))
         for o in out.outputs:
             if o.index in self.finished:
                 continue
             if not o.delta_text and not o.delta_token_ids and o.finish_reason is None:
+                continue
+            if o.finish_reason is None and self.plain:  # the common chunk, built as text
+                delta = '{"content":' + json_str(o.delta_text) + "}" if o.delta_text else "{}"
+                ids = ',"token_ids":' + json_ids(o.delta_token_ids) if self.with_ids else ""
+                result.append(self.frame(f'{{"index":{o.index},"delta":{delta},"logprobs":null,'
+                                         f'"finish_reason":null,"stop_reason":null{ids}}}'))
                 continue
             lp = None
             if self.top_k is not None:
                 lp = chat_logprobs(o.delta_token_ids, o.delta_logprobs or [], self.top_k, self.names)
             if o.finish_reason is not None:
                 self.finished.add(o.index)
-            delta = {"content": o.delta_text} if o.delta_text else {}
-            choice = {"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": o.finish_reason,
+            delta_obj = {"content": o.delta_text} if o.delta_text else {}
+            choice = {"index": o.index, "delta": delta_obj, "logprobs": lp, "finish_reason": o.finish_reason,
                       "stop_reason": o.stop_reason}
-            if self.body.return_token_ids:
+            if self.with_ids:
                 choice["token_ids"] = o.delta_token_ids
-            result.append(self._chunk(choice))
-        return result
+            result.append(self.frame(ENCODER.encode(choice)))
+        return b"".join(result)
 
     def tail(self) -> list[dict[str, Any]]:
         if not self.include_usage or self.last is None:

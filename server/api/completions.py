@@ -14,7 +14,7 @@ from server.api.body import parse_body
 from server.api.formatting import (CompletionLogprobs, TokenNames, completion_choice, envelope,
                                    prompt_logprobs_json, usage)
 from server.api.schemas import CompletionRequest, Prompt
-from server.api.streaming import events, sse_response
+from server.api.streaming import ENCODER, ChunkFrame, events, json_ids, json_str, sse_response
 from server.engine.outputs import CompletionOutput, RequestOutput
 from server.engine.params import InvalidRequestError, SamplingParams
 from server.engine.prompt_check import check_prompt_ids
@@ -98,34 +98,45 @@ class CompletionFormat:
 
 
 class CompletionChunks(CompletionFormat):
-    """Each (prompt index, engine output) → one stream chunk per choice that has news."""
+    """Each (prompt index, engine output) → one stream chunk per choice that has news, framed as SSE."""
 
     def __init__(self, request_id: str, created: int, model: str, body: CompletionRequest,
                  prompts: list[CheckedPrompt]):
         super().__init__(body, prompts)
         self.head = (KIND, request_id, created, model)
+        self.frame = ChunkFrame(KIND, request_id, created, model, body.include_usage).frame
+        # A chunk with text (and token ids) only, as text: most chunks of most streams.
+        self.plain = body.logprobs is None
+        self.with_ids = body.return_token_ids
+        self.n = body.n
         self.started: set[int] = set()
         self.finished: set[int] = set()
         self.last: dict[int, RequestOutput] = {}
 
-    def chunks(self, item: tuple[int, RequestOutput]) -> list[dict[str, Any]]:
+    def chunks(self, item: tuple[int, RequestOutput]) -> bytes:
         prompt, out = item
         self.last[prompt] = out
         result = []
         for o in out.outputs:
-            key = self.index(prompt, o)
+            key = prompt * self.n + o.index
             if key in self.finished:
                 continue
             first = key not in self.started
-            if not first and not o.delta_text and not o.delta_token_ids and o.finish_reason is None:
-                continue
-            self.started.add(key)
-            if o.finish_reason is not None:
+            if o.finish_reason is None:
+                if not first:
+                    if not o.delta_text and not o.delta_token_ids:
+                        continue
+                    if self.plain:  # what choice() + the encoder would write, built directly
+                        ids = ',"token_ids":' + json_ids(o.delta_token_ids) if self.with_ids else ""
+                        result.append(self.frame(f'{{"index":{key},"text":{json_str(o.delta_text)},"logprobs":null,'
+                                                 f'"finish_reason":null,"stop_reason":null{ids}}}'))
+                        continue
+            else:
                 self.finished.add(key)
+            self.started.add(key)
             choice = self.choice(prompt, out, o, o.delta_text, o.delta_token_ids, o.delta_logprobs, first)
-            extra = {"usage": None} if self.body.include_usage else {}
-            result.append(envelope(*self.head, [choice], **extra))
-        return result
+            result.append(self.frame(ENCODER.encode(choice)))
+        return b"".join(result)
 
     def tail(self) -> list[dict[str, Any]]:
         if not self.body.include_usage:

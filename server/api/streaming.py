@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses for a str
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi.responses import StreamingResponse
@@ -18,22 +19,48 @@ T = TypeVar("T")
 
 
 # One encoder for every chunk: json.dumps with non-default options builds a new JSONEncoder per call.
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + _ENCODER.encode(data).encode("utf-8") + b"\n\n"
+    return b"data: " + ENCODER.encode(data).encode("utf-8") + b"\n\n"
 
 
-async def events(items: AsyncIterator[T], chunks: Callable[[T], list[dict[str, Any]]],
+def json_str(text: str) -> str:
+    """A JSON string literal, exactly as sse() writes it."""
+    return encode_basestring(text)
+
+
+def json_ids(ids: list[int]) -> str:
+    """A JSON list of ints, exactly as sse() writes it."""
+    return "[" + ",".join(map(str, ids)) + "]"
+
+
+class ChunkFrame:
+    """One stream's envelope (id, object, created, model, choices, [usage: null]) as fixed text around
+    one choice's JSON: a stream writes a chunk per request per engine step, and its envelope never
+    changes. Byte for byte what sse(envelope(..., [choice], usage=None)) writes (tests check it),
+    at a fraction of the cost: the routes build the common choice (text and token ids, nothing else)
+    as text too, and only the rare ones (the first, the last, log-probs) as dicts."""
+
+    def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool):
+        self.prefix = (f'data: {{"id":{json_str(request_id)},"object":{json_str(kind)},"created":{int(created)},'
+                       f'"model":{json_str(model)},"choices":[')
+        self.suffix = ("]" + (',"usage":null' if include_usage else "") + "}\n\n")
+
+    def frame(self, choice_json: str) -> bytes:
+        return (self.prefix + choice_json + self.suffix).encode("utf-8")
+
+
+async def events(items: AsyncIterator[T], chunks: Callable[[T], bytes],
                  tail: Callable[[], list[dict[str, Any]]], state: Callable[[], SleepState]) -> AsyncIterator[bytes]:
     """The SSE body. Once the 200 is sent, an error can only travel as an event: it goes out as an
     OpenAI error object, then [DONE], so clients never wait on a stream that will not end.
     When the client disconnects, Starlette cancels this generator; closing `items` aborts the requests."""
     try:
         async for item in items:
-            # An item's chunks (one per choice with news: n of them for n > 1) in one write, not one each.
-            body = b"".join(sse(c) for c in chunks(item))
+            # An item's chunks (one per choice with news: n of them for n > 1), framed, in one write.
+            body = chunks(item)
             if body:
                 yield body
         for c in tail():
