@@ -114,6 +114,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "symm (one-shot over NVLink on symmetric memory for decode-sized messages, NCCL for larger ones) or auto "
            "(nccl: symm was not faster inside the model on the H200s); CPU always uses gloo", "auto",
            choices=("auto", "nccl", "symm")),
+    Option("--tp-launch", "how the tensor-parallel ranks start: spawn (the server starts them on this machine) or "
+           "torchrun (torchrun started one server command per rank, on one host or several; needs SLEEPSERVE_TP_KEY)",
+           "spawn", choices=("spawn", "torchrun")),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
     Option("--async-scheduling", "schedule and launch the next step while the device runs this one, and finish "
            "this one's outputs meanwhile (tensor parallelism stays synchronous)", False, boolean,
@@ -242,7 +245,7 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
         "async_scheduling": values["async_scheduling"],
         "seed": values["seed"], "tensor_parallel_size": values["tensor_parallel_size"],
-        "tp_all_reduce": values["tp_all_reduce"],
+        "tp_all_reduce": values["tp_all_reduce"], "tp_launch": values["tp_launch"],
         "offload_dir": values["offload_dir"], "prepare_backups": values["prepare_backups"],
         "kv_wake_chunk": values["kv_wake_chunk"],
         "while_asleep": values["while_asleep"],
@@ -291,6 +294,17 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = EngineConfig(**engine_kwargs)
     except ValueError as e:
         parser.error(str(e))
+    if config.tp_launch == "torchrun":
+        from server.engine.parallel.launch import torchrun_place
+
+        try:
+            place = torchrun_place(config.tensor_parallel_size)
+        except ValueError as e:
+            parser.error(str(e))
+        if place.rank:  # every rank but 0 joins rank 0's engine as a worker; only rank 0 serves HTTP
+            from server.engine.parallel.worker import join_torchrun
+
+            return join_torchrun(place)
     return serve(settings, config)
 
 

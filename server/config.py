@@ -51,6 +51,9 @@ class EngineConfig:
     # symmetric memory for decode-sized messages, NCCL for larger ones; server/engine/parallel/symm.py)
     # or auto (symm where its start-up probe passes). CPU: always gloo.
     tp_all_reduce: str = "auto"
+    # How the ranks start: spawn (rank 0 starts the workers on this machine) or torchrun (torchrun
+    # started every rank, on one host or several; server/engine/parallel/launch.py).
+    tp_launch: str = "spawn"
     offload_dir: str | None = None            # CPU backend: where offloaded tags are written while asleep
     # Allocate the host backups of level 1 at start-up, in the background: on | off | auto (on where
     # backups are kept between cycles (CUDA) and take at most half of the host memory free at start-up).
@@ -89,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be from 1 to 64, got {self.tensor_parallel_size}")
         if self.tp_all_reduce not in ("auto", "nccl", "symm"):
             raise ValueError(f"tp_all_reduce must be auto, nccl or symm, got {self.tp_all_reduce!r}")
+        if self.tp_launch not in ("spawn", "torchrun"):
+            raise ValueError(f"tp_launch must be spawn or torchrun, got {self.tp_launch!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
 

@@ -22,7 +22,7 @@ def tokens(llm) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tp2(default_model_folder):
     llm = LLM(model=str(default_model_folder), tensor_parallel_size=2, **ARGS)
-    procs = list(llm.engine.runner.workers.procs.values())
+    procs = [peer.proc for peer in llm.engine.runner.workers.peers.values()]
     yield llm
     llm.close()
     assert [p.wait(30) for p in procs] == [0], "a worker did not exit cleanly on close"

@@ -6,6 +6,7 @@ processes: server/engine/parallel/)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -63,10 +64,12 @@ class RankParts:
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r of a tensor-parallel group drives the r-th GPU after the one --device names."""
+    """Rank r of a tensor-parallel group drives the r-th GPU after the one --device names; under
+    torchrun (ranks on several hosts) the LOCAL_RANK-th, torchrun's number for it on its host."""
     device = config.torch_device()
-    if device.type == "cuda" and rank:
-        device = torch.device("cuda", (device.index or 0) + rank)
+    offset = int(os.environ.get("LOCAL_RANK", rank)) if config.tp_launch == "torchrun" else rank
+    if device.type == "cuda" and offset:
+        device = torch.device("cuda", (device.index or 0) + offset)
     return device
 
 

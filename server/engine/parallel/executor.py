@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +24,7 @@ import torch
 
 from server.config import EngineConfig
 from server.engine.errors import WorkerLostError
-from server.engine.parallel.group import Group, comm_options
+from server.engine.parallel.group import TIMEOUT, Group, comm_options
 from server.model.config import ModelConfig
 from server.model.loader import ModelSource
 from server.model.shard import TensorParallel
@@ -44,12 +45,91 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+class Spawned:
+    """A worker that rank 0 started (--tp-launch spawn): its liveness is its child process's."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen):
+        self.rank, self.proc = rank, proc
+
+    def wait(self) -> str:
+        """Block until the worker is gone; how it went."""
+        return self.describe(self.proc.wait())
+
+    def ended(self) -> bool:
+        return self.proc.poll() is not None
+
+    def describe(self, code: int | None = None) -> str:
+        code = self.proc.returncode if code is None else code
+        return f"tensor-parallel worker rank {self.rank} (pid {self.proc.pid}) {_describe_exit(code)}"
+
+    def join(self, seconds: float) -> bool:
+        try:
+            self.proc.wait(seconds)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class Remote:
+    """A worker that torchrun started (--tp-launch torchrun), maybe on another host: rank 0 knows it
+    only by a second connection that the worker opens and never writes to. Its end of file is the
+    worker's end (the process exited, whatever killed it); TCP keepalive turns a host that vanished
+    without closing the socket into the same end within about 25 s."""
+
+    def __init__(self, rank: int, pid: int, host: str, alive: Connection):
+        self.rank, self.pid, self.host, self.alive = rank, pid, host, alive
+        self._gone = threading.Event()
+        _keepalive(alive)
+
+    def wait(self) -> str:
+        try:
+            while True:
+                self.alive.recv()  # nothing is ever sent: this returns only when the connection ends
+        except (EOFError, OSError):
+            pass
+        self._gone.set()
+        return self.describe()
+
+    def ended(self) -> bool:
+        return self._gone.is_set()
+
+    def describe(self, code: int | None = None) -> str:
+        return (f"tensor-parallel worker rank {self.rank} (pid {self.pid} on {self.host}) closed its connection "
+                "(its process ended or its host became unreachable)")
+
+    def join(self, seconds: float) -> bool:
+        return self._gone.wait(seconds)
+
+    def kill(self) -> None:
+        """Rank 0 cannot signal another host: closing the connection makes the worker exit (worker.py)."""
+        try:
+            self.alive.close()
+        except OSError:
+            pass
+
+
+def _keepalive(conn: Connection) -> None:
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket, another descriptor
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 class Workers:
     """The worker processes of ranks 1..N-1 and rank 0's group membership.
 
-    Workers are new interpreters (`python -m server.engine.parallel.worker`), not multiprocessing
-    children: nothing of the embedding program (its __main__, a notebook, pytest) is re-imported, and
-    no CUDA context is ever forked. Each connects back to a listener of rank 0 with a random key."""
+    --tp-launch spawn: workers are new interpreters (`python -m server.engine.parallel.worker`), not
+    multiprocessing children: nothing of the embedding program (its __main__, a notebook, pytest) is
+    re-imported, and no CUDA context is ever forked. Each connects back to a loopback listener of rank 0
+    with a random key. --tp-launch torchrun: torchrun started them (launch.py); rank 0 listens on every
+    interface at MASTER_PORT + 1 and each worker joins with the key of SLEEPSERVE_TP_KEY, opening a
+    second connection that says it lives. Everything after the joining is the same."""
 
     def __init__(self, config: EngineConfig, world: int, tp: TensorParallel):
         self.world = world
@@ -57,7 +137,7 @@ class Workers:
 
         self.group = Group(0, 0, world, rank_device(config, 0), tp)
         self.conns: dict[int, Connection] = {}
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.peers: dict[int, Spawned | Remote] = {}
         self.lost: WorkerLostError | None = None
         self.infos: list[dict] = []  # each worker's rank, pid and device, once it is ready
         self.listeners: list[Callable[[BaseException], None]] = []
@@ -69,54 +149,83 @@ class Workers:
         # reach the thread that asked. Steps are sent without an answer and need no lock.
         self._exchange = threading.RLock()
         # The process key of rank 0: torch shares CPU tensors (weights sent to a worker) through
-        # multiprocessing's resource sharer, which authenticates with it.
-        key = bytes(mp.current_process().authkey)
+        # multiprocessing's resource sharer, which authenticates with it; every worker gets it.
+        process_key = bytes(mp.current_process().authkey)
         level = logging.getLogger("sleepserve").getEffectiveLevel()
-        with Listener(("127.0.0.1", 0), authkey=key) as listener:
-            env = {**os.environ, "SLEEPSERVE_TP_KEY": key.hex(), "PYTHONPATH": os.pathsep.join(
-                [str(Path(__file__).resolve().parents[3]), *filter(None, [os.environ.get("PYTHONPATH")])])}
-            # NVLink multicast stays off in the workers too (NCCL's NVLS, symmetric memory's
-            # multicast object): the caller's values pass through, absent ones are set.
-            env.setdefault("NCCL_NVLS_ENABLE", "0")
-            env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-            for rank in range(1, world):
-                cmd = [sys.executable, "-m", "server.engine.parallel.worker", str(rank),
-                       f"{listener.address[0]}:{listener.address[1]}"]
-                self.procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-            for _ in range(1, world):
-                conn = self._accept(listener)
-                rank = conn.recv()
-                conn.send((config, world, self.group.port, level))
+        if config.tp_launch == "torchrun":
+            from server.engine.parallel.launch import torchrun_place
+
+            place = torchrun_place(world)
+            address, key = ("", place.port), place.key  # "": every interface, for workers on other hosts
+            log.info("tensor parallelism under torchrun: waiting for %d workers on port %d", world - 1, place.port)
+        else:
+            address, key = ("127.0.0.1", 0), process_key
+        alive: dict[int, tuple[Connection, int, str]] = {}
+        with Listener(address, authkey=key) as listener:
+            if config.tp_launch == "spawn":
+                self._spawn(world, listener, key)
+            expected = (world - 1) * (2 if config.tp_launch == "torchrun" else 1)
+            deadline = time.monotonic() + TIMEOUT.total_seconds()
+            while len(self.conns) + len(alive) < expected:
+                conn = self._accept(listener, deadline, expected - len(self.conns) - len(alive))
+                rank, role, pid, host = conn.recv()
+                if not isinstance(rank, int) or not 0 < rank < world or rank in (alive if role == "alive" else self.conns):
+                    conn.close()
+                    self._kill_all()
+                    raise ValueError(f"a tensor-parallel worker joined as rank {rank!r} ({role}); expected each of "
+                                     f"1..{world - 1} once (is another server using this port?)")
+                if role == "alive":
+                    alive[rank] = (conn, pid, host)
+                    continue
+                conn.send((config, world, self.group.port, level, process_key))
                 self.conns[rank] = conn
-        for rank, proc in self.procs.items():
-            threading.Thread(target=self._watch, args=(rank, proc), name=f"sleepserve-tp{rank}-monitor",
+        for rank, (conn, pid, host) in alive.items():
+            self.peers[rank] = Remote(rank, pid, host, conn)
+        for rank, peer in self.peers.items():
+            threading.Thread(target=self._watch, args=(rank, peer), name=f"sleepserve-tp{rank}-monitor",
                              daemon=True).start()
 
-    def _accept(self, listener: Listener) -> Connection:
-        """The next worker's connection; a worker that died before connecting fails the start at once."""
+    def _spawn(self, world: int, listener: Listener, key: bytes) -> None:
+        env = {**os.environ, "SLEEPSERVE_TP_KEY": key.hex(), "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[3]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        # NVLink multicast stays off in the workers too (NCCL's NVLS, symmetric memory's
+        # multicast object): the caller's values pass through, absent ones are set.
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        for rank in range(1, world):
+            cmd = [sys.executable, "-m", "server.engine.parallel.worker", str(rank),
+                   f"{listener.address[0]}:{listener.address[1]}"]
+            self.peers[rank] = Spawned(rank, subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+
+    def _accept(self, listener: Listener, deadline: float, missing: int) -> Connection:
+        """The next worker's connection; a spawned worker that died before connecting fails the start
+        at once, and so does a wait past the deadline (torchrun: a worker that never came)."""
         sock = listener._listener._socket  # type: ignore[attr-defined]
         sock.settimeout(0.5)
         while True:
-            dead = [(r, p.returncode) for r, p in self.procs.items() if p.poll() is not None]
+            dead = [(r, p) for r, p in self.peers.items() if p.ended()]
             if dead:
                 self._kill_all()
-                raise ValueError(f"tensor-parallel worker rank {dead[0][0]} exited with code {dead[0][1]} before "
-                                 "it connected (its error is in the log above)")
+                raise ValueError(f"{dead[0][1].describe()} before it connected (its error is in the log above)")
+            if time.monotonic() > deadline:
+                self._kill_all()
+                raise ValueError(f"{missing} tensor-parallel connection(s) never came in "
+                                 f"{TIMEOUT.total_seconds():.0f} s")
             try:
                 return listener.accept()
             except (TimeoutError, socket.timeout):
                 continue
+            except mp.AuthenticationError as e:  # a stray client, or a worker with another key
+                log.warning("a connection to the tensor-parallel listener was refused: %s", e)
 
     # -- liveness ----------------------------------------------------------------------------------
 
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+    def _watch(self, rank: int, peer: Spawned | Remote) -> None:
+        how = peer.wait()
         self._exited.set()
         if self._closing or self.lost is not None:
             return
-        self.lost = WorkerLostError(
-            f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(code)}; "
-            f"the {self.world} ranks cannot run without it")
+        self.lost = WorkerLostError(f"{how}; the {self.world} ranks cannot run without it")
         log.critical("%s: the engine stops", self.lost)
         # Rank 0 may be inside a collective that waits for the dead rank (during the start: the memory
         # plan's forward, a graph capture): end it so the error reaches rank 0's caller, not a hang.
@@ -137,10 +246,9 @@ class Workers:
     def explain(self, error: BaseException) -> BaseException:
         """A collective that failed because a rank died is reported as that rank's death."""
         self._exited.wait(1.0)
-        for rank, proc in self.procs.items():
-            if proc.poll() is not None:
-                return self.lost or WorkerLostError(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)}")
+        for peer in self.peers.values():
+            if peer.ended():
+                return self.lost or WorkerLostError(peer.describe())
         return error
 
     # -- the channel -------------------------------------------------------------------------------
@@ -168,9 +276,9 @@ class Workers:
         return value
 
     def _recv(self, rank: int) -> Outcome:
-        conn, proc = self.conns[rank], self.procs[rank]
+        conn, peer = self.conns[rank], self.peers[rank]
         while not conn.poll(0.5):
-            if proc.poll() is not None:
+            if peer.ended():
                 raise self.explain(EOFError(f"rank {rank} closed its pipe"))
         try:
             status, value = conn.recv()
@@ -229,15 +337,15 @@ class Workers:
         # Every rank releases its device communicator at the same time (NCCL's teardown may wait for
         # its peers), then the workers exit; nothing here waits without a limit.
         _bounded(self.group.down, "releasing the device communicator")
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                log.warning("tensor-parallel worker pid %d did not exit 30 s after close: killed", proc.pid)
-                proc.kill()
-                proc.wait(5)
+        for peer in self.peers.values():
+            if not peer.join(30):
+                log.warning("%s: it did not exit 30 s after close", peer.describe())
+                peer.kill()
         for conn in self.conns.values():
             conn.close()
+        for peer in self.peers.values():
+            if isinstance(peer, Remote):
+                peer.kill()
         _bounded(self.group.close, "leaving the control group")
 
     def run_before_down(self) -> None:
@@ -252,10 +360,8 @@ class Workers:
 
     def _kill_all(self) -> None:
         self._closing = True
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
+        for peer in self.peers.values():
+            peer.kill()
 
 
 def _bounded(fn: Callable[[], None], what: str, seconds: float = 15.0) -> None:
@@ -282,9 +388,14 @@ def check_layout(config: EngineConfig, model_config: ModelConfig) -> None:
     device = config.torch_device()
     if device.type == "cuda":
         first = device.index or 0
-        if first + world > torch.cuda.device_count():
-            raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs from cuda:{first}; this machine has "
-                             f"{torch.cuda.device_count()}")
+        local = world  # GPUs this machine needs: under torchrun, its own ranks' (LOCAL_WORLD_SIZE)
+        if config.tp_launch == "torchrun":
+            from server.engine.parallel.launch import torchrun_place
+
+            local = torchrun_place(world).local_world
+        if first + local > torch.cuda.device_count():
+            raise ValueError(f"--tensor-parallel-size {world} needs {local} GPUs from cuda:{first} on this machine; "
+                             f"it has {torch.cuda.device_count()}")
 
 
 def build_parallel(config: EngineConfig, source: ModelSource, model_config: ModelConfig):

@@ -1,4 +1,5 @@
-"""A tensor-parallel worker: ranks 1..N-1, each in its own process (spawned by rank 0, see executor.py).
+"""A tensor-parallel worker: ranks 1..N-1, each in its own process (spawned by rank 0, see executor.py,
+or started by torchrun, see launch.py).
 
 It builds its shard of the model in its own pool (build_rank, the same code as rank 0), then obeys
 rank 0 over one pipe: a step's inputs (it runs the forward with rank 0; only rank 0 samples), and
@@ -72,7 +73,8 @@ def cpu_threads(world: int) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int, world: int, conn: Connection, port: int):
+    def __init__(self, config: EngineConfig, rank: int, world: int, conn: Connection, port: int,
+                 store_host: str = "127.0.0.1"):
         self.conn = conn
         self.rank = rank
         source = resolve_model(config.model)
@@ -82,7 +84,7 @@ class Worker:
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         conn.send(("ok", "joining"))  # rank 0 joins the group only once every rank got this far
-        self.group = Group(port, rank, world, device, tp)
+        self.group = Group(port, rank, world, device, tp, host=store_host)
         self.group.start(**comm_options(config, model_config, device))
         self.parts = build_rank(config, source, model_config, tp)
         self.runner = self.parts.runner
@@ -92,6 +94,7 @@ class Worker:
         self.lag = StepLag()
         self.spin = spin_seconds(device)
         self.profiler = None  # a torch.profiler run of bench/tensor_parallel.py --profile
+        self.closing = False  # rank 0 said close: its connections ending now is no failure
 
     def serve(self) -> None:
         stepped = False
@@ -113,6 +116,7 @@ class Worker:
                 self.step(arg, received)
                 continue
             if op == "close":
+                self.closing = True
                 return
             try:
                 armed = self.fail_next.pop(op, None)
@@ -231,24 +235,73 @@ class Worker:
 
 
 def worker_main(rank: int, address: str) -> int:
-    """The worker process (rank >= 1): connect to rank 0, build, serve. Exit code 0 when rank 0 closed
-    it, 1 on any failure (its traceback is logged first)."""
-    from multiprocessing.connection import Client
-
-    import multiprocessing
-
+    """A worker that rank 0 spawned (--tp-launch spawn): its key comes in the environment."""
     host, port = address.rsplit(":", 1)
     key = bytes.fromhex(os.environ.pop("SLEEPSERVE_TP_KEY"))
-    multiprocessing.current_process().authkey = key  # rank 0's: tensors it sends are shared under it
-    conn = Client((host, int(port)), authkey=key)
-    conn.send(rank)
-    config, world, store_port, log_level = conn.recv()
+    return _join(rank, host, int(port), key, store_host="127.0.0.1", alive=False)
+
+
+def join_torchrun(place) -> int:
+    """A worker that torchrun started (--tp-launch torchrun, RANK > 0): it joins rank 0 at MASTER_ADDR,
+    retrying while rank 0's server starts, on the GPU of its LOCAL_RANK (build.rank_device)."""
+    print(f"sleepserve: tensor-parallel rank {place.rank} joins rank 0 at {place.address}", file=sys.stderr,
+          flush=True)
+    return _join(place.rank, place.master_addr, place.port, place.key, store_host=place.master_addr, alive=True)
+
+
+def _connect(host: str, port: int, key: bytes, patience: float) -> Connection:
+    from multiprocessing.connection import Client
+
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return Client((host, port), authkey=key)
+        except (ConnectionRefusedError, ConnectionResetError, OSError) as e:
+            if isinstance(e, (ConnectionRefusedError, ConnectionResetError)) and time.monotonic() < deadline:
+                time.sleep(0.5)  # rank 0 is still starting (imports, its engine process)
+                continue
+            raise
+
+
+def _watch_rank0(alive: Connection, worker_state: dict) -> None:
+    """Under torchrun: rank 0's end of the liveness connection ended. Unless rank 0 closed this worker,
+    rank 0 is gone: exit now, also from inside a collective that would wait for it (600 s)."""
+    try:
+        while True:
+            alive.recv()
+    except (EOFError, OSError):
+        pass
+    worker = worker_state.get("worker")
+    if worker is not None and worker.closing:
+        return
+    log.critical("rank 0 closed the connection: this worker exits")
+    os._exit(1)
+
+
+def _join(rank: int, host: str, port: int, key: bytes, store_host: str, alive: bool) -> int:
+    """Connect to rank 0, build, serve. Exit code 0 when rank 0 closed it, 1 on any failure (its
+    traceback is logged first)."""
+    import multiprocessing
+    import socket
+    import threading
+
+    patience = 600.0 if alive else 0.0  # a spawned worker's rank 0 listens already
+    conn = _connect(host, port, key, patience)
+    conn.send((rank, "main", os.getpid(), socket.gethostname()))
+    config, world, store_port, log_level, process_key = conn.recv()
+    multiprocessing.current_process().authkey = process_key  # rank 0's: tensors it sends are shared under it
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    state: dict = {}
+    if alive:
+        liveness = _connect(host, port, key, patience)
+        liveness.send((rank, "alive", os.getpid(), socket.gethostname()))
+        threading.Thread(target=_watch_rank0, args=(liveness, state), name="sleepserve-tp-rank0-monitor",
+                         daemon=True).start()
     if config.torch_device().type == "cpu":
         torch.set_num_threads(cpu_threads(world))
     try:
-        worker = Worker(config, rank, world, conn, store_port)
+        worker = state["worker"] = Worker(config, rank, world, conn, store_port, store_host)
     except BaseException as e:
         log.exception("rank %d could not start", rank)
         try:
@@ -264,6 +317,7 @@ def worker_main(rank: int, address: str) -> int:
     except BaseException:
         log.exception("rank %d failed; the other ranks cannot run without it", rank)
         return 1
+    worker.closing = True
     worker.close()
     return 0
 
