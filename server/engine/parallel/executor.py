@@ -161,7 +161,12 @@ class Workers:
         else:
             address, key = ("127.0.0.1", 0), process_key
         alive: dict[int, tuple[Connection, int, str]] = {}
-        with Listener(address, authkey=key) as listener:
+        try:
+            listener = Listener(address, authkey=key)
+        except OSError as e:
+            raise ValueError(f"tensor parallelism cannot listen for its workers on port {address[1]}: {e} "
+                             "(under torchrun: MASTER_PORT + 1, or SLEEPSERVE_TP_PORT)") from e
+        with listener:
             if config.tp_launch == "spawn":
                 self._spawn(world, listener, key)
             expected = (world - 1) * (2 if config.tp_launch == "torchrun" else 1)
