@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -298,6 +299,11 @@ def _join(rank: int, host: str, port: int, key: bytes, store_host: str, alive: b
         liveness.send((rank, "alive", os.getpid(), socket.gethostname()))
         threading.Thread(target=_watch_rank0, args=(liveness, state), name="sleepserve-tp-rank0-monitor",
                          daemon=True).start()
+        # torchrun passes a Ctrl-C or SIGTERM to every rank at once: rank 0 shuts its server down and
+        # closes this worker in turn (or its end ends this one, _watch_rank0); torchrun kills a rank
+        # that is still there 30 s later.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     if config.torch_device().type == "cpu":
         torch.set_num_threads(cpu_threads(world))
     try:
