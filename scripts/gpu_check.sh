@@ -7,7 +7,8 @@
 # TP=2 greedy tokens with both backends; then bench/tensor_parallel.py: TP=1, TP=2 nccl, TP=2 symm and TP=2
 # symm without the workers' spin-poll on an 8B shape: decode-only step ms and tok/s at batch 1/8/64 with each
 # rank's step lag, sleep/wake per level, per-rank memory asleep against NCCL and CUDA references) and
-# tp-profile (each rank's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend) and
+# tp-torchrun (TP=2 launched by torchrun on one host's two GPUs: the spawned server's greedy tokens, after
+# level-1 and level-2 sleeps), tp-profile (each rank's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend) and
 # tp-noreg (the tp bench's TP=1 and TP=2 nccl runs with NCCL_GRAPH_REGISTER=0 in every process).
 # hostcost: bench/step_host_cost.py, a decode step's host work beside its forward at batch 64 and 256 (temperature 1,
 # logprobs 0, n 8; an output every step as streaming requests get, and FINAL_ONLY as non-streaming ones).
@@ -80,6 +81,7 @@ for stage in $stages; do
                 run weights $PY bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out "$RESULTS" ;;
     tp)         run tp-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider
                 run tp $PY bench/tensor_parallel.py --world 2 --out "$RESULTS" ;;
+    tp-torchrun) run tp-torchrun $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_torchrun_gpu.py -p no:cacheprovider ;;
     tp-profile) run tp-profile $PY bench/tensor_parallel.py --world 2 --profile ;;
     tp-noreg)   # NCCL without CUDA-graph buffer registration, every rank (a suspect of TP=2's slow batch 64)
                 run tp-noreg env NCCL_GRAPH_REGISTER=0 $PY bench/tensor_parallel.py --world 2 --all-reduce nccl \

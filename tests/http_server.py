@@ -143,6 +143,29 @@ class ServerProcess:
         return float(m.group(1))
 
 
+class TorchrunServer(ServerProcess):
+    """The server under torchrun (--tp-launch torchrun, --nproc-per-node `ranks`): self.proc is torchrun's
+    agent, which starts every rank; the caller sets SLEEPSERVE_TP_KEY in env."""
+
+    ranks = 2
+
+    def launch(self) -> "TorchrunServer":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.ranks), "--master-port",
+               str(free_port()), "-m", "server", "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(self.env), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def stop(self) -> None:
+        super().stop()
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # any rank torchrun left behind (its own session)
+            except ProcessLookupError:
+                pass
+
+
 def engine_child(parent: int) -> int | None:
     """The pid of `parent`'s child that runs `python -m server.engine.process`, or None."""
     for d in Path("/proc").iterdir():

@@ -12,7 +12,7 @@ import threading
 
 import httpx
 import pytest
-from http_server import BASE_ARGS, REPO, ServerProcess, free_port, hold_server, server_env, wait_for
+from http_server import BASE_ARGS, REPO, TorchrunServer, free_port, hold_server, server_env, wait_for
 
 from server.engine.parallel.launch import torchrun_place
 
@@ -20,25 +20,6 @@ pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 KEY = "test-key-0123456789abcdef"
-
-
-class TorchrunServer(ServerProcess):
-    """The server under torchrun: self.proc is torchrun's agent, which starts the two ranks."""
-
-    def launch(self) -> "TorchrunServer":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "-m", "server", "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(self.env), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        return self
-
-    def stop(self) -> None:
-        super().stop()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # any rank torchrun left behind (its own session)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture(scope="module")

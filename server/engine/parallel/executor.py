@@ -106,7 +106,13 @@ class Remote:
         return self._gone.wait(seconds)
 
     def kill(self) -> None:
-        """Rank 0 cannot signal another host: closing the connection makes the worker exit (worker.py)."""
+        """Rank 0 cannot signal another host: ending the connection makes the worker exit (worker.py).
+        shutdown, not only close: the monitor thread's recv holds the socket open past a close."""
+        try:
+            with socket.socket(fileno=os.dup(self.alive.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.alive.close()
         except OSError:

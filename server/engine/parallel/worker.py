@@ -289,14 +289,15 @@ def _join(rank: int, host: str, port: int, key: bytes, store_host: str, alive: b
     patience = 600.0 if alive else 0.0  # a spawned worker's rank 0 listens already
     conn = _connect(host, port, key, patience)
     conn.send((rank, "main", os.getpid(), socket.gethostname()))
+    state: dict = {}
+    if alive:  # at once, so that rank 0 sees this worker end from now on (it answers the hello meanwhile)
+        liveness = _connect(host, port, key, patience)
+        liveness.send((rank, "alive", os.getpid(), socket.gethostname()))
     config, world, store_port, log_level, process_key = conn.recv()
     multiprocessing.current_process().authkey = process_key  # rank 0's: tensors it sends are shared under it
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
-    state: dict = {}
     if alive:
-        liveness = _connect(host, port, key, patience)
-        liveness.send((rank, "alive", os.getpid(), socket.gethostname()))
         threading.Thread(target=_watch_rank0, args=(liveness, state), name="sleepserve-tp-rank0-monitor",
                          daemon=True).start()
         # torchrun passes a Ctrl-C or SIGTERM to every rank at once: rank 0 shuts its server down and
