@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
 from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
-from bench.serve import run_engine, run_http, summarize, workload  # noqa: E402
+from bench.serve import run_clients, run_engine, run_http, summarize, workload  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,6 +27,18 @@ def test_workload_lengths_and_poisson_arrivals():
     assert reqs[0].at == 0 and all(g >= 0 for g in gaps)
     assert 0.01 < sum(gaps) / len(gaps) < 0.04  # mean gap 1/rate = 0.02 s
     assert all(r.at == 0 for r in workload(5, 8, 4, 0.0, math.inf, 1000, seed=1))
+
+
+def test_serve_clients_over_processes_keep_request_order_and_count_cpu(llm):
+    """bench/serve.py's client spread over processes: every request answered, each result back at its
+    request's index (output lengths differ per request), and the clients' CPU time counted."""
+    server = main_server()
+    reqs = workload(5, 8, 4, 0.5, math.inf, llm.engine.model_config.vocab_size, seed=5)
+    assert len({r.max_tokens for r in reqs}) > 1
+    results, duration, client = run_clients(server.url, MAIN_KEY, "smol", reqs, True, 0.0, 120, 2)
+    assert [r.error for r in results] == [None] * 5
+    assert [r.output_tokens for r in results] == [r.max_tokens for r in reqs]
+    assert client["client_procs"] == 2 and client["client_cpu_s"] > 0 and duration > 0
 
 
 @pytest.mark.parametrize("stream", [True, False])
