@@ -211,6 +211,36 @@ def wait_for(condition, timeout: float = 10.0, interval: float = 0.05, what: str
         time.sleep(interval)
 
 
+
+def greedy_texts(server: ServerProcess, prompts: list[str], max_tokens: int = 8) -> list[str]:
+    """The greedy completions of the prompts in one /v1/completions request, in prompt order."""
+    r = httpx.post(server.url + "/v1/completions", timeout=300,
+                   json={"prompt": prompts, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+def kill_during_a_request(server: ServerProcess, pid: int, prompt: str) -> httpx.Response:
+    """SIGKILL pid while a long request runs on the server; that request's answer (it must get one)."""
+    import threading
+
+    answer: dict = {}
+
+    def long_request() -> None:
+        try:
+            answer["r"] = httpx.post(server.url + "/v1/completions", timeout=300,
+                                     json={"prompt": prompt, "max_tokens": 400, "ignore_eos": True})
+        except httpx.TransportError as e:
+            answer["error"] = e
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    wait_for(lambda: httpx.get(server.url + "/load").json()["running"] > 0, timeout=60, what="the request to run")
+    os.kill(pid, signal.SIGKILL)
+    t.join(120)
+    assert "r" in answer, answer
+    return answer["r"]
+
 # The main server: an API key, no dev routes. The dev server: dev routes behind an admin key, both
 # set through the environment (SLEEPSERVE_*), which test_http_cli checks reach the server; it refuses
 # generation at once while asleep (--while-asleep reject). The hold server: dev routes, no keys, and

@@ -5,15 +5,12 @@ server (same model, same greedy decoding)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
-from http_server import BASE_ARGS, REPO, ServerProcess, hold_server, wait_for
+from http_server import BASE_ARGS, REPO, ServerProcess, greedy_texts, hold_server, kill_during_a_request
 from models import write_trained_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,16 +28,9 @@ def server():
     proc.stop()
 
 
-def greedy(server, max_tokens: int = 8) -> list[str]:
-    r = httpx.post(server.url + "/v1/completions", timeout=300,
-                   json={"prompt": PROMPTS, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return greedy(hold_server())
+    return greedy_texts(hold_server(), PROMPTS)
 
 
 def post(server, path: str, **kwargs) -> httpx.Response:
@@ -48,7 +38,7 @@ def post(server, path: str, **kwargs) -> httpx.Response:
 
 
 def test_two_ranks_answer_as_one_rank(server, reference):
-    assert greedy(server) == reference
+    assert greedy_texts(server, PROMPTS) == reference
 
 
 def test_world_size_and_per_rank_reports(server):
@@ -78,13 +68,13 @@ def test_sleep_levels_and_update_weights_keep_the_outputs(server, reference):
     assert "ranks" in sleep_pool["phases_ms"] and "ranks" in wake_pool["phases_ms"]
     assert "write_backups" in sleep_pool["rank0"]["phases_ms"] and "read_backups" in wake_pool["rank0"]["phases_ms"]
     assert len(sleep_pool["rank_ms"]) == len(wake_pool["rank_ms"]) == 2
-    assert greedy(server) == reference
+    assert greedy_texts(server, PROMPTS) == reference
     assert post(server, "/sleep", params={"level": 2}).status_code == 200
     assert post(server, "/wake_up").status_code == 200
     r = post(server, "/update_weights", json={})  # the served checkpoint, each rank reading its slices
     assert r.status_code == 200, r.text
     assert r.json()["state"]["weights_valid"]
-    assert greedy(server) == reference
+    assert greedy_texts(server, PROMPTS) == reference
 
 
 def test_weight_transfer_reaches_every_rank(server, reference, default_model_folder, tmp_path_factory):
@@ -93,11 +83,11 @@ def test_weight_transfer_reaches_every_rank(server, reference, default_model_fol
     checkpoint (each rank reading its slices), packed buckets and one broadcast per tensor alike."""
     trained = write_trained_checkpoint(default_model_folder, tmp_path_factory.mktemp("tp-push") / "trained", seed=11)
     assert post(server, "/update_weights", json={"path": str(trained)}).status_code == 200
-    expected = greedy(server)
+    expected = greedy_texts(server, PROMPTS)
     assert expected != reference, "the new weights must change greedy outputs"
     for how in ([], ["--unpacked"]):
         assert post(server, "/update_weights", json={}).status_code == 200  # back to the served checkpoint
-        assert greedy(server) == reference
+        assert greedy_texts(server, PROMPTS) == reference
         out = subprocess.run([*TRAINER, server.url, "gloo", str(trained), "no-admin-key", "--bucket-bytes",
                               str(16 << 20), "--weight-version", f"tp{how}", *how],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -105,31 +95,17 @@ def test_weight_transfer_reaches_every_rank(server, reference, default_model_fol
         assert out.returncode == 0 and lines, out.stderr[-3000:]
         report = json.loads(lines[-1])
         assert report["server"]["weights_valid"] is True and report["server"]["tensors"] > 100, report
-        assert greedy(server) == expected, how
+        assert greedy_texts(server, PROMPTS) == expected, how
     assert post(server, "/update_weights", json={}).status_code == 200
-    assert greedy(server) == reference
+    assert greedy_texts(server, PROMPTS) == reference
 
 
 def test_killing_a_worker_answers_503_and_exits(server):
     """Last: it ends the server. A request in flight gets 503 (engine_dead) and the server exits with 3."""
     worker = httpx.get(server.url + "/server_info").json()["tensor_parallel"]["ranks"][1]["pid"]
-    answer: dict = {}
-
-    def long_request() -> None:
-        try:
-            answer["r"] = httpx.post(server.url + "/v1/completions", timeout=300,
-                                     json={"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True})
-        except httpx.TransportError as e:
-            answer["error"] = e
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    wait_for(lambda: httpx.get(server.url + "/load").json()["running"] > 0, timeout=60, what="the request to run")
-    os.kill(worker, signal.SIGKILL)
-    t.join(120)
-    assert "r" in answer, answer
-    assert answer["r"].status_code == 503, answer["r"].text
-    assert answer["r"].json()["error"]["code"] == "engine_dead"
-    assert f"rank 1 (pid {worker}) was killed by SIGKILL" in answer["r"].json()["error"]["message"]
+    answer = kill_during_a_request(server, worker, PROMPTS[0])
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "engine_dead"
+    assert f"rank 1 (pid {worker}) was killed by SIGKILL" in answer.json()["error"]["message"]
     assert server.proc.wait(90) == 3
     assert f"tensor-parallel worker rank 1 (pid {worker}) was killed by SIGKILL" in server.log_text()

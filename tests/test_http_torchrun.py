@@ -4,15 +4,13 @@ waits for rank 1, which joins it over TCP with SLEEPSERVE_TP_KEY. One server sta
 last test kills rank 1. One-rank answers come from the shared hold server (same model, greedy)."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
-from http_server import BASE_ARGS, REPO, TorchrunServer, free_port, hold_server, server_env, wait_for
+from http_server import (BASE_ARGS, REPO, TorchrunServer, free_port, greedy_texts, hold_server, kill_during_a_request,
+                         server_env)
 
 from server.engine.parallel.launch import torchrun_place
 
@@ -37,49 +35,28 @@ def server():
     proc.stop()
 
 
-def greedy(server) -> list[str]:
-    r = httpx.post(server.url + "/v1/completions", timeout=300,
-                   json={"prompt": PROMPTS, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
-
-
 def test_torchrun_ranks_answer_as_one_rank_and_keep_it_across_a_sleep(server):
-    reference = greedy(hold_server())
+    reference = greedy_texts(hold_server(), PROMPTS)
     info = httpx.get(server.url + "/server_info").json()
     assert info["engine_config"]["tp_launch"] == "torchrun" and info["world_size"] == 2
     ranks = info["tensor_parallel"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
-    assert greedy(server) == reference
+    assert greedy_texts(server, PROMPTS) == reference
     assert httpx.post(server.url + "/sleep", params={"level": 1}, timeout=300).status_code == 200
     memory = httpx.get(server.url + "/memory").json()["ranks"]
     assert [r["tags"]["weights"]["state"] for r in memory] == ["offloaded", "offloaded"]
     assert httpx.post(server.url + "/wake_up", timeout=300).status_code == 200
-    assert greedy(server) == reference
+    assert greedy_texts(server, PROMPTS) == reference
 
 
 def test_killing_rank_1_answers_503_and_the_run_ends(server):
     """Last: it ends the run. Rank 0 sees rank 1's liveness connection end, the request in flight
     gets 503 engine_dead naming the rank, and torchrun's run ends instead of hanging."""
     worker = httpx.get(server.url + "/server_info").json()["tensor_parallel"]["ranks"][1]["pid"]
-    answer: dict = {}
-
-    def long_request() -> None:
-        try:
-            answer["r"] = httpx.post(server.url + "/v1/completions", timeout=300,
-                                     json={"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True})
-        except httpx.TransportError as e:
-            answer["error"] = e
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    wait_for(lambda: httpx.get(server.url + "/load").json()["running"] > 0, timeout=60, what="the request to run")
-    os.kill(worker, signal.SIGKILL)
-    t.join(120)
-    assert "r" in answer, answer
-    assert answer["r"].status_code == 503, answer["r"].text
-    assert answer["r"].json()["error"]["code"] == "engine_dead"
-    assert f"rank 1 (pid {worker} on " in answer["r"].json()["error"]["message"]
+    answer = kill_during_a_request(server, worker, PROMPTS[0])
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "engine_dead"
+    assert f"rank 1 (pid {worker} on " in answer.json()["error"]["message"]
     assert server.proc.wait(90) != 0  # torchrun reports the failed rank
     assert f"tensor-parallel worker rank 1 (pid {worker} on " in server.log_text()
 

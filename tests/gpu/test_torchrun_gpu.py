@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from tests.http_server import ServerProcess, TorchrunServer, free_port
+from tests.http_server import ServerProcess, TorchrunServer, free_port, greedy_texts
 from tests.models import model_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
@@ -21,18 +21,11 @@ ARGS = ["--device", "cuda", "--load-format", "dummy", "--max-model-len", "1024",
         "--tensor-parallel-size", "2", "--log-level", "info"]
 
 
-def greedy(server) -> list[str]:
-    r = httpx.post(server.url + "/v1/completions", timeout=300,
-                   json={"prompt": PROMPTS, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
-
-
 def test_torchrun_on_two_gpus_answers_as_the_spawned_ranks_across_sleeps(tmp_path):
     folder = str(model_folder("llama-tiny", tmp_path))  # as tests/gpu/test_tensor_parallel_gpu.py
     spawned = ServerProcess([folder, *ARGS]).start()
     try:
-        reference = greedy(spawned)
+        reference = greedy_texts(spawned, PROMPTS, 16)
     finally:
         spawned.stop()
     server = TorchrunServer([folder, *ARGS, "--tp-launch", "torchrun"],
@@ -42,14 +35,14 @@ def test_torchrun_on_two_gpus_answers_as_the_spawned_ranks_across_sleeps(tmp_pat
         ranks = httpx.get(server.url + "/server_info").json()["tensor_parallel"]["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1] and ranks[1]["device"] == "cuda:1", ranks
         assert [r["all_reduce"] for r in ranks] == ["nccl", "nccl"], ranks
-        assert greedy(server) == reference
+        assert greedy_texts(server, PROMPTS, 16) == reference
         for level in (1, 2):
             assert httpx.post(server.url + "/sleep", params={"level": level}, timeout=300).status_code == 200
             assert httpx.post(server.url + "/wake_up", timeout=300).status_code == 200
             if level == 2:
                 r = httpx.post(server.url + "/update_weights", json={}, timeout=300)  # the same seeded dummy
                 assert r.status_code == 200, r.text
-            assert greedy(server) == reference, f"level {level}"
+            assert greedy_texts(server, PROMPTS, 16) == reference, f"level {level}"
     finally:
         print(server.log_tail(40))
         server.stop()
