@@ -77,6 +77,16 @@ def test_sleep_levels_and_update_weights_keep_the_outputs(server, reference):
     assert greedy_texts(server, PROMPTS) == reference
 
 
+def test_a_weight_transfer_group_without_room_for_every_rank_answers_400(server):
+    """world_size must hold the trainer and both ranks from rank_offset: 400 before any rendezvous."""
+    r = post(server, "/init_weight_transfer_engine",
+             json={"init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "init_info.world_size"
+    assert "2 ranks" in r.json()["error"]["message"]
+    assert greedy_texts(server, PROMPTS)  # still serving
+
+
 def test_weight_transfer_reaches_every_rank(server, reference, default_model_folder, tmp_path_factory):
     """A trainer pushes new weights over gloo (the NCCL protocol) to both ranks at once (world = trainer
     + 2 ranks, from /get_world_size); each keeps its slices. The outputs equal a disk load of the same
