@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="prompts (x n) per transformers generate call; default 32 (smoke: all)")
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--async-scheduling", default="off", choices=["off", "on", "both"],
+    ap.add_argument("--async-scheduling", default="on", choices=["off", "on", "both"],
                     help="run the server and the engine with async scheduling off, on, or both (side by side)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -207,7 +207,7 @@ def main() -> None:
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     for on in modes:
         key = "http_async" if on else "http"
-        server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else [])]).start()
+        server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()
         try:
             import httpx
 

@@ -309,7 +309,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--async-scheduling", default="off", choices=["off", "on", "both"],
+    ap.add_argument("--async-scheduling", default="on", choices=["off", "on", "both"],
                     help="the server and the in-process engine with async scheduling off, on, or both (side by side)")
     ap.add_argument("--client-procs", type=int, default=None,
                     help="client processes the HTTP requests are spread over (default: 1 on CPU; on CUDA half the "
@@ -365,7 +365,7 @@ def main() -> None:
         if url is None:
             from tests.http_server import ServerProcess
 
-            server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else [])]).start()
+            server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()
             url = server.url
         elif len(modes) > 1:
             raise SystemExit("--url with --async-scheduling both: the flag is the running server's; run once per server")

@@ -224,7 +224,7 @@ def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, 
     from tests.http_server import ServerProcess
 
     flags = [str(folder), "--device", device, "--load-format", "dummy", "--max-num-seqs", str(max(concurrencies)),
-             "--max-model-len", "2048", "--log-level", "warning"] + (["--async-scheduling"] if async_on else [])
+             "--max-model-len", "2048", "--log-level", "warning"] + (["--async-scheduling"] if async_on else ["--no-async-scheduling"])
     for k, v in kv.items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
     server = ServerProcess(flags).start()
@@ -275,7 +275,7 @@ def main() -> None:
                                                      "(CPU time per token of each process); 'none' skips it")
     ap.add_argument("--http-tokens", type=int, default=None, help="new tokens per request (default: 256 on CUDA, "
                                                                   "64 on CPU)")
-    ap.add_argument("--async-scheduling", default="off",
+    ap.add_argument("--async-scheduling", default="on",
                     help="off, on, or off,on: wall ms per step (and the --http pass) with each, side by side")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

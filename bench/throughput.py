@@ -114,7 +114,7 @@ def main() -> None:
                                                   "default: the embedded SmolLM2 on CPU, llama-1b on CUDA")
     ap.add_argument("--batches", default=None, help="comma-separated; default 1,8 (CPU) or 1,8,64 (CUDA)")
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--async-scheduling", default="off", choices=["off", "on", "both"])
+    ap.add_argument("--async-scheduling", default="on", choices=["off", "on", "both"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
