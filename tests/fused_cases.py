@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from server.model.kv_layout import layer_views
 from server.model.ops import TorchOps
 
 
@@ -29,10 +30,15 @@ def check_all(fused, dtype: torch.dtype, device: str, tol: float, seed: int = 0)
     q, k, v = rnd(T, H, D), rnd(T, KVH, D), rnd(T, KVH, D)
     cos, sin = rnd(T, D), rnd(T, D)
     slots = torch.randperm(NB * BS, generator=g)[:T].to(device)
-    caches = [torch.zeros(NB, BS, KVH, D, dtype=dtype, device=device) for _ in range(4)]
-    q1, k1 = fused.rope_and_cache(q.clone(), k.clone(), v, cos, sin, caches[0], caches[1], slots)
-    q2, k2 = TorchOps.rope_and_cache(q.clone(), k.clone(), v, cos, sin, caches[2], caches[3], slots)
-    errs["rope_and_cache"] = max(rel(q1, q2), rel(k1, k2), rel(caches[0], caches[2]), rel(caches[1], caches[3]))
+    # Two block-major caches of 3 layers (kv_layout.py), written through layer 1's strided views:
+    # the other layers' bytes must stay untouched.
+    fused_kv, torch_kv = (torch.zeros(NB, 3, 2, BS, KVH, D, dtype=dtype, device=device) for _ in range(2))
+    q1, k1 = fused.rope_and_cache(q.clone(), k.clone(), v, cos, sin, *layer_views(fused_kv, 1), slots)
+    q2, k2 = TorchOps.rope_and_cache(q.clone(), k.clone(), v, cos, sin, *layer_views(torch_kv, 1), slots)
+    blocks, offsets = slots // BS, slots % BS  # each token's K/V sits at (its block, its offset in it)
+    assert torch.equal(torch_kv[blocks, 1, 0, offsets], k2) and torch.equal(torch_kv[blocks, 1, 1, offsets], v)
+    assert torch.count_nonzero(fused_kv[:, ::2]) == 0 and torch.count_nonzero(torch_kv[:, ::2]) == 0
+    errs["rope_and_cache"] = max(rel(q1, q2), rel(k1, k2), rel(fused_kv, torch_kv))
 
     gate_up = rnd(5, 2 * 1536)
     errs["silu_mul_packed"] = rel(fused.silu_mul_packed(gate_up), TorchOps.silu_mul_packed(gate_up))

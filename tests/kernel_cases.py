@@ -6,11 +6,14 @@ import random
 import torch
 
 from server.model.attention import decode_attention_torch
+from server.model.kv_layout import layer_views
+
+LAYERS = 3
 
 
 def random_case(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_len: int,
                 dtype: torch.dtype, device: str, seed: int):
-    """Caches with scattered pages, block tables in random order, lengths that are often not a
+    """Caches with scattered pages (strided views of a block-major cache), block tables in random order, lengths that are often not a
     multiple of the block size, and an output poisoned with NaN so unwritten rows show."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -25,12 +28,13 @@ def random_case(batch: int, heads: int, kv_heads: int, head_dim: int, block_size
     tables = torch.zeros(batch, width, dtype=torch.int32)
     for b, n in enumerate(pages):
         tables[b, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k = torch.randn(shape, generator=gen).to(dtype)
-    v = torch.randn(shape, generator=gen).to(dtype)
+    # The engine's block-major layout (kv_layout.py): K and V are one middle layer's strided views.
+    kv = torch.randn((num_blocks, LAYERS, 2, block_size, kv_heads, head_dim), generator=gen).to(dtype)
+    k, v = layer_views(kv.to(device), LAYERS // 2)
+    assert not k.is_contiguous() and k.stride(0) == LAYERS * 2 * block_size * kv_heads * head_dim
     q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    return [t.to(device) for t in (q, k, v, tables, ctx)]
+    return [q.to(device), k, v, tables.to(device), ctx.to(device)]
 
 
 def relative_error(kernel, case, scale: float) -> float:

@@ -91,13 +91,41 @@ def test_chunk_bounds_fall_on_whole_granules_and_grow():
 
     assert chunk_bounds(100, 10, 1) == (0, 10, 50, 100)
     assert chunk_bounds(100, 200, 1) == ()  # one chunk: nothing to split
+    # 24 KiB per block (every layer's K and V); 2 MiB granules -> multiples of 256 blocks.
     plan = KVPlan(num_blocks=10_001, block_size=16, bytes=10_001 * 24576, bytes_per_block=24576)
-    # 4 layers: 3 KiB per layer half per block; 2 MiB granules -> multiples of 2048 blocks.
-    split = chunk_plan(plan, 3072, 2 << 20, 64 << 20)
-    assert split.num_blocks == 8192 and split.bytes == 8192 * 24576
-    assert split.chunk_bounds == (0, 4096, 8192)
-    assert all(b * 3072 % (2 << 20) == 0 for b in split.chunk_bounds)
-    assert chunk_plan(plan, 3072, 2 << 20, 0) is plan
+    split = chunk_plan(plan, 2 << 20, 64 << 20)
+    assert split.num_blocks == 9984 and split.bytes == 9984 * 24576
+    assert split.chunk_bounds == (0, 2816, 9984)  # 64 MiB = 2731 blocks, rounded up to 11 x 256
+    assert all(b * 24576 % (2 << 20) == 0 for b in split.chunk_bounds)
+    # 2 MiB per block (an 8B model's 32 layers x 8 KV heads x 128 in bf16): any block count works.
+    big = KVPlan(num_blocks=1001, block_size=16, bytes=1001 << 21, bytes_per_block=1 << 21)
+    assert chunk_plan(big, 2 << 20, 64 << 20).chunk_bounds == (0, 32, 160, 672, 1001)
+    assert chunk_plan(plan, 2 << 20, 0) is plan
+
+
+def test_each_chunk_is_one_pool_piece_with_those_blocks_of_every_layer(chunked_llm):
+    """The cache is block-major (server/model/kv_layout.py): a chunk of blocks is one contiguous range,
+    one piece of the pool (one physical handle on CUDA), and every layer's K and V of those blocks lie
+    inside it, so nothing a chunk's blocks hold is left in another chunk's memory."""
+    core = chunked_llm.engine
+    kv, bounds, per_block = core.runner.kv_cache, core.kv_plan.chunk_bounds, core.kv_plan.bytes_per_block
+    layers = core.model.model.layers
+    assert kv.shape[:3] == (core.kv_plan.num_blocks, len(layers), 2) and kv.is_contiguous()
+    assert kv.shape[1:].numel() * kv.element_size() == per_block
+    pool = core.pool
+    chunks = pool._chunks[KV_CACHE].pieces
+    assert [len(pieces) for pieces in chunks] == [1] * (len(bounds) - 1)
+    for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        start = chunks[c][0]
+        size = pool._backend._piece_owner(start).pieces[start][0]
+        assert (start, size) == (kv.data_ptr() + lo * per_block, (hi - lo) * per_block)
+        for layer in layers:
+            for view in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+                assert view.shape[0] == core.kv_plan.num_blocks and view.untyped_storage().data_ptr() == \
+                    kv.untyped_storage().data_ptr()  # a view of the cache, no copy
+                first, last = view[lo], view[hi - 1]
+                end = last.data_ptr() + last.numel() * last.element_size()
+                assert start <= first.data_ptr() and end <= start + size, (c, first.data_ptr(), end)
 
 
 def test_reports_say_how_far_the_background_mapping_got(chunked_llm, monkeypatch):

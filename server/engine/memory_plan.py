@@ -50,8 +50,8 @@ class KVPlan:
 
 
 # Each chunk after the first is this many times the previous one: a wake costs the first chunk only,
-# while the number of pieces (2 x layers per chunk, each a driver handle that every sleep releases)
-# stays small: 120 GiB with a 2 GiB first chunk is 4 chunks.
+# while the number of chunks (one driver handle each, which every sleep releases) stays small:
+# 120 GiB with a 2 GiB first chunk is 4 chunks.
 CHUNK_GROWTH = 4
 
 
@@ -66,13 +66,14 @@ def chunk_bounds(num_blocks: int, first_blocks: int, step: int) -> tuple[int, ..
     return tuple(bounds) if len(bounds) > 2 else ()
 
 
-def chunk_plan(plan: KVPlan, per_layer_block: int, granularity: int, first_chunk_bytes: int) -> KVPlan:
-    """The plan with its cache split in chunks for lazy wake-up (KVPlan.chunk_bounds). Each layer's K
-    (and V) must start on the pool's granularity and each chunk of blocks must span whole granules
-    in it, so the block count drops to a multiple of `step` blocks (at most one granule per layer)."""
+def chunk_plan(plan: KVPlan, granularity: int, first_chunk_bytes: int) -> KVPlan:
+    """The plan with its cache split in chunks for lazy wake-up (KVPlan.chunk_bounds). The cache is
+    block-major (model/kv_layout.py), so a chunk of blocks is one contiguous range, which must start
+    and end on the pool's granularity: the block count drops to a multiple of `step` blocks (by less
+    than one granule; step is 1 when a block's bytes, every layer's K and V, are a multiple of it)."""
     if first_chunk_bytes <= 0:
         return plan
-    step = granularity // math.gcd(granularity, per_layer_block)
+    step = granularity // math.gcd(granularity, plan.bytes_per_block)
     num_blocks = plan.num_blocks // step * step
     if num_blocks < 2:
         return plan
@@ -111,8 +112,7 @@ def plan_kv_cache(config: EngineConfig, model: LlamaForCausalLM, pool, dtype: to
         except PoolError as err:
             log.warning("no chunked KV cache (%s): a wake will map all of it", err)
         else:
-            plan = chunk_plan(plan, per_block // (2 * model.config.num_layers), granularity,
-                              int(config.kv_wake_chunk))
+            plan = chunk_plan(plan, granularity, int(config.kv_wake_chunk))
     log.debug("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens, %d chunks)", plan.usable_blocks,
               config.block_size, plan.bytes / 2**30, plan.capacity_tokens, max(1, len(plan.chunk_bounds) - 1))
     return plan

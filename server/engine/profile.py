@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from server.model.attention import AttentionContext, PrefillSpan
+from server.model.kv_layout import attach, kv_cache_shape
 from server.model.llama import LlamaForCausalLM
 
 
@@ -18,11 +19,9 @@ def measure_activation_peak(model: LlamaForCausalLM, num_tokens: int, block_size
     blocks = -(-n // block_size) + 1
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
-    scratch = torch.zeros((cfg.num_layers, 2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-                          dtype=dtype, device=dev)
+    scratch = torch.zeros(kv_cache_shape(cfg, blocks, block_size), dtype=dtype, device=dev)
     saved = [(l.self_attn.k_cache, l.self_attn.v_cache) for l in model.model.layers]
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn.k_cache, layer.self_attn.v_cache = scratch[i, 0], scratch[i, 1]
+    attach(model.model.layers, scratch)
     try:
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)

@@ -25,6 +25,7 @@ from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Request, Sequence
 from server.engine.tags import CUDA_GRAPH, KV_CACHE
 from server.model.attention import AttentionContext, PrefillSpan
+from server.model.kv_layout import attach, kv_cache_shape
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import copy_weights, init_dummy_weights, iter_checkpoint, parameter_names
 from server.model.ops import ops_for
@@ -87,21 +88,20 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         c = self.cfg
-        # One tensor for the whole cache, sliced into per-layer K and V views. With chunk bounds its
-        # memory comes in chunks of blocks (dim 2), which a wake maps back one after the other.
-        shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        # One block-major tensor for the whole cache (model/kv_layout.py), seen by each layer through
+        # strided K and V views. With chunk bounds its memory comes in chunks of blocks (dim 0), each
+        # one contiguous range = one pool piece, which a wake maps back one after the other.
+        shape = kv_cache_shape(c, num_blocks, block_size)
         self.kv_chunked = bool(kv_chunk_bounds)
         if kv_chunk_bounds:
             try:
-                self.kv_cache = pool.empty_chunked(shape, dtype, KV_CACHE, dim=2, bounds=kv_chunk_bounds)
+                self.kv_cache = pool.empty_chunked(shape, dtype, KV_CACHE, dim=0, bounds=kv_chunk_bounds)
             except PoolError as err:  # serve anyway, with a wake that maps the whole cache first
                 log.warning("the KV cache cannot be split in chunks (%s); a wake will map all of it", err)
                 self.kv_chunked = False
         if not self.kv_chunked:
             self.kv_cache = pool.empty(shape, dtype, KV_CACHE)
-        for i, layer in enumerate(model.model.layers):
-            layer.self_attn.k_cache = self.kv_cache[i, 0]
-            layer.self_attn.v_cache = self.kv_cache[i, 1]
+        attach(model.model.layers, self.kv_cache)
         self.graphs = None  # set by enable_cuda_graphs(): decode-only batches replay captured graphs
         # When the last forward was launched (perf_counter) and whether a graph ran it (parallel/steps.py)
         self.launched, self.replayed = 0.0, False

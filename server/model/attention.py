@@ -34,9 +34,13 @@ class AttentionContext:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V [T, kv_heads, D] into caches [blocks, block_size, kv_heads, D]."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    """Scatter new K/V [T, kv_heads, D] into caches [blocks, block_size, kv_heads, D]. The caches are
+    strided views of the block-major cache (kv_layout.py), so a slot is addressed as (block, offset
+    in block): no flat view of them exists."""
+    block_size = k_cache.shape[1]
+    where = (slot_mapping // block_size, slot_mapping % block_size)
+    k_cache.index_put_(where, k)
+    v_cache.index_put_(where, v)
 
 
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,9 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     while start < ctx:
         tok = start + t
         valid = tok < ctx
-        block = tl.load(tables_ptr + seq * stride_tb + tok // BLOCK_SIZE, mask=valid, other=0)
+        # In 64 bits: the cache is block-major (kv_layout.py), a block's stride spans every layer, and
+        # block x stride passes 2^31 elements in a large cache (the runner's tables are int64 already).
+        block = tl.load(tables_ptr + seq * stride_tb + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offs = block[:, None] * stride_kb + (tok % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
         k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
         if IEEE:
@@ -66,6 +68,11 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Same contract as attention.decode_attention_torch: q [B, H, D] -> [B, H, D]."""
     B, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    # K and V are strided views of one block-major cache (kv_layout.py): the kernel reads both with
+    # K's strides, and a token's head_dim values must be contiguous.
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
+                         f"{k_cache.stride()} and {v_cache.stride()}")
     group = H // kv_heads
     out = torch.empty_like(q)
     if B == 0:

@@ -35,7 +35,8 @@ def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n_cols, eps,
 @triton.jit
 def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
                     n_heads, n_kv_heads, stride_qt, stride_kt, stride_vt, stride_ct,
-                    HALF: tl.constexpr, HEADS_P2: tl.constexpr):
+                    stride_cb, stride_cs, stride_ch,
+                    HALF: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     t = tl.program_id(0)
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_P2)
@@ -59,8 +60,10 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
     rb = (kb * c2[None, :] + ka * s2[None, :]).to(k_ptr.dtype.element_ty)
     tl.store(ka_ptr, ra, mask=km)
     tl.store(ka_ptr + HALF, rb, mask=km)
-    slot = tl.load(slot_ptr + t)
-    row = slot * n_kv_heads * (2 * HALF) + h[:, None] * (2 * HALF) + d[None, :]
+    # The caches are strided views of the block-major cache (kv_layout.py): the slot's block times
+    # the block stride (which spans every layer; 64-bit), plus its offset in the block.
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h[:, None] * stride_ch + d[None, :]
     tl.store(kc_ptr + row, ra, mask=km)
     tl.store(kc_ptr + row + HALF, rb, mask=km)
     va_ptr = v_ptr + t * stride_vt + h[:, None] * (2 * HALF) + d[None, :]
@@ -101,10 +104,15 @@ class TritonOps:
                        slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T, H, D = q.shape
         KVH = k.shape[1]
+        if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
+            raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
+                             f"{k_cache.stride()} and {v_cache.stride()}")
         if T:
             _rope_and_cache[(T,)](q, k, v, cos, sin, k_cache, v_cache, slots, H, KVH,
                                   q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-                                  HALF=D // 2, HEADS_P2=triton.next_power_of_2(max(H, KVH)), num_warps=4)
+                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                  HALF=D // 2, HEADS_P2=triton.next_power_of_2(max(H, KVH)),
+                                  BLOCK_SIZE=k_cache.shape[1], num_warps=4)
         return q, k
 
     @staticmethod
