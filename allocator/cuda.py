@@ -242,15 +242,14 @@ class CudaBackend:
         return self._lib.granularity(self.device.index)
 
     def empty_chunked(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str,
-                      pieces: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, list[list[int]]]:
+                      pieces: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
         """One reserved range (not torch's: torch would free it), each piece its own physical
         memory and registry entry, wrapped in a tensor through __cuda_array_interface__."""
         nbytes = math.prod(shape) * dtype.itemsize
         ptr = self._lib.reserve(nbytes, self.device.index)
         try:
-            for chunk in pieces:
-                for offset, size in chunk:
-                    self._lib.add_piece(ptr + offset, size, self._ns + tag)
+            for offset, size in pieces:
+                self._lib.add_piece(ptr + offset, size, self._ns + tag)
             raw = torch.as_tensor(_DeviceRange(ptr, nbytes), device=self.device)
             tensor = raw.view(dtype).view(shape)
         except Exception as err:
@@ -260,7 +259,7 @@ class CudaBackend:
             raise PoolError(f"wrapping a chunked range in a tensor failed: {err}") from err
         self._reservations.append(ptr)
         self._reserved_bytes[ptr] = nbytes
-        return tensor, [[ptr + offset for offset, _ in chunk] for chunk in pieces]
+        return tensor, [ptr + offset for offset, _ in pieces]
 
     def map_pieces(self, addresses: Sequence[int]) -> int:
         return self._lib.map_ptrs(list(addresses))

@@ -110,12 +110,11 @@ class HostBackend:
     granularity = PAGE
 
     def empty_chunked(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str,
-                      pieces: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, list[list[int]]]:
+                      pieces: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
         tensor = self.empty(shape, dtype, tag)
         arena = self._arenas[tag][-1]
-        addresses = [[arena.address + offset for offset, _ in chunk] for chunk in pieces]
-        arena.pieces = {arena.address + offset: [size, True] for chunk in pieces for offset, size in chunk}
-        return tensor, addresses
+        arena.pieces = {arena.address + offset: [size, True] for offset, size in pieces}
+        return tensor, [arena.address + offset for offset, _ in pieces]
 
     def _piece_owner(self, address: int) -> _Arena:
         # A read-only walk: the pool's background mapper calls this beside the engine's thread.

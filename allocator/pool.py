@@ -52,10 +52,10 @@ def _shape(shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]:
 
 
 class _Chunks:
-    """One chunked tensor's pieces (backend addresses, per chunk) and how many leading chunks are
-    mapped. `ready` is written under `cond` by the pool (wake, sleep, the background mapper)."""
+    """One chunked tensor's pieces (backend addresses, one per chunk) and how many leading chunks
+    are mapped. `ready` is written under `cond` by the pool (wake, sleep, the background mapper)."""
 
-    def __init__(self, pieces: list[list[int]]) -> None:
+    def __init__(self, pieces: list[int]) -> None:
         self.pieces = pieces
         self.ready = len(pieces)
         self.cond = threading.Condition()
@@ -170,39 +170,36 @@ class MemoryPool:
         """Bytes at which physical memory can be split (CUDA: 2 MiB; CPU: a page)."""
         return self._backend.granularity
 
-    def empty_chunked(self, shape: Sequence[int], dtype: torch.dtype, tag: str, dim: int,
+    def empty_chunked(self, shape: Sequence[int], dtype: torch.dtype, tag: str,
                       bounds: Sequence[int]) -> torch.Tensor:
-        """A contiguous tensor whose memory comes in chunks along `dim`: chunk c holds the indices
-        [bounds[c], bounds[c+1]) of dim, for every index of the dimensions before it. After a sleep
-        that discards the tag, wake_up() maps chunk 0 before it returns and the others in order in a
-        background thread; chunks_ready() says how many are usable, wait_chunks() waits for more.
-        So a wake costs the first chunk, not the whole tensor (re-creating memory right after it was
-        released costs ~3 ms/GiB on an H200). Nothing may touch a chunk before it is ready (the CPU
-        backend makes it fault). One chunked tensor per tag; it can only be discarded, not offloaded.
+        """A contiguous tensor whose memory comes in chunks along its first dimension: chunk c holds
+        the indices [bounds[c], bounds[c+1]) of dim 0, one contiguous range of bytes and so one piece of
+        physical memory (one driver handle on CUDA: a sleep's release time follows the number of
+        handles). After a sleep that discards the tag, wake_up() maps chunk 0 before it returns and
+        the others in order in a background thread; chunks_ready() says how many are usable,
+        wait_chunks() waits for more. So a wake costs the first chunk, not the whole tensor
+        (re-creating memory right after it was released costs ~3 ms/GiB on an H200). Nothing may
+        touch a chunk before it is ready (the CPU backend makes it fault). One chunked tensor per tag;
+        it can only be discarded, not offloaded.
 
-        bounds: 0 = bounds[0] < ... < bounds[-1] = shape[dim]; every chunk's bytes in each row (and a
-        row: the bytes of one index of the dimensions before dim) must be a multiple of granularity."""
+        bounds: 0 = bounds[0] < ... < bounds[-1] = shape[0]; each bound's byte offset (bound x the
+        bytes of one index of dim 0) must be a multiple of granularity."""
         check_tag(tag)
         dims = _shape(shape)
-        if not 0 <= dim < len(dims):
-            raise PoolError(f"dim {dim} is not a dimension of shape {dims}")
-        b = [int(x) for x in bounds]
-        if len(b) < 2 or b[0] != 0 or b[-1] != dims[dim] or any(x >= y for x, y in zip(b, b[1:])):
-            raise PoolError(f"chunk bounds {b} must rise strictly from 0 to shape[{dim}] = {dims[dim]}")
-        if math.prod(dims) == 0:
+        if not dims or math.prod(dims) == 0:
             raise PoolError(f"a chunked tensor needs at least one element, got shape {dims}")
-        index_bytes = math.prod(dims[dim + 1:]) * dtype.itemsize
-        row_bytes = dims[dim] * index_bytes
+        b = [int(x) for x in bounds]
+        if len(b) < 2 or b[0] != 0 or b[-1] != dims[0] or any(x >= y for x, y in zip(b, b[1:])):
+            raise PoolError(f"chunk bounds {b} must rise strictly from 0 to shape[0] = {dims[0]}")
+        index_bytes = math.prod(dims[1:]) * dtype.itemsize
         gran = self.granularity
         bad = [x for x in b if (x * index_bytes) % gran]
-        if row_bytes % gran or bad:
+        if bad:
             raise PoolError(
-                f"chunks of {index_bytes} bytes per index at bounds {bad or b} do not fall on the pool's "
-                f"granularity ({gran} bytes); pick bounds (and shape[{dim}]) that are multiples of "
+                f"chunks of {index_bytes} bytes per index at bounds {bad} do not fall on the pool's "
+                f"granularity ({gran} bytes); pick bounds (and shape[0]) that are multiples of "
                 f"{gran // math.gcd(gran, index_bytes)}")
-        rows = math.prod(dims[:dim])
-        pieces = [[(r * row_bytes + lo * index_bytes, (hi - lo) * index_bytes) for r in range(rows)]
-                  for lo, hi in zip(b, b[1:])]
+        pieces = [(lo * index_bytes, (hi - lo) * index_bytes) for lo, hi in zip(b, b[1:])]
         with self._lock:
             self._check_open()
             self._check_awake(tag, "allocate in")
@@ -234,29 +231,25 @@ class MemoryPool:
             return chunks.ready
 
     def _map_rest(self, tag: str, chunks: _Chunks) -> None:
-        """The background mapper: chunks 1.. of a woken tag, in order, a piece at a time and without
+        """The background mapper: chunks 1.. of a woken tag, in order, one at a time and without
         the pool's lock, so the engine's own calls (tag_state, stats) never wait for a chunk. Only
         a sleep of this tag or close() stop it, and they join it first (_stop_mapping). Whatever
         ends it (an error included), finish() tells the waiters that nothing more comes."""
         try:
             for c in range(chunks.ready, len(chunks.pieces)):
-                for address in chunks.pieces[c]:
-                    self._yield_to_foreground(chunks)
-                    if chunks.cancel.is_set() or self._closed:
-                        break
-                    try:
-                        self._backend.map_pieces([address])
-                    except PoolError as err:
-                        # The tensor stays smaller until the next wake; pieces mapped so far are
-                        # released by the next sleep like any mapped memory.
-                        chunks.error = err
-                        break
-                else:
-                    chunks.set_ready(c + 1)
-                    if chunks.started is not None:
-                        chunks.chunk_seconds.append(time.perf_counter() - chunks.started)
-                    continue
-                break
+                self._yield_to_foreground(chunks)
+                if chunks.cancel.is_set() or self._closed:
+                    break
+                try:
+                    self._backend.map_pieces([chunks.pieces[c]])
+                except PoolError as err:
+                    # The tensor stays smaller until the next wake; chunks mapped so far are
+                    # released by the next sleep like any mapped memory.
+                    chunks.error = err
+                    break
+                chunks.set_ready(c + 1)
+                if chunks.started is not None:
+                    chunks.chunk_seconds.append(time.perf_counter() - chunks.started)
         except Exception as err:  # a bug, not the driver: still end the waits, and say why
             chunks.error = PoolError(f"the background mapping of '{tag}' failed: {type(err).__name__}: {err}")
             raise
@@ -265,7 +258,7 @@ class MemoryPool:
 
     def yield_mapping_while(self, busy: Callable[[], bool] | None, max_wait_s: float | None = 0.02) -> None:
         """Let the background mapper give way to the foreground: while busy() (e.g. the engine has
-        requests running), it maps one piece at most every max_wait_s (None: not at all) instead of
+        requests running), it maps one chunk at most every max_wait_s (None: not at all) instead of
         back to back, unless someone waits for chunks (wait_chunks), who gets them at full speed.
         Mapping device memory slows the kernels running beside it (the first request after a wake
         ran 1.16-1.35x slower while the KV cache mapped, 1.03x after; H200, 2026-11-30)."""
@@ -282,7 +275,7 @@ class MemoryPool:
 
     def _stop_mapping(self, tags: Iterable[str] | None = None) -> None:
         """Stop the background mappers of these tags (all when None); each finishes the chunk at
-        hand. Waited for without the lock, which the mappers take per chunk."""
+        hand. Waited for without the lock."""
         for tag, chunks in list(self._chunks.items()):
             if tags is not None and tag not in tags:
                 continue
@@ -477,7 +470,7 @@ class MemoryPool:
                 clock.mark("check")
                 return WakeReport(0, 0, clock.elapsed, timings=clock.report())
             lazy = [t for t in remap if t in self._chunks]
-            defer = {a for t in lazy for chunk in self._chunks[t].pieces[1:] for a in chunk}
+            defer = {a for t in lazy for a in self._chunks[t].pieces[1:]}
             clock.mark("check")
             try:
                 # The wake that leaves nothing asleep may re-fill caches outside the pool (CUDA: torch's

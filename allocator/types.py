@@ -143,10 +143,10 @@ class Backend(Protocol):
 
     granularity: int  # bytes at which physical memory can be split
 
-    # A tensor over one address range whose memory comes in pieces: pieces[c] lists the (offset,
-    # size) ranges of chunk c. Returns the tensor and, per chunk, the pieces' addresses.
+    # A tensor over one address range whose memory comes in pieces, each (offset, size) its own
+    # physical memory (one per chunk). Returns the tensor and the pieces' addresses.
     def empty_chunked(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str,
-                      pieces: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, list[list[int]]]: ...
+                      pieces: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]: ...
 
     def map_pieces(self, addresses: Sequence[int]) -> int: ...  # all or nothing
 

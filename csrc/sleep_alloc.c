@@ -583,9 +583,9 @@ SA_EXPORT void sa_stats_reset_max(void) {
 
 /* A reservation is one virtual range whose physical memory comes in pieces, each a registry entry
  * of its own (so every batch below maps, unmaps and lists it like any allocation). It is how the
- * KV cache maps back in chunks of blocks: a tensor spans the whole range, and a chunk is the set
- * of pieces holding its blocks in every layer. torch never sees these: Python wraps the range in a
- * tensor and frees it with sa_free_reservation. */
+ * KV cache maps back in chunks of blocks: a tensor spans the whole range, and a chunk is one piece
+ * (the cache is block-major, so a chunk's blocks of every layer are one contiguous range). torch
+ * never sees these: Python wraps the range in a tensor and frees it with sa_free_reservation. */
 typedef struct {
   CUdeviceptr ptr;
   size_t size;

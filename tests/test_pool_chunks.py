@@ -18,20 +18,19 @@ from allocator import MemoryPool, PoolError
 from allocator.host import PAGE, HostBackend
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS, BLOCKS, WIDTH = 3, 8, PAGE // 4  # float32: one block = one page per row
+BLOCKS, ROWS, WIDTH = 8, 3, PAGE // 4  # float32: a block is 3 pages
 BOUNDS = [0, 2, 5, 8]
 
 
 class SteppedBackend(HostBackend):
-    """The real CPU backend whose background mapping maps one chunk per step() (a chunk is one
-    piece per row; the pool maps a piece at a time)."""
+    """The real CPU backend whose background mapping maps one chunk (one piece) per step()."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__(folder)
         self.steps = threading.Semaphore(0)
 
     def step(self, chunks: int = 1) -> None:
-        for _ in range(chunks * ROWS):
+        for _ in range(chunks):
             self.steps.release()
 
     def map_pieces(self, addresses):
@@ -40,18 +39,20 @@ class SteppedBackend(HostBackend):
 
 
 def chunked(pool: MemoryPool) -> torch.Tensor:
-    return pool.empty_chunked((ROWS, BLOCKS, WIDTH), torch.float32, "kv_cache", dim=1, bounds=BOUNDS)
+    return pool.empty_chunked((BLOCKS, ROWS, WIDTH), torch.float32, "kv_cache", bounds=BOUNDS)
 
 
 def test_bounds_must_fall_on_the_granularity(tmp_path):
     pool = MemoryPool(HostBackend(tmp_path))
     try:
         with pytest.raises(PoolError, match="rise strictly"):
-            pool.empty_chunked((ROWS, BLOCKS, WIDTH), torch.float32, "kv_cache", dim=1, bounds=[0, 5, 5, 8])
+            pool.empty_chunked((BLOCKS, ROWS, WIDTH), torch.float32, "kv_cache", bounds=[0, 5, 5, 8])
         with pytest.raises(PoolError, match="granularity"):
-            pool.empty_chunked((ROWS, BLOCKS, 16), torch.float32, "kv_cache", dim=1, bounds=[0, 4, 8])
+            pool.empty_chunked((BLOCKS, ROWS, 16), torch.float32, "kv_cache", bounds=[0, 4, 8])
         t = chunked(pool)
         assert pool.chunks_ready("kv_cache") == 3 and pool.tag_of(t) == "kv_cache"
+        # Chunked along dim 0: each chunk is one contiguous range, one piece of memory.
+        assert pool._chunks["kv_cache"].pieces == [t[b].data_ptr() for b in BOUNDS[:-1]]
         with pytest.raises(PoolError, match="already has a chunked tensor"):
             chunked(pool)
         with pytest.raises(PoolError, match="only be discarded"):
@@ -71,16 +72,16 @@ def test_wake_maps_the_first_chunk_and_the_rest_in_order_in_the_background(tmp_p
         assert pool.chunks_ready("kv_cache") == 0
         pool.wake_up()
         assert pool.tag_state("kv_cache") == "awake" and pool.chunks_ready("kv_cache") == 1
-        first = t[:, :BOUNDS[1]]
+        first = t[:BOUNDS[1]]
         assert torch.count_nonzero(first) == 0  # discarded: zero pages, usable at once
         first.fill_(1.0)
         assert pool.wait_chunks("kv_cache", 2, timeout=0.2) == 1  # chunk 1 waits for its step
         backend.step()
         assert pool.wait_chunks("kv_cache", 2, timeout=30) >= 2
-        t[:, BOUNDS[1]:BOUNDS[2]].fill_(2.0)
+        t[BOUNDS[1]:BOUNDS[2]].fill_(2.0)
         backend.step()
         assert pool.wait_chunks("kv_cache", 3, timeout=30) == 3
-        t[:, BOUNDS[2]:].fill_(3.0)
+        t[BOUNDS[2]:].fill_(3.0)
         assert t.data_ptr() == ptr and t.sum().item() == ROWS * WIDTH * (2 * 1 + 3 * 2 + 3 * 3)
     finally:
         backend.step(4)
@@ -125,8 +126,8 @@ def test_a_chunk_that_is_not_mapped_yet_cannot_be_read():
         t = chunked(pool)
         pool.sleep(discard_tags=["kv_cache"])
         pool.wake_up()
-        print("first", float(t[:, :BOUNDS[1]].sum()), flush=True)
-        print("third", float(t[:, BOUNDS[2]:].sum()), flush=True)
+        print("first", float(t[:BOUNDS[1]].sum()), flush=True)
+        print("third", float(t[BOUNDS[2]:].sum()), flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "first 0.0" in out.stdout, out.stderr[-2000:]
@@ -157,7 +158,7 @@ def test_the_mapper_gives_way_while_busy_unless_someone_waits(tmp_path):
 
 
 def test_a_busy_foreground_only_paces_the_mapper(tmp_path):
-    """With max_wait_s the mapper still maps a piece at least that often: the cache fills while busy."""
+    """With max_wait_s the mapper still maps a chunk at least that often: the cache fills while busy."""
     pool = MemoryPool(HostBackend(tmp_path))
     pool.yield_mapping_while(lambda: True, max_wait_s=0.005)
     try:

@@ -95,7 +95,7 @@ class ModelRunner:
         self.kv_chunked = bool(kv_chunk_bounds)
         if kv_chunk_bounds:
             try:
-                self.kv_cache = pool.empty_chunked(shape, dtype, KV_CACHE, dim=0, bounds=kv_chunk_bounds)
+                self.kv_cache = pool.empty_chunked(shape, dtype, KV_CACHE, bounds=kv_chunk_bounds)
             except PoolError as err:  # serve anyway, with a wake that maps the whole cache first
                 log.warning("the KV cache cannot be split in chunks (%s); a wake will map all of it", err)
                 self.kv_chunked = False

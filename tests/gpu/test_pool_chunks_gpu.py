@@ -18,9 +18,9 @@ def test_chunked_tensor_wakes_in_chunks_at_the_same_address():
     pool = create_pool("cuda")
     try:
         gran = pool.granularity
-        rows, blocks, width = 4, 16, gran // 2  # bf16: one block = one granule per row
+        blocks, rows, width = 16, 4, gran // 2  # bf16: a block is 4 granules
         bounds = [0, 2, 6, 16]
-        t = pool.empty_chunked((rows, blocks, width), torch.bfloat16, "kv_cache", dim=1, bounds=bounds)
+        t = pool.empty_chunked((blocks, rows, width), torch.bfloat16, "kv_cache", bounds=bounds)
         ptr = t.data_ptr()
         assert pool.tag_of(t) == "kv_cache" and pool.tag_of(t[-1, -1]) == "kv_cache"
         t.fill_(3)
@@ -32,9 +32,9 @@ def test_chunked_tensor_wakes_in_chunks_at_the_same_address():
             assert pool.chunks_ready("kv_cache") == 0
             pool.wake_up()
             assert pool.chunks_ready("kv_cache") >= 1
-            t[:, :bounds[1]].fill_(1)  # the first chunk is usable at once
+            t[:bounds[1]].fill_(1)  # the first chunk is usable at once
             assert pool.wait_chunks("kv_cache", 3, timeout=60) == 3
-            t[:, bounds[1]:].fill_(2)
+            t[bounds[1]:].fill_(2)
             torch.cuda.synchronize()
             assert t.data_ptr() == ptr
             assert t.float().sum().item() == rows * width * (2 * 1 + 14 * 2)
