@@ -102,3 +102,39 @@ def test_a_steps_windows_decode_as_the_tokenizer_decodes_them(tokenizer):
     for skip in (True, False):
         assert decode_many(tokenizer, windows, skip) == [tokenizer.decode(w, skip_special_tokens=skip)
                                                          for w in windows]
+
+
+def test_the_steps_fast_path_gives_what_the_tokenizer_gives(tokenizer):
+    """detokenize_step hands a whole token's cached text out directly while its detokenizer's window is whole
+    tokens with nothing pending, and decodes the others: on random ids (broken UTF-8 that a later byte
+    completes or never does, special tokens in the prompt and the output, ids past the tokenizer's vocabulary,
+    which a model with a larger one samples and decode drops) each sequence's texts must be what add() (the
+    tokenizer's decode of both windows, every time) gives, special tokens skipped or not."""
+    import random
+
+    from server.engine.detokenizer import decode_many, detokenize_step
+
+    rng = random.Random(2)
+    vocab = len(tokenizer)
+    odd = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])][:200] + list(tokenizer.all_special_ids)
+    odd += [vocab + k for k in range(0, 5000, 97)]  # unknown ids
+    emoji = tokenizer("🙂🚀漢字", add_special_tokens=False).input_ids
+    for skip in (True, False):
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 9))] + ([rng.choice(odd)] if k % 4 == 0 else [])
+                   for k in range(24)]
+        streams = [[rng.choice(odd) if rng.random() < 0.1 else rng.choice(emoji) if rng.random() < 0.1
+                    else rng.randrange(vocab) for _ in range(rng.randrange(20, 120))] for _ in prompts]
+        together = [IncrementalDetokenizer(tokenizer, p, skip) for p in prompts]
+        alone = [IncrementalDetokenizer(tokenizer, p, skip) for p in prompts]
+        fast = 0
+        for step in range(max(map(len, streams))):
+            live = [i for i, s in enumerate(streams) if step < len(s)]
+            fast += sum(together[i].clean for i in live)
+            got = detokenize_step([(together[i], streams[i][step]) for i in live])
+            assert got == [alone[i].add(streams[i][step]) for i in live], (skip, step)
+        assert [d.flush() for d in together] == [d.flush() for d in alone]
+        assert fast > 0  # the fast path ran
+    windows = [[rng.choice(odd) if rng.random() < 0.3 else rng.randrange(vocab) for _ in range(rng.randrange(0, 9))]
+               for _ in range(200)]
+    for skip in (True, False):
+        assert decode_many(tokenizer, windows, skip) == [tokenizer.decode(w, skip_special_tokens=skip) for w in windows]

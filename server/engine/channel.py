@@ -152,7 +152,7 @@ def encode_delta(req: "Request") -> Delta:
     metrics = None
     if finished:
         metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time, req.last_token_time)
-    return (req.request_id, seqs, finished, max((s.num_cached_tokens for s in req.seqs), default=0),
+    return (req.request_id, seqs, finished, req.num_cached_tokens,
             req.prompt_token_ids if first else None, prompt_logprobs, metrics)
 
 

@@ -296,40 +296,62 @@ class EngineCore:
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sampled],
                     scored: Iterable[tuple[Request, list]] = ()) -> list[RequestOutput]:
         """Record what a step computed: the KV progress (the scheduler's), prompt log-probs, the
-        sampled tokens, the requests that finished. Returns an output for each request advanced."""
+        sampled tokens, the requests that finished. Returns an output for each request advanced.
+
+        One pass over the sequences does what each needs (append, the end checks, request times), so the
+        work per sequence is a few attribute reads for one that goes on; the text of every continuing
+        sequence is one detokenizer call for the step, then the checks that need the text (stop strings,
+        grammar, length). Grammars consume their tokens first (in parallel), and start on the next
+        step's masks."""
         self.scheduler.advance(batch)
         for req, entries in scored:
             req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
-        # Tokens first, then every continuing sequence's text in one detokenizer call, then the
-        # checks that need the text (stop strings, grammar, length).
-        # Grammars consume their tokens first (in parallel), and start on the next step's masks.
-        complete = self.runner.masks.advance([(seq, token) for seq, token, _ in sampled])
-        texts = []
-        for seq, token, logprobs in sampled:
-            if seq.append_token(token, logprobs, self.eos_ids):
-                if seq.lazy_text:  # no text before the end: only the length and grammar checks
-                    seq.append_text("", self.max_model_len, seq.seq_id in complete)
-                else:
-                    texts.append((seq, seq.detokenizer(self.tokenizer), token))
-        for (seq, _, _), delta in zip(texts, detokenize_step([(d, t) for _, d, t in texts])):
-            seq.append_text(delta, self.max_model_len, seq.seq_id in complete)
+        complete = self.runner.masks.advance(sampled)
+        eos_ids, max_len = self.eos_ids, self.max_model_len
         now = time.monotonic()
+        texts: list[Sequence] = []
+        pairs: list[tuple] = []
+        ended: list[Sequence] = []
         touched: dict[str, Request] = {}
         first: set[str] = set()
-        for seq, _, _ in sampled:
-            req = seq.request
-            if req.first_token_time is None:
-                req.first_token_time = now
-                first.add(req.request_id)
-            req.last_token_time = now
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-            touched[req.request_id] = req
+        req = None
+        for seq, token, logprobs in sampled:
+            if seq.request is not req:  # a request's sequences are mostly side by side
+                req = seq.request
+                if req.request_id not in touched:
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                        first.add(req.request_id)
+                    req.last_token_time = now
+                    touched[req.request_id] = req
+            if seq.append_token(token, logprobs, eos_ids):
+                if seq.lazy_text:  # no text before the end: only the length and grammar checks
+                    seq.append_text("", max_len, seq.seq_id in complete)
+                    if seq.finish_reason is not None:
+                        ended.append(seq)
+                else:
+                    texts.append(seq)
+                    pairs.append((seq.detok or seq.detokenizer(self.tokenizer), token))
+            else:
+                ended.append(seq)
+        if texts:
+            stopped = len(ended)
+            for seq, delta in zip(texts, detokenize_step(pairs)):
+                seq.append_text(delta, max_len, seq.seq_id in complete)
+                if seq.finish_reason is not None:
+                    ended.append(seq)
+            if 0 < stopped < len(ended):  # free blocks in the batch's order, as one pass would
+                order = {id(x[0]): i for i, x in enumerate(sampled)}
+                ended.sort(key=lambda s: order[id(s)])
+        done: set[str] = set()
+        for seq in ended:
+            self.scheduler.finish(seq)
+            done.add(seq.request.request_id)
         outputs = []
-        for req in touched.values():
-            if req.finished:
-                self.requests.pop(req.request_id, None)
-            elif req.params.output_kind is RequestOutputKind.FINAL_ONLY and req.request_id not in first:
+        for rid, req in touched.items():
+            if rid in done and req.finished:
+                self.requests.pop(rid, None)
+            elif req.params.output_kind is RequestOutputKind.FINAL_ONLY and rid not in first:
                 continue  # only its first tokens (admission, time to first token) and its end are handed out
             out = self._emit(req)
             if out is not None:

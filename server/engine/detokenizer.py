@@ -15,6 +15,17 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # The step's fast path (detokenize_step): with a byte-level decoder, while the prefix window is
+        # whole tokens and nothing is pending, a whole token's new text is its own cached text.
+        self.pieces = _fast_pieces(tokenizer)
+        self.clean = self.pieces is not None and self._window_whole()
+
+    def _window_whole(self) -> bool:
+        """Every token of the window and of what is pending decodes to whole characters or to nothing (an id
+        the tokenizer does not know): then the decode of the window plus one more such token is the
+        window's text plus that token's."""
+        pieces = self.pieces
+        return pieces is not None and all(pieces[t] is not None for t in self.ids[self.prefix_offset:])
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=self.skip)
@@ -33,7 +44,14 @@ class IncrementalDetokenizer:
     def take(self, prefix: str, full: str) -> str:
         """The new text, given the decoded windows of the last push."""
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            self.clean = self._window_whole()  # bytes pending: the next token goes through the tokenizer too
             return ""
+        self._advance()
+        self.clean = self._window_whole()
+        return full[len(prefix):]
+
+    def _advance(self) -> None:
+        """The text up to the last token is out: the window moves on."""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         # Keep the window short: decoding cost stays constant however long the output grows.
         if self.prefix_offset > 64:
@@ -41,13 +59,13 @@ class IncrementalDetokenizer:
             del self.ids[:drop]
             self.prefix_offset -= drop
             self.read_offset -= drop
-        return full[len(prefix):]
 
     def flush(self) -> str:
         """At the end: whatever bytes are still pending, even if they do not form a character."""
         prefix = self._decode(self.prefix_offset, self.read_offset)
         full = self._decode(self.prefix_offset)
         self.prefix_offset = self.read_offset = len(self.ids)
+        self.clean = self.pieces is not None  # an empty window
         return full[len(prefix):] if len(full) > len(prefix) else ""
 
 
@@ -80,9 +98,10 @@ def decode_many(tokenizer, windows: list[list[int]], skip_special_tokens: bool) 
 
 class _WholePieces(dict):
     """token id -> its text when the token is a plain vocabulary token that decodes to whole characters,
-    else None. A byte-level decoder (GPT-2's, Llama 3's, SmolLM2's) maps each token to bytes and decodes
-    their concatenation, so a window of such tokens decodes to the concatenation of their texts. Added
-    tokens (special or not: a skip may drop either) always go to the tokenizer."""
+    "" for an id the tokenizer does not know (decode drops it: a model whose vocabulary is larger than its
+    tokenizer's samples them), else None. A byte-level decoder (GPT-2's, Llama 3's, SmolLM2's) maps each
+    token to bytes and decodes their concatenation, so a window of such tokens decodes to the concatenation
+    of their texts. Added tokens (special or not: a skip may drop either) always go to the tokenizer."""
 
     def __init__(self, tokenizer):
         super().__init__()
@@ -91,10 +110,18 @@ class _WholePieces(dict):
 
     def __missing__(self, token_id: int) -> str | None:
         text = None
+        backend = self.tokenizer.backend_tokenizer
         if token_id not in self.special:
-            decoded = self.tokenizer.backend_tokenizer.decode([token_id], skip_special_tokens=False)
-            if decoded and "\ufffd" not in decoded:
-                text = decoded
+            try:
+                known = backend.id_to_token(token_id) is not None
+            except (OverflowError, TypeError):  # not a token id at all: the tokenizer decides
+                known = True
+            if not known:
+                text = ""
+            else:
+                decoded = backend.decode([token_id], skip_special_tokens=False)
+                if decoded and "\ufffd" not in decoded:
+                    text = decoded
         self[token_id] = text
         return text
 
@@ -105,21 +132,51 @@ def _whole_pieces(tokenizer) -> _WholePieces | None:
     return _WholePieces(tokenizer) if type(decoder).__name__ == "ByteLevel" else None
 
 
+def _fast_pieces(tokenizer) -> _WholePieces | None:
+    """The whole-token texts decode_many would join for this tokenizer, or None where it asks the
+    tokenizer for every window (no fast tokenizer, a clean-up of spaces, a decoder that is not byte-level)."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return _whole_pieces(tokenizer)
+
+
 def detokenize_step(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str]:
-    """IncrementalDetokenizer.add for one new token of each of many sequences, decoded together."""
-    if not pairs:
-        return []
-    windows = [d.push(t) for d, t in pairs]
-    texts: list[str | None] = [None] * (2 * len(pairs))
+    """IncrementalDetokenizer.add for one new token of each of many sequences, decoded together.
+
+    Most tokens take the fast path: a detokenizer whose window is whole tokens with no bytes pending
+    (`clean`) and a new token that decodes to whole characters (or to nothing): its text is the token's cached text,
+    with no window built, joined or compared (what add() would return, by the byte-level decoder's
+    concatenation; tests/test_detokenizer.py checks it on random ids). The others are decoded together."""
+    out: list[str] = [""] * len(pairs)
+    slow: list[int] = []
+    for i, (d, t) in enumerate(pairs):
+        if d.clean:
+            piece = d.pieces[t]  # type: ignore[index]
+            if piece is not None:
+                d.ids.append(t)
+                if piece:
+                    d._advance()
+                    out[i] = piece
+                # else an id the tokenizer drops: nothing new, and take() would leave it pending too
+                continue
+        slow.append(i)
+    if not slow:
+        return out
+    windows = {i: pairs[i][0].push(pairs[i][1]) for i in slow}
+    texts: dict[int, tuple[str, str]] = {}
     groups: dict[tuple[int, bool], list[int]] = {}  # one decode call per (tokenizer, skip) in the step
-    for i, (d, _) in enumerate(pairs):
+    for i in slow:
+        d = pairs[i][0]
         groups.setdefault((id(d.tokenizer), d.skip), []).append(i)
     for rows in groups.values():
         d = pairs[rows[0]][0]
         flat = [w for i in rows for w in windows[i]]
-        for j, text in enumerate(decode_many(d.tokenizer, flat, d.skip)):
-            texts[2 * rows[j // 2] + j % 2] = text
-    return [d.take(texts[2 * i], texts[2 * i + 1]) for i, (d, _) in enumerate(pairs)]  # type: ignore[arg-type]
+        decoded = decode_many(d.tokenizer, flat, d.skip)
+        for j, i in enumerate(rows):
+            texts[i] = (decoded[2 * j], decoded[2 * j + 1])
+    for i in slow:
+        out[i] = pairs[i][0].take(*texts[i])
+    return out
 
 
 def prefix_stable(tokenizer) -> bool:

@@ -121,10 +121,10 @@ class GrammarMasks:
         self._llg_executor = None
         self.times = MaskTimes()
 
-    def advance(self, sampled: list[tuple["Sequence", int]]) -> set[int]:
-        """Consume each constrained sequence's sampled token. Returns the seq_ids whose grammar is
-        complete (it admits no further token)."""
-        pairs = [(s, t) for s, t in sampled if s.matcher is not None]
+    def advance(self, sampled: list[tuple]) -> set[int]:
+        """Consume each constrained sequence's sampled token: `sampled` holds (sequence, token, ...) tuples.
+        Returns the seq_ids whose grammar is complete (it admits no further token)."""
+        pairs = [(x[0], x[1]) for x in sampled if x[0].matcher is not None]
         if not pairs:
             return set()
         t0 = time.perf_counter()

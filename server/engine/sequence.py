@@ -87,15 +87,16 @@ class Sequence:
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int]) -> bool:
         """First half of append: record the token, finish on EOS or a stop token. True while the
         sequence goes on: then the token's text (append_text) comes next."""
-        p = self.params
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
             # A WireLogprobs tuple starts with the sampled token's (id, logprob, ...); a dict maps it.
             self.cumulative_logprob += logprobs[1] if type(logprobs) is tuple else logprobs[token_id].logprob
-        n_out = len(self.token_ids) - self.num_prompt_tokens
+        p = self.params
+        if not ((token_id in eos_ids and not p.ignore_eos) or token_id in p.stop_token_ids):
+            return True  # the common case: one set and one (mostly empty) list looked up
         is_eos = (not p.ignore_eos) and token_id in eos_ids
-        if n_out >= p.min_tokens and (is_eos or token_id in p.stop_token_ids):
+        if len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens:
             self.finish_reason = "stop"
             self.stop_reason = None if is_eos and token_id not in p.stop_token_ids else token_id
             self._finish_text(last_is_text=False)  # a stop token is not part of the text
@@ -111,16 +112,16 @@ class Sequence:
         """Second half: the new token's text: stop strings, a completed grammar (grammar_complete: having
         consumed this token, it admits nothing more), the length limits."""
         p = self.params
-        n_out = self.num_output_tokens
+        n = len(self.token_ids)
         if delta:
             self.text += delta
-            if p.stop and n_out >= p.min_tokens and self._check_stop_strings(len(delta)):
+            if p.stop and n - self.num_prompt_tokens >= p.min_tokens and self._check_stop_strings(len(delta)):
                 return
         if grammar_complete:  # not even EOS may follow: the output is whole
             self.finish_reason = "stop"
             self._finish_text()
             return
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or self.num_tokens >= max_model_len:
+        if n >= max_model_len or (p.max_tokens is not None and n - self.num_prompt_tokens >= p.max_tokens):
             self.finish_reason = "length"
             self._finish_text()
 
@@ -169,15 +170,14 @@ class Sequence:
         return text, new_text, new_ids, new_logprobs
 
     def output(self) -> CompletionOutput:
-        """A snapshot: the whole so far, and the delta since the last snapshot."""
+        """A snapshot: the whole so far, and the delta since the last snapshot (built every step for every
+        request an in-process caller reads along: positional arguments, one copy of the token ids)."""
         text, new_text, new_ids, new_logprobs = self.delta()
+        lps = self.logprobs
         return CompletionOutput(
-            index=self.index, text=text, token_ids=self.output_token_ids,  # a fresh list already (a slice)
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            delta_text=new_text, delta_token_ids=new_ids, delta_logprobs=new_logprobs,
-        )
+            self.index, text, self.token_ids[self.num_prompt_tokens:],
+            self.cumulative_logprob if lps is not None else None, list(lps) if lps is not None else None,
+            self.finish_reason, self.stop_reason, new_text, new_ids, new_logprobs)
 
 
 @dataclass
@@ -212,14 +212,21 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        for s in self.seqs:  # a loop, not all() over a generator: read for every request at every step
+            if s.finish_reason is None:
+                return False
+        return True
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache gave the request (the most any of its sequences got)."""
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].num_cached_tokens
+        return max((s.num_cached_tokens for s in seqs), default=0)
 
     def output(self) -> RequestOutput:
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.output() for s in self.seqs], finished=self.finished,
-            num_cached_tokens=max((s.num_cached_tokens for s in self.seqs), default=0),
-            prompt_logprobs=None if self.prompt_logprobs_pending else self.prompt_logprobs,
-            metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
-                                   self.last_token_time),
-        )
+            self.request_id, self.prompt, self.prompt_token_ids, [s.output() for s in self.seqs], self.finished,
+            self.num_cached_tokens, None if self.prompt_logprobs_pending else self.prompt_logprobs,
+            RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, self.last_token_time))
