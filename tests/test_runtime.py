@@ -170,3 +170,35 @@ def test_chat_uses_the_template(llm):
     ids = out.prompt_token_ids
     assert llm.tokenizer.decode(ids).rstrip().endswith("assistant")
     assert out.outputs[0].text
+
+
+def test_decode_tables_kept_between_steps_equal_a_fresh_padding():
+    """ModelRunner.decode_tables rewrites only the rows whose table grew since the last batch; on random steps
+    (tables growing in place, replaced by new lists as preemption and admission do, batches changing) the
+    result must be the tables padded from scratch."""
+    import random
+
+    import numpy as np
+
+    from server.engine.kv_cache import NULL_BLOCK
+    from server.engine.runner import DecodeTables, pad_tables
+
+    rng = random.Random(0)
+    cache = DecodeTables()
+    tables = [[rng.randrange(1, 999) for _ in range(rng.randrange(1, 5))] for _ in range(12)]
+    for step in range(300):
+        for t in tables:
+            if rng.random() < 0.2:
+                t.append(rng.randrange(1, 999))  # a new block
+        if rng.random() < 0.05:  # a sequence preempted and admitted again: a new list, maybe as long
+            i = rng.randrange(len(tables))
+            tables[i] = [rng.randrange(1, 999) for _ in range(len(tables[i]))]
+        if rng.random() < 0.03:  # the batch changes: one ends, one joins
+            tables.pop(rng.randrange(len(tables)))
+            tables.append([rng.randrange(1, 999)])
+        width = max(map(len, tables)) + rng.choice([0, 0, 3])
+        want = np.empty((len(tables), width), dtype=np.int64)
+        pad_tables(tables, width, want)
+        got = cache.padded(tables, width)
+        assert got.shape == want.shape and (got == want).all(), step
+        assert (got[np.arange(width)[None, :] >= np.array([len(t) for t in tables])[:, None]] == NULL_BLOCK).all()

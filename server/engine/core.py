@@ -243,7 +243,7 @@ class EngineCore:
         if (prev is not None and prev.meta is not None and prev.meta.can_follow and self.sleep_state.can_run
                 and len(prev.hb.sample_seqs) == len(prev.batch.items)):
             seqs = prev.hb.sample_seqs
-            ahead = self.scheduler.schedule_ahead(seqs, self.max_model_len)
+            ahead = self.scheduler.schedule_ahead(seqs, self.max_model_len, prev.mark == self.scheduler.removals)
             if ahead is not None:
                 batch, rows = ahead
                 ids = prev.tokens
@@ -268,6 +268,7 @@ class EngineCore:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = started
         launched = self.runner.launch(batch, self.eos_ids, self.tokenizer, ids)
+        launched.mark = self.scheduler.removals
         self.step_tokens = batch.num_tokens
         return launched
 
@@ -276,10 +277,11 @@ class EngineCore:
         scheduled (a stop in the step before, an abort) is no longer running: what it computed is dropped."""
         sampled, scored = launched.collect()
         batch = launched.batch
-        items = [it for it in batch.items if it[0].status is SeqStatus.RUNNING]
-        if len(items) < len(batch.items):
-            batch = ScheduledBatch(items, batch.preempted, sum(n for _, n in items))
-            sampled = [x for x in sampled if x[0].status is SeqStatus.RUNNING]
+        if launched.mark != self.scheduler.removals:  # some left `running` since: keep those that did not
+            items = [it for it in batch.items if it[0].status is SeqStatus.RUNNING]
+            if len(items) < len(batch.items):
+                batch = ScheduledBatch(items, batch.preempted, sum(n for _, n in items))
+                sampled = [x for x in sampled if x[0].status is SeqStatus.RUNNING]
         return self.postprocess(batch, sampled, scored)
 
     def set_async_scheduling(self, on: bool) -> None:
@@ -329,9 +331,16 @@ class EngineCore:
                     seq.append_text("", max_len, seq.seq_id in complete)
                     if seq.finish_reason is not None:
                         ended.append(seq)
-                else:
-                    texts.append(seq)
-                    pairs.append((seq.detok or seq.detokenizer(self.tokenizer), token))
+                    continue
+                d = seq.detok or seq.detokenizer(self.tokenizer)
+                piece = d.add_whole(token) if d.clean else None  # most tokens of a step: no decode
+                if piece is not None:
+                    seq.append_text(piece, max_len, seq.seq_id in complete)
+                    if seq.finish_reason is not None:
+                        ended.append(seq)
+                    continue
+                texts.append(seq)
+                pairs.append((d, token))
             else:
                 ended.append(seq)
         if texts:

@@ -50,6 +50,21 @@ class IncrementalDetokenizer:
         self.clean = self._window_whole()
         return full[len(prefix):]
 
+    def add_whole(self, token_id: int) -> str | None:
+        """add() without the tokenizer, where it is not needed: while the window is `clean`, a token that
+        decodes to whole characters (or to nothing) adds its own cached text. None (and nothing recorded)
+        when the windows must be decoded."""
+        if not self.clean:
+            return None
+        piece = self.pieces[token_id]  # type: ignore[index]
+        if piece is None:
+            return None
+        self.ids.append(token_id)
+        if piece:
+            self._advance()
+        # else an id the tokenizer drops: nothing new, and take() would leave it pending too
+        return piece
+
     def _advance(self) -> None:
         """The text up to the last token is out: the window moves on."""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -150,16 +165,11 @@ def detokenize_step(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str
     out: list[str] = [""] * len(pairs)
     slow: list[int] = []
     for i, (d, t) in enumerate(pairs):
-        if d.clean:
-            piece = d.pieces[t]  # type: ignore[index]
-            if piece is not None:
-                d.ids.append(t)
-                if piece:
-                    d._advance()
-                    out[i] = piece
-                # else an id the tokenizer drops: nothing new, and take() would leave it pending too
-                continue
-        slow.append(i)
+        piece = d.add_whole(t) if d.clean else None
+        if piece is None:
+            slow.append(i)
+        else:
+            out[i] = piece
     if not slow:
         return out
     windows = {i: pairs[i][0].push(pairs[i][1]) for i in slow}

@@ -20,7 +20,6 @@ import torch
 
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.tags import CUDA_GRAPH
-from server.engine.runner import pad_tables
 from server.model.attention import AttentionContext
 
 if TYPE_CHECKING:
@@ -113,7 +112,7 @@ class DecodeGraphs:
             h[i * B + n:i * B + bucket] = self.padding[i]
         base = 4 * B
         # The tables, padded to width w (padding rows all NULL_BLOCK): one conversion, no copy per row.
-        pad_tables(hb.decode_tables, w, h[base:base + n * w].reshape(n, w))
+        h[base:base + n * w].reshape(n, w)[...] = self.runner.decode_tables.padded(hb.decode_tables, w)
         h[base + n * w:base + bucket * w] = NULL_BLOCK
         used = base + bucket * w
         self.stage[:used].copy_(host[:used], non_blocking=True)

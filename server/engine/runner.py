@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,35 @@ def pad_tables(tables: list[list[int]], width: int, out: np.ndarray) -> None:
     out[np.arange(width)[None, :] < lens[:, None]] = flat
 
 
+class DecodeTables:
+    """The padded block tables of the last batch of decodes, kept from step to step: a steady batch (the same
+    sequences in the same order) changes a row only when its sequence takes a new block (1 step in 16), so
+    a step writes those rows' new blocks instead of every table's blocks. A sequence's table only grows in
+    place (append) or is replaced by a new list (admission, preemption, finish: kv_cache.py), so a row is
+    current while its table is the same object with the same length; the tables are held, so no id repeats."""
+
+    def __init__(self) -> None:
+        self.refs: list[list[int]] = []
+        self.lens = np.zeros(0, dtype=np.int64)
+        self.array = np.zeros((0, 0), dtype=np.int64)
+
+    def padded(self, tables: list[list[int]], width: int) -> np.ndarray:
+        """tables as [len(tables), width] int64, each row padded with NULL_BLOCK (a view: copy it out)."""
+        n = len(tables)
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        arr = self.array
+        if n == len(self.refs) and width <= arr.shape[1] and all(map(operator.is_, tables, self.refs)):
+            for i in np.flatnonzero(lens != self.lens).tolist():
+                old, row = int(self.lens[i]), tables[i]
+                arr[i, old:len(row)] = row[old:]
+        else:
+            arr = self.array = np.empty((n, width + 16), dtype=np.int64)  # room for 16 more blocks each
+            pad_tables(tables, arr.shape[1], arr)
+            self.refs = list(tables)
+        self.lens = lens
+        return arr[:, :width]
+
+
 class ModelRunner:
     # Async scheduling (core.py) launches a step before the previous one's tokens reach the host, its
     # input ids taken on the device. A tensor-parallel runner sends each step's inputs to its workers
@@ -113,6 +143,7 @@ class ModelRunner:
             bits.copy_(bit_values_on(self.device))
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
         self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
+        self.decode_tables = DecodeTables()  # the last decode batch's padded block tables, kept up to date
         self.wire_logprobs = False  # sampled log-probs as tuples (EngineCore.wire_outputs)
 
     def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
@@ -233,7 +264,8 @@ class ModelRunner:
         spans = [b for _, _, _, t in hb.spans for b in t]
         flat = np.empty(len(head) + nd * width + len(spans), dtype=np.int64)
         flat[:len(head)] = head
-        pad_tables(hb.decode_tables, width, flat[len(head):len(head) + nd * width].reshape(nd, width))
+        if nd:
+            flat[len(head):len(head) + nd * width].reshape(nd, width)[...] = self.decode_tables.padded(hb.decode_tables, width)
         flat[len(head) + nd * width:] = spans
         d = torch.from_numpy(flat).to(self.device, non_blocking=True)
         o = 3 * T + nd + len(hb.sample_rows)
@@ -325,6 +357,7 @@ class Launched:
     scored: list[tuple[Request, list[TokenLogprobs]]]
     tokenizer: object
     wire: bool
+    mark: tuple = ()  # Scheduler.removals when it was launched (EngineCore: whether all its sequences still run)
 
     @property
     def tokens(self) -> torch.Tensor | None:

@@ -205,11 +205,18 @@ def _logprobs(table: torch.Tensor, tokens: list[int] | None, seqs: list[Sequence
     want = meta.want
     k = meta.k
     result: list = [None] * len(seqs)
-    token_list = table[:, 0].long().tolist() if tokens is None else tokens
     chosen_tokens = table[:, 0].long().tolist()
+    token_list = chosen_tokens if tokens is None else tokens
     chosen_lps = table[:, 1].tolist()
     ranks = table[:, 2].long().tolist()
     pieces = _pieces(tokenizer)
+    if wire and k == 0:  # RL rollouts (logprobs=0): (token, logprob, rank, text) per row, zipped in C
+        entries = zip(chosen_tokens, chosen_lps, ranks, map(getattr(pieces, "__getitem__", pieces), chosen_tokens))
+        if len(want) == len(seqs):
+            return token_list, list(entries)
+        for i, entry in zip(want, entries):
+            result[i] = entry
+        return token_list, result
     if wire:  # (token, logprob, rank, text) of the sampled token, then of each of the row's top-k
         top_vs = table[:, 3:3 + k].tolist() if k else None
         top_is = table[:, 3 + k:].long().tolist() if k else None

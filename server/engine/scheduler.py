@@ -41,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_finished = 0  # sequences finish()ed: with num_preemptions, whether `running` lost any
 
     @property
     def has_work(self) -> bool:
@@ -94,34 +95,40 @@ class Scheduler:
         batch.num_tokens = self.max_num_batched_tokens - budget
         return batch
 
-    def schedule_ahead(self, seqs: list[Sequence], max_model_len: int) -> tuple[ScheduledBatch, list[int]] | None:
+    def schedule_ahead(self, seqs: list[Sequence], max_model_len: int,
+                       all_running: bool = False) -> tuple[ScheduledBatch, list[int]] | None:
         """Async scheduling (core.py): the next decode step of `seqs`, the sequences the step in flight
         samples, before its tokens reach the host. Each goes on with one token at position num_tokens (the
         token in flight) and gets the block for it now, except a sequence that ends with the token in flight
         by its length (max_tokens, the context), known ahead; one that ends by a stop (EOS, a stop token or
         string) computes one token too many, which the engine drops. Returns the batch and the index in
         `seqs` of each of its items, or None when the step needs the host's results first: a running
-        sequence not in `seqs`, a request to admit, a block that is not free without a preemption."""
+        sequence not in `seqs`, a request to admit, a block that is not free without a preemption.
+        all_running: the caller knows every one of `seqs` is still running (nothing left `running` since)."""
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None  # admission (schedule()) comes after the tokens in flight are recorded
-        live = [i for i, s in enumerate(seqs) if s.status is SeqStatus.RUNNING]  # not aborted meanwhile
+        running = SeqStatus.RUNNING
+        if all_running:
+            live = range(len(seqs))
+        else:
+            live = [i for i, s in enumerate(seqs) if s.status is running]  # not aborted meanwhile
         if len(live) != len(self.running) or len(live) > self.max_num_batched_tokens:
             return None
         bs, blocks = self.blocks.block_size, self.blocks
         batch = ScheduledBatch()
+        items = batch.items
         rows = []
         for i in live:
             seq = seqs[i]
-            p = seq.params
-            if (p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens) or \
-                    seq.num_tokens + 1 >= max_model_len:
+            need = len(seq.token_ids) + 1  # with the token in flight, and the one after it
+            max_tokens = seq.params.max_tokens
+            if need >= max_model_len or (max_tokens is not None and need - seq.num_prompt_tokens >= max_tokens):
                 continue  # the token in flight is its last
-            need = seq.num_tokens + 1
             if need > len(seq.block_table) * bs:
                 if not blocks.can_grow(seq, need):
                     return None  # schedule() preempts, once the tokens in flight are recorded
                 blocks.grow(seq, need)
-            batch.items.append((seq, 1))
+            items.append((seq, 1))
             rows.append(i)
         if not rows:
             return None
@@ -152,6 +159,13 @@ class Scheduler:
         self.blocks.release(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.FINISHED
+        self.num_finished += 1
+
+    @property
+    def removals(self) -> tuple[int, int]:
+        """Changes when a sequence leaves `running` (finished, aborted, preempted): while it stays the same,
+        every sequence that was running still is."""
+        return self.num_finished, self.num_preemptions
 
     def preempt_all(self) -> list[Sequence]:
         """Release every running sequence's KV (they will be recomputed): used when the KV cache
