@@ -102,8 +102,8 @@ class StepRecorder:
         core.scheduler.schedule = recording
         ahead = getattr(core.scheduler, "schedule_ahead", None)  # absent in trees from before async scheduling
 
-        def recording_ahead(seqs, max_model_len):
-            got = ahead(seqs, max_model_len)  # type: ignore[misc]
+        def recording_ahead(seqs, max_model_len, *more):
+            got = ahead(seqs, max_model_len, *more)  # type: ignore[misc]
             if got is not None:  # one token per sequence at position num_tokens (the token in flight)
                 self.steps.append(([(seq.num_tokens, 1) for seq, _ in got[0].items], len(got[0].items)))
             return got
