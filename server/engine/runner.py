@@ -325,11 +325,11 @@ class ModelRunner:
                 at += count
         if not hb.sample_seqs:
             return Launched(batch, hb, None, None, scored, tokenizer, self.wire_logprobs)
-        # The grammar first: what it forbids is never sampled, whatever else applies.
-        self.masks.apply(logits, hb.sample_seqs)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
             meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+        if meta.grammar:  # the grammar first: what it forbids is never sampled, whatever else applies
+            self.masks.apply(logits, hb.sample_seqs)
         ds = sample_on_device(logits, hb.sample_seqs, eos_ids, meta)
         return Launched(batch, hb, ds, meta, scored, tokenizer, self.wire_logprobs)
 

@@ -58,9 +58,13 @@ class SamplingMeta:
         # Whether the next step may be sampled before this one's tokens reach the host (async scheduling):
         # not when a row's logits depend on its tokens (penalties, min_tokens) or its grammar's state.
         self.can_follow = not any(p.needs_penalties or p.min_tokens or p.grammar is not None for p in params)
+        self.grammar = any(p.grammar is not None for p in params)  # rows with a grammar mask (runner.launch)
         greedy = [p.greedy for p in params]
         self.all_greedy = all(greedy)
         self.temps = self.greedy_rows = self.top_k = self.top_p = self.min_p = None
+        # Every sampled row at temperature 1 (RL rollouts): logits / 1 is the logits, so that pass over
+        # [rows, vocab] is skipped (the same values, bit for bit).
+        self.unit_temperature = all(g or float(p.temperature) == 1.0 for p, g in zip(params, greedy))
         self.seeded = [i for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
         if not self.all_greedy:
             self.temps = _on([float(p.temperature) if not g else 1.0 for p, g in zip(params, greedy)], device)[:, None]
@@ -156,16 +160,20 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozen
             stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_ids))
             _apply_history(logits[i], s, stop_ids)
 
-    tokens = logits.argmax(-1)
-    if not meta.all_greedy:
-        probs = _filter(logits / meta.temps, meta).softmax(-1)
+    # Each pass over [rows, vocab] costs device time at large batches (256 x 128k floats is 131 MB): only
+    # the passes whose results are used run (no argmax of the logits when no row is greedy, no division
+    # by temperatures that are all 1, the noise divided in place).
+    if meta.all_greedy:
+        tokens = logits.argmax(-1)
+    else:
+        probs = _filter(logits if meta.unit_temperature else logits / meta.temps, meta).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each seeded row
         # draw its noise from its own generator, so its output does not depend on the batch.
         noise = torch.empty_like(probs).exponential_()
         for i in meta.seeded:
             noise[i].exponential_(generator=seqs[i].generator)
-        drawn = (probs / noise).argmax(-1)
-        tokens = drawn if meta.greedy_rows is None else torch.where(meta.greedy_rows, tokens, drawn)
+        drawn = probs.div_(noise).argmax(-1)
+        tokens = drawn if meta.greedy_rows is None else torch.where(meta.greedy_rows, logits.argmax(-1), drawn)
     if not meta.want:
         return DeviceSample(tokens, None)
     return DeviceSample(tokens, _logprob_table(logits, tokens, meta), tokens_in_table=meta.want_rows is None)
