@@ -248,7 +248,7 @@ class ModelRunner:
         which the scheduler has room for already), its id taken on the device from `ids`."""
         seqs = [seq for seq, _ in batch.items]
         bs = self.block_size
-        starts = [s.num_tokens for s in seqs]
+        starts = [len(s.token_ids) for s in seqs]  # num_tokens, without a property call per sequence
         tables = [s.block_table for s in seqs]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
         lens = [p + 1 for p in starts]

@@ -138,9 +138,13 @@ class Scheduler:
     def advance(self, batch: ScheduledBatch) -> None:
         """The batch ran: its new tokens have KV now, and blocks it filled join the prefix cache."""
         bs, blocks = self.blocks.block_size, self.blocks
+        if not blocks.enable_prefix_caching:  # nothing to register
+            for seq, n in batch.items:
+                seq.num_computed += n
+            return
         for seq, n in batch.items:
-            seq.num_computed += n
-            if seq.num_computed // bs > len(seq.block_hashes):  # a block filled (1 decode step in 16)
+            computed = seq.num_computed = seq.num_computed + n
+            if computed // bs > len(seq.block_hashes):  # a block filled (1 decode step in 16)
                 blocks.commit(seq)
 
     def _preempt(self, seq: Sequence) -> None:
