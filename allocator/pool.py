@@ -52,11 +52,12 @@ def _shape(shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]:
 
 
 class _Chunks:
-    """One chunked tensor's pieces (backend addresses, one per chunk) and how many leading chunks
+    """One chunked tensor's pieces (backend addresses and sizes, one per chunk) and how many leading chunks
     are mapped. `ready` is written under `cond` by the pool (wake, sleep, the background mapper)."""
 
-    def __init__(self, pieces: list[int]) -> None:
+    def __init__(self, pieces: list[int], sizes: list[int]) -> None:
         self.pieces = pieces
+        self.sizes = sizes  # bytes of each chunk
         self.ready = len(pieces)
         self.cond = threading.Condition()
         self.mapper: threading.Thread | None = None
@@ -118,7 +119,7 @@ class MemoryPool:
         self._chunks: dict[str, _Chunks] = {}  # by tag: the tag's chunked tensor (empty_chunked)
         self._preparing: threading.Thread | None = None  # prepare_backups() at work
         self._busy: Callable[[], bool] | None = None       # yield_mapping_while()
-        self._busy_max_wait_s: float | None = None
+        self._busy_wait_s_per_gib: float | None = None
         self.prepare_error: PoolError | None = None  # why the last background preparation failed
 
     # ------------------------------------------------------------------ allocation
@@ -206,7 +207,7 @@ class MemoryPool:
             if tag in self._chunks:
                 raise PoolError(f"tag '{tag}' already has a chunked tensor; use one per tag")
             tensor, addresses = self._backend.empty_chunked(dims, dtype, tag, pieces)
-            self._chunks[tag] = _Chunks(addresses)
+            self._chunks[tag] = _Chunks(addresses, [size for _, size in pieces])
         return tensor
 
     def chunks_ready(self, tag: str) -> int:
@@ -237,7 +238,7 @@ class MemoryPool:
         ends it (an error included), finish() tells the waiters that nothing more comes."""
         try:
             for c in range(chunks.ready, len(chunks.pieces)):
-                self._yield_to_foreground(chunks)
+                self._yield_to_foreground(chunks, chunks.sizes[c])
                 if chunks.cancel.is_set() or self._closed:
                     break
                 try:
@@ -256,19 +257,28 @@ class MemoryPool:
         finally:
             chunks.finish()
 
-    def yield_mapping_while(self, busy: Callable[[], bool] | None, max_wait_s: float | None = 0.02) -> None:
+    def yield_mapping_while(self, busy: Callable[[], bool] | None, wait_s_per_gib: float | None = 0.02) -> None:
         """Let the background mapper give way to the foreground: while busy() (e.g. the engine has
-        requests running), it maps one chunk at most every max_wait_s (None: not at all) instead of
-        back to back, unless someone waits for chunks (wait_chunks), who gets them at full speed.
+        requests running), it maps the next chunk only after busy_wait_s(its bytes) of busy time
+        (wait_s_per_gib None: not at all) instead of at once, unless someone waits for chunks
+        (wait_chunks), who gets them at full speed; idle, it maps at once.
         Mapping device memory slows the kernels running beside it (the first request after a wake
-        ran 1.16-1.35x slower while the KV cache mapped, 1.03x after; H200, 2026-11-30)."""
-        self._busy, self._busy_max_wait_s = busy, max_wait_s
+        ran 1.16-1.35x slower while the KV cache mapped, 0.93-1.13x when its pieces of 0.1-2.3 GiB
+        were paced at one per 20 ms; H200, 2026-11-30). A chunk is one piece now (up to ~80 GiB),
+        so the pace is per GiB: the bytes mapped beside the requests stay what they were."""
+        self._busy, self._busy_wait_s_per_gib = busy, wait_s_per_gib
 
-    def _yield_to_foreground(self, chunks: _Chunks) -> None:
+    def busy_wait_s(self, nbytes: int) -> float | None:
+        """How long the background mapper holds a chunk of nbytes back while busy (None: until idle)."""
+        per_gib = self._busy_wait_s_per_gib
+        return None if per_gib is None else per_gib * max(1.0, nbytes / 2**30)
+
+    def _yield_to_foreground(self, chunks: _Chunks, nbytes: int) -> None:
         busy = self._busy
         if busy is None:
             return
-        deadline = None if self._busy_max_wait_s is None else time.perf_counter() + self._busy_max_wait_s
+        wait = self.busy_wait_s(nbytes)
+        deadline = None if wait is None else time.perf_counter() + wait
         while (busy() and chunks.waiters == 0 and not chunks.cancel.is_set() and not self._closed
                and (deadline is None or time.perf_counter() < deadline)):
             chunks.cancel.wait(0.001)

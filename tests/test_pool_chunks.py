@@ -136,12 +136,12 @@ def test_a_chunk_that_is_not_mapped_yet_cannot_be_read():
 
 
 def test_the_mapper_gives_way_while_busy_unless_someone_waits(tmp_path):
-    """yield_mapping_while: while busy() the background mapper holds back (max_wait_s None: entirely),
+    """yield_mapping_while: while busy() the background mapper holds back (wait_s_per_gib None: entirely),
     a thread waiting for chunks makes it map at once, and once idle it maps the rest."""
     pool = MemoryPool(HostBackend(tmp_path))
     busy = threading.Event()
     busy.set()
-    pool.yield_mapping_while(busy.is_set, max_wait_s=None)
+    pool.yield_mapping_while(busy.is_set, wait_s_per_gib=None)
     try:
         t = chunked(pool)
         pool.sleep(discard_tags=["kv_cache"])
@@ -158,9 +158,11 @@ def test_the_mapper_gives_way_while_busy_unless_someone_waits(tmp_path):
 
 
 def test_a_busy_foreground_only_paces_the_mapper(tmp_path):
-    """With max_wait_s the mapper still maps a chunk at least that often: the cache fills while busy."""
+    """With wait_s_per_gib the mapper still maps while busy, a chunk after that long per GiB it holds
+    (at least that long): the cache fills while busy, a large chunk later than a small one."""
     pool = MemoryPool(HostBackend(tmp_path))
-    pool.yield_mapping_while(lambda: True, max_wait_s=0.005)
+    pool.yield_mapping_while(lambda: True, wait_s_per_gib=0.005)
+    assert pool.busy_wait_s(4096) == 0.005 and pool.busy_wait_s(8 << 30) == 8 * pool.busy_wait_s(1 << 30)
     try:
         chunked(pool)
         pool.sleep(discard_tags=["kv_cache"])

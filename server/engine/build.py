@@ -134,7 +134,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(parts.pool.device))
     if parts.runner.kv_chunked:
         # After a wake, the rest of the KV cache maps in the background: while requests run it maps
-        # a piece at most every 20 ms, unless the scheduler waits for blocks (then at full speed).
+        # a chunk after 20 ms per GiB of it, unless the scheduler waits for blocks (then at full speed).
         parts.pool.yield_mapping_while(lambda: scheduler.has_work)
     return EngineCore(
         config=config, device=parts.pool.device, dtype=parts.runner.dtype, model_path=source.folder,
