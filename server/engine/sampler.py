@@ -45,6 +45,16 @@ def _on(values: list, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
+def _summary(p) -> tuple:
+    """What SamplingMeta reads of one SamplingParams, in its column order: history (logits edited from the
+    sequence's tokens), blocks async following, grammar, greedy, temperature (1.0 for greedy rows), top_k
+    (0: off), top_p, min_p, logprobs."""
+    greedy = p.greedy
+    return (bool(p.logit_bias or p.needs_penalties or p.min_tokens),
+            bool(p.needs_penalties or p.min_tokens or p.grammar is not None), p.grammar is not None, greedy,
+            1.0 if greedy else float(p.temperature), p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p, p.logprobs)
+
+
 class SamplingMeta:
     """What a batch's rows ask for, as lists and device tensors, built once per batch composition: the
     decode steps of a steady batch (the same sequences in the same order) reuse it, so a step does no
@@ -52,34 +62,42 @@ class SamplingMeta:
 
     def __init__(self, seqs: list[Sequence], device: torch.device):
         self.seqs = list(seqs)
-        params = [s.params for s in seqs]
+        # One summary per distinct params object (a request's n sequences share one; a batch of requests
+        # holds a few dozen), then each field's column in C: a new batch composition (a sequence ending,
+        # one admitted: most steps of a rollout's tail) costs a dict lookup per row.
+        summaries: dict[int, tuple] = {}
+        rows = []
+        for seq in seqs:
+            row = summaries.get(id(seq.params))  # the params outlive this call: their ids are theirs
+            if row is None:
+                row = summaries[id(seq.params)] = _summary(seq.params)
+            rows.append(row)
+        history, blocks_follow, grammar, greedy, temps, top_k, top_p, min_p, logprobs = (
+            zip(*rows) if rows else ((),) * 9)
         # Rows whose logits depend on their history (penalties, a bias, min_tokens): edited one by one.
-        self.history = [i for i, p in enumerate(params) if p.logit_bias or p.needs_penalties or p.min_tokens]
+        self.history = [i for i, h in enumerate(history) if h]
         # Whether the next step may be sampled before this one's tokens reach the host (async scheduling):
         # not when a row's logits depend on its tokens (penalties, min_tokens) or its grammar's state.
-        self.can_follow = not any(p.needs_penalties or p.min_tokens or p.grammar is not None for p in params)
-        self.grammar = any(p.grammar is not None for p in params)  # rows with a grammar mask (runner.launch)
-        greedy = [p.greedy for p in params]
+        self.can_follow = not any(blocks_follow)
+        self.grammar = any(grammar)  # rows with a grammar mask (runner.launch)
         self.all_greedy = all(greedy)
         self.temps = self.greedy_rows = self.top_k = self.top_p = self.min_p = None
         # Every sampled row at temperature 1 (RL rollouts): logits / 1 is the logits, so that pass over
-        # [rows, vocab] is skipped (the same values, bit for bit).
-        self.unit_temperature = all(g or float(p.temperature) == 1.0 for p, g in zip(params, greedy))
+        # [rows, vocab] is skipped (the same values, bit for bit). Greedy rows count as 1.
+        self.unit_temperature = all(t == 1.0 for t in temps)
         self.seeded = [i for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
         if not self.all_greedy:
-            self.temps = _on([float(p.temperature) if not g else 1.0 for p, g in zip(params, greedy)], device)[:, None]
-            self.greedy_rows = _on(greedy, device) if any(greedy) else None
-            top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-            top_p = [p.top_p for p in params]
-            min_p = [p.min_p for p in params]
+            if not self.unit_temperature:
+                self.temps = _on(list(temps), device)[:, None]
+            self.greedy_rows = _on(list(greedy), device) if any(greedy) else None
             if any(min_p):
                 self.min_p = _on([float(m) for m in min_p], device)[:, None]
             if any(top_k) or not all(p >= 1.0 for p in top_p):
                 self.top_k = _on([k if k else -1 for k in top_k], device)[:, None]
                 self.top_p = _on([float(p) for p in top_p], device)[:, None]
         # Log-probs: the rows that ask, and the largest top-k among them.
-        self.want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        self.want_k = [params[i].logprobs or 0 for i in self.want]
+        self.want = [i for i, lp in enumerate(logprobs) if lp is not None]
+        self.want_k = [logprobs[i] or 0 for i in self.want]
         self.k = max(self.want_k, default=0)
         self.want_rows = None
         if self.want and len(self.want) < len(seqs):
