@@ -12,6 +12,9 @@ RL-rollout-like load (temperature 1, top-p, logprobs=0, n sequences per prompt) 
 - api: the API process's side: unpickle the frame, apply each delta to its request's OutputStream and
   take the merged output, as a streaming route's consumer does every step.
 
+Then the engine's Python alone (python_cost): the same decode bookkeeping with no model and no sampler, on
+tokens that decode to whole characters, per sequence: the host work the forward has to cover.
+
 Then (--async-scheduling off,on) the wall time per step as the engine process runs them (step() and the
 frame's pickling, no synchronization inside the loop), with async scheduling off and on, side by side: with
 it on, the host's work of one step overlaps the device's forward of the next, so on CUDA the step time
@@ -160,6 +163,67 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
     return row
 
 
+def python_cost(llm, batch: int, kind: str, n: int, steps: int, logprobs: int | None, stop: list[str] | None,
+                repeats: int = 5) -> dict:
+    """The engine's Python per sequence per decode step, with no model and no sampler: Scheduler.schedule_ahead
+    (the next step's plan and blocks) + EngineCore.postprocess (append, stop and length checks, text, outputs)
+    + the frame (encode_delta, pickle), on `batch` real sequences fed tokens that decode to whole characters
+    (what a trained model mostly samples; a dummy model's random ids are byte tokens or ids the tokenizer
+    does not know far more often). kind "inproc": RequestOutputs for an on_output callback per request and
+    step (bench/serve.py's in-process path), n=1. This thread's CPU time, the fastest of `repeats` runs: on
+    the GPU's host, the host work per sequence that the forward has to cover for a step to be device-bound."""
+    import random
+
+    from server import SamplingParams
+    from server.engine import channel
+    from server.engine.channel import Frame, Status, pack
+    from server.engine.detokenizer import _whole_pieces
+    from server.engine.params import RequestOutputKind
+    from server.engine.scheduler import ScheduledBatch
+
+    core = llm.engine
+    pieces = _whole_pieces(core.tokenizer)
+    hi = min(core.model_config.vocab_size, len(core.tokenizer))
+    whole = [t for t in range(100, hi) if pieces is None or pieces[t]][:5000]
+    rng = random.Random(0)
+    wire = kind != "inproc"
+    n = n if wire else 1
+    outs: list = []
+    core.wire_outputs((lambda req: outs.append(channel.encode_delta(req))) if wire else None)
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=repeats * steps + 64, ignore_eos=True,
+                            logprobs=logprobs if wire else None, stop=stop,
+                            output_kind=RequestOutputKind.FINAL_ONLY if kind == "final" else RequestOutputKind.CUMULATIVE)
+    best = math.inf
+    try:
+        for i in range(batch // n):
+            core.add_request(f"p{batch}-{kind}-{i}", prompt_token_ids=[rng.choice(whole) for _ in range(32)],
+                             params=params, on_output=outs.append if wire else (lambda out: None))
+        while core.scheduler.waiting or any(s.num_computed < s.num_tokens - 1 for s in core.scheduler.running):
+            core.step()
+        core.drain()
+        seqs = list(core.scheduler.running)
+        status = Status(core.stats())
+        for _ in range(repeats):
+            outs.clear()
+            t0 = time.thread_time()
+            for _ in range(steps):
+                if core.scheduler.schedule_ahead(seqs, core.max_model_len) is None:
+                    raise RuntimeError("the decode step could not be planned ahead")
+                tokens = [rng.choice(whole) for _ in seqs]
+                lps = [(t, -1.5, 3, pieces[t] if pieces else None) for t in tokens] if wire and logprobs is not None \
+                    else [None] * len(seqs)
+                core.postprocess(ScheduledBatch([(s, 1) for s in seqs], 0, len(seqs)), list(zip(seqs, tokens, lps)))
+                if wire:
+                    pack(Frame(outs, status, [batch]))
+                    outs.clear()
+            best = min(best, time.thread_time() - t0)
+    finally:
+        core.abort_all()
+        core.drain()
+        core.wire_outputs(None)
+    return {"batch": batch, "kind": kind, "n": n, "python_us_per_seq": 1e6 * best / steps / len(seqs)}
+
+
 def step_wall(llm, batch: int, kind: str, n: int, steps: int, temperature: float, top_p: float,
               logprobs: int | None, stop: list[str] | None, async_on: bool) -> dict:
     """Wall milliseconds per decode step with async scheduling on or off, as the engine process runs them:
@@ -297,6 +361,8 @@ def main() -> None:
     # On a thread, as the server drives the engine (bench/common.in_thread says why it matters on CPU).
     rows = [in_thread(measure, llm, b, kind, args.n, args.steps, args.temperature, args.top_p, logprobs, stop,
                       args.profile) for kind in args.kinds.split(",") for b in batches]
+    py_rows = [in_thread(python_cost, llm, b, kind, args.n, min(args.steps, 40), logprobs, stop)
+               for kind in args.kinds.split(",") + ["inproc"] for b in batches]
     wall_rows = [in_thread(step_wall, llm, b, kind, args.n, args.steps, args.temperature, args.top_p, logprobs, stop,
                            on) for kind in args.kinds.split(",") for b in batches for on in async_modes]
     llm.close()
@@ -308,6 +374,10 @@ def main() -> None:
     print(f"\nhost cost per decode step ({model}, {args.device}, temperature {args.temperature}, top_p {args.top_p}, "
           f"logprobs {logprobs}, n {args.n}, stop {stop})")
     print(table([[r["batch"], r["kind"]] + [f"{r[k]:.3f}" for k in keys] for r in rows], ["batch", "kind"] + keys))
+    print("\nthe engine's Python alone per decode step (schedule_ahead + postprocess + frame; no model, no sampler; "
+          "whole-character tokens; inproc: RequestOutputs per request and step, n 1), us per sequence")
+    print(table([[r["batch"], r["kind"], f"{r['python_us_per_seq']:.2f}"] for r in py_rows],
+                ["batch", "kind", "python_us_per_seq"]))
     forward = {(r["batch"], r["kind"]): r["forward_ms"] for r in rows}
     wall = {(r["batch"], r["kind"], r["async"]): r for r in wall_rows}
     print(f"\nwall time per decode step, async scheduling {' vs '.join(m.strip() for m in args.async_scheduling.split(','))}"
@@ -336,7 +406,7 @@ def main() -> None:
     if args.out is not None:
         write_json(args.out, "step_host_cost" + ("" if args.device == "cuda" else "-cpu"),
                    {"model": model, "device": args.device, "temperature": args.temperature, "top_p": args.top_p,
-                    "logprobs": logprobs, "n": args.n, "stop": stop, "rows": rows, "wall": wall_rows,
+                    "logprobs": logprobs, "n": args.n, "stop": stop, "rows": rows, "python": py_rows, "wall": wall_rows,
                     "http": http_rows})
 
 

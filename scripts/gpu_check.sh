@@ -11,7 +11,8 @@
 # level-1 and level-2 sleeps), tp-profile (each rank's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend) and
 # tp-noreg (the tp bench's TP=1 and TP=2 nccl runs with NCCL_GRAPH_REGISTER=0 in every process).
 # hostcost: bench/step_host_cost.py, a decode step's host work beside its forward at batch 64 and 256 (temperature 1,
-# logprobs 0, n 8; an output every step as streaming requests get, and FINAL_ONLY as non-streaming ones).
+# logprobs 0, n 8; an output every step as streaming requests get, and FINAL_ONLY as non-streaming ones), and the
+# engine's Python alone per sequence (no model, no sampler: what the forward has to cover on this host).
 # serve: bench/serve.py, Poisson arrivals through HTTP vs in-process (1B shape); rollout: bench/rollout.py,
 # 256 prompts x n=8 x 512 tokens through HTTP as TRL sends them, in-process and transformers (rollout-1b and
 # rollout-8b run one shape each).

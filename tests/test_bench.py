@@ -93,3 +93,8 @@ def test_step_host_cost_runs_the_step_and_the_frame_path(llm):
     for kind in ("stream", "final"):
         row = measure(llm, 4, kind, 2, 3, 1.0, 1.0, 0, None, False)
         assert row["batch"] == 4 and row["kind"] == kind and "engine_host_ms" in row
+    from bench.step_host_cost import python_cost
+
+    for kind in ("stream", "final", "inproc"):  # the Python alone: planned ahead and recorded, engine left empty
+        row = python_cost(llm, 4, kind, 2, 3, 0, None, repeats=1)
+        assert row["python_us_per_seq"] > 0 and not llm.engine.has_unfinished
