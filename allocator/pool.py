@@ -51,13 +51,27 @@ def _shape(shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]:
     return dims
 
 
-class _Chunks:
-    """One chunked tensor's pieces (backend addresses and sizes, one per chunk) and how many leading chunks
-    are mapped. `ready` is written under `cond` by the pool (wake, sleep, the background mapper)."""
+# The largest piece of physical memory (one driver handle) of a chunked tensor: a chunk bigger than
+# this is made of several. Measured on an H200 (2026-11-30): unmap + release costs 0.33-0.35 ms/GiB for
+# handles of 1 to 4 GiB (the floor; 0.82 at 64 MiB) but 0.42-0.66 ms/GiB for one handle of ~86 GiB, and
+# creating such a handle in one call beside a running request made that request 3.98x slower (the
+# background mapper cannot give way in the middle of one call).
+MAX_PIECE_BYTES = 2 << 30
 
-    def __init__(self, pieces: list[int], sizes: list[int]) -> None:
+
+def _split(offset: int, size: int, granularity: int) -> list[tuple[int, int]]:
+    """(offset, size) of the pieces of one chunk: at most MAX_PIECE_BYTES each, on granule bounds."""
+    step = max(granularity, MAX_PIECE_BYTES // granularity * granularity)
+    return [(o, min(step, offset + size - o)) for o in range(offset, offset + size, step)]
+
+
+class _Chunks:
+    """One chunked tensor's pieces (backend addresses and sizes, a list per chunk) and how many leading
+    chunks are mapped. `ready` is written under `cond` by the pool (wake, sleep, the background mapper)."""
+
+    def __init__(self, pieces: list[list[int]], sizes: list[list[int]]) -> None:
         self.pieces = pieces
-        self.sizes = sizes  # bytes of each chunk
+        self.sizes = sizes  # bytes of each piece
         self.ready = len(pieces)
         self.cond = threading.Condition()
         self.mapper: threading.Thread | None = None
@@ -174,9 +188,9 @@ class MemoryPool:
     def empty_chunked(self, shape: Sequence[int], dtype: torch.dtype, tag: str,
                       bounds: Sequence[int]) -> torch.Tensor:
         """A contiguous tensor whose memory comes in chunks along its first dimension: chunk c holds
-        the indices [bounds[c], bounds[c+1]) of dim 0, one contiguous range of bytes and so one piece of
-        physical memory (one driver handle on CUDA: a sleep's release time follows the number of
-        handles). After a sleep that discards the tag, wake_up() maps chunk 0 before it returns and
+        the indices [bounds[c], bounds[c+1]) of dim 0, one contiguous range of bytes made of pieces of
+        physical memory of at most MAX_PIECE_BYTES (driver handles on CUDA: a sleep's release time
+        follows the number of handles below 1 GiB each, and the bytes above). After a sleep that discards the tag, wake_up() maps chunk 0 before it returns and
         the others in order in a background thread; chunks_ready() says how many are usable,
         wait_chunks() waits for more. So a wake costs the first chunk, not the whole tensor
         (re-creating memory right after it was released costs ~3 ms/GiB on an H200). Nothing may
@@ -200,14 +214,17 @@ class MemoryPool:
                 f"chunks of {index_bytes} bytes per index at bounds {bad} do not fall on the pool's "
                 f"granularity ({gran} bytes); pick bounds (and shape[0]) that are multiples of "
                 f"{gran // math.gcd(gran, index_bytes)}")
-        pieces = [(lo * index_bytes, (hi - lo) * index_bytes) for lo, hi in zip(b, b[1:])]
+        per_chunk = [_split(lo * index_bytes, (hi - lo) * index_bytes, gran) for lo, hi in zip(b, b[1:])]
+        pieces = [piece for chunk in per_chunk for piece in chunk]
         with self._lock:
             self._check_open()
             self._check_awake(tag, "allocate in")
             if tag in self._chunks:
                 raise PoolError(f"tag '{tag}' already has a chunked tensor; use one per tag")
             tensor, addresses = self._backend.empty_chunked(dims, dtype, tag, pieces)
-            self._chunks[tag] = _Chunks(addresses, [size for _, size in pieces])
+            at = iter(addresses)
+            self._chunks[tag] = _Chunks([[next(at) for _ in chunk] for chunk in per_chunk],
+                                        [[size for _, size in chunk] for chunk in per_chunk])
         return tensor
 
     def chunks_ready(self, tag: str) -> int:
@@ -238,19 +255,23 @@ class MemoryPool:
         ends it (an error included), finish() tells the waiters that nothing more comes."""
         try:
             for c in range(chunks.ready, len(chunks.pieces)):
-                self._yield_to_foreground(chunks, chunks.sizes[c])
-                if chunks.cancel.is_set() or self._closed:
-                    break
-                try:
-                    self._backend.map_pieces([chunks.pieces[c]])
-                except PoolError as err:
-                    # The tensor stays smaller until the next wake; chunks mapped so far are
-                    # released by the next sleep like any mapped memory.
-                    chunks.error = err
-                    break
-                chunks.set_ready(c + 1)
-                if chunks.started is not None:
-                    chunks.chunk_seconds.append(time.perf_counter() - chunks.started)
+                for address, size in zip(chunks.pieces[c], chunks.sizes[c]):
+                    self._yield_to_foreground(chunks, size)
+                    if chunks.cancel.is_set() or self._closed:
+                        break
+                    try:
+                        self._backend.map_pieces([address])
+                    except PoolError as err:
+                        # The tensor stays smaller until the next wake; pieces mapped so far are
+                        # released by the next sleep like any mapped memory.
+                        chunks.error = err
+                        break
+                else:
+                    chunks.set_ready(c + 1)
+                    if chunks.started is not None:
+                        chunks.chunk_seconds.append(time.perf_counter() - chunks.started)
+                    continue
+                break
         except Exception as err:  # a bug, not the driver: still end the waits, and say why
             chunks.error = PoolError(f"the background mapping of '{tag}' failed: {type(err).__name__}: {err}")
             raise
@@ -264,12 +285,12 @@ class MemoryPool:
         (wait_chunks), who gets them at full speed; idle, it maps at once.
         Mapping device memory slows the kernels running beside it (the first request after a wake
         ran 1.16-1.35x slower while the KV cache mapped, 0.93-1.13x when its pieces of 0.1-2.3 GiB
-        were paced at one per 20 ms; H200, 2026-11-30). A chunk is one piece now (up to ~80 GiB),
-        so the pace is per GiB: the bytes mapped beside the requests stay what they were."""
+        were paced at one per 20 ms; H200, 2026-11-30). The pace is per GiB of each piece (at most
+        MAX_PIECE_BYTES), so the bytes mapped beside the requests stay what they were."""
         self._busy, self._busy_wait_s_per_gib = busy, wait_s_per_gib
 
     def busy_wait_s(self, nbytes: int) -> float | None:
-        """How long the background mapper holds a chunk of nbytes back while busy (None: until idle)."""
+        """How long the background mapper holds a piece of nbytes back while busy (None: until idle)."""
         per_gib = self._busy_wait_s_per_gib
         return None if per_gib is None else per_gib * max(1.0, nbytes / 2**30)
 
@@ -480,7 +501,7 @@ class MemoryPool:
                 clock.mark("check")
                 return WakeReport(0, 0, clock.elapsed, timings=clock.report())
             lazy = [t for t in remap if t in self._chunks]
-            defer = {a for t in lazy for a in self._chunks[t].pieces[1:]}
+            defer = {a for t in lazy for chunk in self._chunks[t].pieces[1:] for a in chunk}
             clock.mark("check")
             try:
                 # The wake that leaves nothing asleep may re-fill caches outside the pool (CUDA: torch's

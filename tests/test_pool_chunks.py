@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import allocator.pool as pool_module
 from allocator import MemoryPool, PoolError
 from allocator.host import PAGE, HostBackend
 
@@ -51,8 +52,9 @@ def test_bounds_must_fall_on_the_granularity(tmp_path):
             pool.empty_chunked((BLOCKS, ROWS, 16), torch.float32, "kv_cache", bounds=[0, 4, 8])
         t = chunked(pool)
         assert pool.chunks_ready("kv_cache") == 3 and pool.tag_of(t) == "kv_cache"
-        # Chunked along dim 0: each chunk is one contiguous range, one piece of memory.
-        assert pool._chunks["kv_cache"].pieces == [t[b].data_ptr() for b in BOUNDS[:-1]]
+        # Chunked along dim 0: each chunk is one contiguous range, one piece of memory (chunks this
+        # small are below MAX_PIECE_BYTES).
+        assert pool._chunks["kv_cache"].pieces == [[t[b].data_ptr()] for b in BOUNDS[:-1]]
         with pytest.raises(PoolError, match="already has a chunked tensor"):
             chunked(pool)
         with pytest.raises(PoolError, match="only be discarded"):
@@ -171,5 +173,35 @@ def test_a_busy_foreground_only_paces_the_mapper(tmp_path):
         while pool.chunks_ready("kv_cache") < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pool.chunks_ready("kv_cache") == 3
+    finally:
+        pool.close()
+
+
+def test_a_chunk_above_the_largest_piece_is_several_pieces_mapped_in_order(tmp_path, monkeypatch):
+    """A chunk bigger than MAX_PIECE_BYTES is made of pieces of at most that size (CUDA: the driver
+    releases huge handles slower per GiB, and the background mapper can only give way between pieces);
+    the chunk is ready once all of its pieces are mapped, and the wake maps all of chunk 0's."""
+    monkeypatch.setattr(pool_module, "MAX_PIECE_BYTES", 2 * PAGE)
+    backend = SteppedBackend(tmp_path)
+    pool = MemoryPool(backend)
+    try:
+        t = chunked(pool)  # chunks of 2, 3 and 3 blocks of 3 pages: 6 and 9 pages
+        pieces, sizes = pool._chunks["kv_cache"].pieces, pool._chunks["kv_cache"].sizes
+        assert sizes == [[2 * PAGE] * 3, [2 * PAGE] * 4 + [PAGE], [2 * PAGE] * 4 + [PAGE]]
+        block = ROWS * WIDTH * 4
+        for c, (lo, hi) in enumerate(zip(BOUNDS, BOUNDS[1:])):
+            starts = [t.data_ptr() + lo * block + sum(sizes[c][:i]) for i in range(len(sizes[c]))]
+            assert pieces[c] == starts and sum(sizes[c]) == (hi - lo) * block
+        t.fill_(7.0)
+        pool.sleep(discard_tags=["kv_cache"])
+        pool.wake_up()  # chunk 0's three pieces, not through the stepped background mapper
+        assert pool.chunks_ready("kv_cache") == 1
+        t[:BOUNDS[1]].fill_(1.0)
+        backend.step(4)  # four of chunk 1's five pieces: not ready yet
+        assert pool.wait_chunks("kv_cache", 2, timeout=0.2) == 1
+        backend.step(1 + 5)
+        assert pool.wait_chunks("kv_cache", 3, timeout=30) == 3
+        t.fill_(2.0)  # every piece is mapped
+        assert torch.all(t == 2.0)
     finally:
         pool.close()

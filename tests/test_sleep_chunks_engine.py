@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from server import SamplingParams
+from allocator.pool import MAX_PIECE_BYTES
 from server.engine.tags import KV_CACHE
 
 LONG_PROMPT = "The history of the printing press begins with movable type. " * 10  # ~120 tokens
@@ -103,21 +104,25 @@ def test_chunk_bounds_fall_on_whole_granules_and_grow():
     assert chunk_plan(plan, 2 << 20, 0) is plan
 
 
-def test_each_chunk_is_one_pool_piece_with_those_blocks_of_every_layer(chunked_llm):
+def test_each_chunk_is_contiguous_pool_pieces_with_those_blocks_of_every_layer(chunked_llm):
     """The cache is block-major (server/model/kv_layout.py): a chunk of blocks is one contiguous range,
-    one piece of the pool (one physical handle on CUDA), and every layer's K and V of those blocks lie
-    inside it, so nothing a chunk's blocks hold is left in another chunk's memory."""
+    made of pool pieces of at most MAX_PIECE_BYTES (physical handles on CUDA), and every layer's K and V
+    of those blocks lie inside it, so nothing a chunk's blocks hold is left in another chunk's memory."""
     core = chunked_llm.engine
     kv, bounds, per_block = core.runner.kv_cache, core.kv_plan.chunk_bounds, core.kv_plan.bytes_per_block
     layers = core.model.model.layers
     assert kv.shape[:3] == (core.kv_plan.num_blocks, len(layers), 2) and kv.is_contiguous()
     assert kv.shape[1:].numel() * kv.element_size() == per_block
     pool = core.pool
-    pieces = pool._chunks[KV_CACHE].pieces  # one address per chunk
+    pieces = pool._chunks[KV_CACHE].pieces  # the addresses of each chunk's pieces
     assert len(pieces) == len(bounds) - 1
     for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        start = pieces[c]
-        size = pool._backend._piece_owner(start).pieces[start][0]
+        start, at = pieces[c][0], pieces[c][0]
+        for address in pieces[c]:  # contiguous pieces of at most MAX_PIECE_BYTES (here: one per chunk)
+            piece_size = pool._backend._piece_owner(address).pieces[address][0]
+            assert address == at and piece_size <= MAX_PIECE_BYTES
+            at += piece_size
+        size = at - start
         assert (start, size) == (kv.data_ptr() + lo * per_block, (hi - lo) * per_block)
         for layer in layers:
             for view in (layer.self_attn.k_cache, layer.self_attn.v_cache):

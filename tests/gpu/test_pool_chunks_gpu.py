@@ -70,8 +70,8 @@ def test_engine_with_a_chunked_kv_cache_keeps_its_outputs(tmp_path):
     try:
         core = llm.engine
         assert len(core.kv_plan.chunk_bounds) >= 3 and core.runner.kv_chunked
-        # Block-major (server/model/kv_layout.py): each chunk is one physical handle, whatever the layers.
-        assert core.pool.stats().tags["kv_cache"].allocations == len(core.kv_plan.chunk_bounds) - 1
+        # Block-major (server/model/kv_layout.py): each chunk is one physical handle up to 2 GiB, whatever the layers.
+        assert core.pool.stats().tags["kv_cache"].allocations == len(core.kv_plan.chunk_bounds) - 1  # chunks < 2 GiB
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         for level in (1, 2, 1):
             llm.sleep(level=level)
