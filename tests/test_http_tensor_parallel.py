@@ -1,7 +1,9 @@
 """Tensor parallelism through the real server: one TP=2 server (two processes, gloo on CPU; the size set
-through SLEEPSERVE_TENSOR_PARALLEL_SIZE, and --tp-all-reduce symm, which CPU ignores) serves this
-module, started once; the last test kills its worker. One-rank answers come from the shared hold
-server (same model, same greedy decoding)."""
+through SLEEPSERVE_TENSOR_PARALLEL_SIZE, --tp-all-reduce symm, which CPU ignores, and --async-scheduling:
+every step after the first of a batch is launched before the last one's tokens reach rank 0's host, its
+ids broadcast to the worker on the device communicator) serves this module, started once; the last test
+kills its worker. One-rank answers come from the shared hold server (same model, same greedy decoding,
+synchronous); the synchronous TP=2 server is test_http_torchrun.py's."""
 from __future__ import annotations
 
 import json
@@ -22,7 +24,8 @@ TRAINER = [sys.executable, str(REPO / "tests" / "weight_trainer.py")]
 @pytest.fixture(scope="module")
 def server():
     # --tp-all-reduce symm through its variable: on CPU the ranks report gloo (checked below)
-    proc = ServerProcess([*BASE_ARGS, "--dev-mode", "--weight-transfer-config", '{"backend": "gloo"}'],
+    proc = ServerProcess([*BASE_ARGS, "--dev-mode", "--async-scheduling", "--weight-transfer-config",
+                          '{"backend": "gloo"}'],
                          env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2", "SLEEPSERVE_TP_ALL_REDUCE": "symm"}).start()
     yield proc
     proc.stop()
@@ -39,6 +42,8 @@ def post(server, path: str, **kwargs) -> httpx.Response:
 
 def test_two_ranks_answer_as_one_rank(server, reference):
     assert greedy_texts(server, PROMPTS) == reference
+    assert httpx.get(server.url + "/server_info").json()["engine_config"]["async_scheduling"] is True
+    assert "async scheduling on" in server.log_text()  # not turned off for tensor parallelism
 
 
 def test_world_size_and_per_rank_reports(server):

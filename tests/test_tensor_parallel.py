@@ -121,6 +121,88 @@ def test_a_rank_failing_its_sleep_leaves_every_rank_awake(tp2, reference):
     assert tokens(tp2) == reference["served"]
 
 
+@pytest.fixture
+def tp2_async(tp2):
+    """The module's TP=2 engine with async scheduling on (rank 0 broadcasts each step's sampled tokens to
+    the worker on the device communicator), off again afterwards."""
+    tp2.engine.set_async_scheduling(True)
+    assert tp2.engine.async_scheduling, "ParallelRunner should support async scheduling"
+    yield tp2
+    tp2.engine.set_async_scheduling(False)
+
+
+def _mixed_requests() -> list:
+    """Ends at different steps (rows leave the batch while a step is in flight), a stop string, greedy
+    log-probs, n=2 seeded temperature sampling with log-probs."""
+    from tests.test_async_scheduling import greedy
+
+    return [(p, greedy(3 + 4 * i)) for i, p in enumerate(PROMPTS[:3])] + [
+        (PROMPTS[3], greedy(16, stop=["\n"])),
+        (PROMPTS[4], greedy(8, logprobs=2)),
+        (PROMPTS[5], SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=10, logprobs=1)),
+    ]
+
+
+def test_async_scheduling_at_two_ranks_gives_the_synchronous_outputs(tp2, reference):
+    """Greedy, stops, log-probs and seeded sampling at TP=2 with async on equal TP=2 with it off, token for
+    token; the greedy tokens equal one rank's; steps really went ahead (their ids never crossed a pipe)."""
+    from tests.test_async_scheduling import run, same
+
+    reqs = _mixed_requests()
+    sync = run(tp2, reqs)
+    tp2.engine.set_async_scheduling(True)
+    try:
+        assert tp2.engine.async_scheduling
+        before = tp2.engine.steps_ahead
+        got = run(tp2, reqs)
+        assert tp2.engine.steps_ahead > before, "no step went ahead: the test ran synchronously"
+        assert tokens(tp2) == reference["served"]
+    finally:
+        tp2.engine.set_async_scheduling(False)
+    assert got.keys() == sync.keys()
+    for rid in sync:
+        same(got[rid], sync[rid])
+    assert len({tuple(o.token_ids) for o in got["r5"].outputs}) == 2  # two different seeded samples
+
+
+def test_async_level1_sleep_with_a_step_in_flight_at_two_ranks(tp2_async, reference):
+    """A level-1 sleep (mode=keep) while a step is in flight on both ranks: the step is drained first,
+    every rank offloads, and after the wake the sequences go on to the uninterrupted synchronous outputs;
+    an abort mid-batch drops the row from the next step on both ranks."""
+    from tests.test_async_scheduling import greedy, run, same
+
+    reqs = [(p, greedy(10 + 2 * i)) for i, p in enumerate(PROMPTS[:4])]
+    eng = tp2_async.engine
+    eng.set_async_scheduling(False)
+    sync = run(tp2_async, reqs)
+    eng.set_async_scheduling(True)
+    events = []
+
+    def hook(step: int, done: dict) -> None:
+        if step == 3:
+            assert eng._inflight is not None
+            req = eng.requests["r1"]
+            assert eng.abort_request("r1")
+            done["r1"] = req.output()
+            events.append("abort")
+        if step == 5:
+            assert eng._inflight is not None
+            tp2_async.sleep(level=1, mode="keep")
+            assert eng._inflight is None and tp2_async.is_sleeping()
+            assert all(s["weights"] == "offloaded" for s in rank_states(tp2_async))
+            tp2_async.wake_up()
+            events.append("sleep")
+
+    before = eng.steps_ahead
+    got = run(tp2_async, reqs, hook)
+    assert events == ["abort", "sleep"] and eng.steps_ahead > before
+    cut = got["r1"].outputs[0]
+    assert cut.finish_reason == "abort" and cut.token_ids == sync["r1"].outputs[0].token_ids[:len(cut.token_ids)]
+    for rid in ("r0", "r2", "r3"):
+        same(got[rid], sync[rid])
+    assert tokens(tp2_async) == reference["served"]
+
+
 def test_layout_is_checked_before_any_process_starts(default_model_folder):
     with pytest.raises(ValueError, match="cannot split 3 KV heads"):
         LLM(model=str(default_model_folder), tensor_parallel_size=4, **ARGS)

@@ -92,7 +92,7 @@ class EngineCore:
         # Async scheduling: the step on the device whose tokens are not recorded yet (drain() records it).
         self.async_scheduling = config.async_scheduling and runner.supports_async
         if config.async_scheduling and not runner.supports_async:
-            log.info("async scheduling is off: tensor parallelism sends each step's inputs from the host")
+            log.info("async scheduling is off: this runner cannot launch a step before the last one's tokens")
         elif self.async_scheduling:
             log.info("async scheduling on: each step is launched before the previous one is recorded")
         self._inflight: Launched | None = None
@@ -246,28 +246,23 @@ class EngineCore:
             ahead = self.scheduler.schedule_ahead(seqs, self.max_model_len, prev.mark == self.scheduler.removals)
             if ahead is not None:
                 batch, rows = ahead
-                ids = prev.tokens
-                if len(rows) < len(seqs):  # some end with the token in flight: the others' rows, in order
-                    index = torch.tensor(rows)
-                    if ids.device.type == "cuda":  # a pinned, non-blocking copy: a blocking one waits for step t
-                        index = index.pin_memory().to(ids.device, non_blocking=True)
-                    ids = ids[index]  # type: ignore[index]
-                nxt = self._launch(batch, ids)
+                nxt = self._launch(batch, prev, rows)
                 self.steps_ahead += 1
         outputs = self._record(prev) if prev is not None else []
         if nxt is None and self.scheduler.has_work and self.sleep_state.can_run:
             batch = self.scheduler.schedule()
             if batch:
-                nxt = self._launch(batch, None)
+                nxt = self._launch(batch)
         self._inflight = nxt
         return outputs
 
-    def _launch(self, batch: ScheduledBatch, ids: torch.Tensor | None) -> Launched:
+    def _launch(self, batch: ScheduledBatch, after: Launched | None = None, rows: list[int] | None = None
+                ) -> Launched:
         started = time.monotonic()
         for seq, _ in batch.items:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = started
-        launched = self.runner.launch(batch, self.eos_ids, self.tokenizer, ids)
+        launched = self.runner.launch(batch, self.eos_ids, self.tokenizer, after, rows)
         launched.mark = self.scheduler.removals
         self.step_tokens = batch.num_tokens
         return launched

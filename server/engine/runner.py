@@ -55,11 +55,25 @@ class HostBatch:
     prompt_groups: list[tuple[Request, int]] = field(default_factory=list)
     # Async scheduling: the input ids as a device tensor (the previous step's sampled tokens, in row
     # order) instead of `ids`, which then holds placeholders: they never went through the host.
+    # ids_rows: which of the previous step's sampled rows they are (a tensor-parallel worker picks the
+    # same rows of the tokens rank 0 broadcast to it).
     ids_from: torch.Tensor | None = None
+    ids_rows: list[int] | None = None
 
     @property
     def decode_only(self) -> bool:
         return not self.spans
+
+
+def continuing(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """tokens[rows] on the device (rows: ascending, a subset of range(len(tokens))), without waiting for it:
+    the index crosses pinned and non-blocking (a blocking copy would wait for the step that writes tokens)."""
+    if len(rows) == tokens.shape[0]:
+        return tokens
+    index = torch.tensor(rows)
+    if tokens.device.type == "cuda":
+        index = index.pin_memory().to(tokens.device, non_blocking=True)
+    return tokens[index]
 
 
 def pad_tables(tables: list[list[int]], width: int, out: np.ndarray) -> None:
@@ -104,8 +118,7 @@ class DecodeTables:
 
 class ModelRunner:
     # Async scheduling (core.py) launches a step before the previous one's tokens reach the host, its
-    # input ids taken on the device. A tensor-parallel runner sends each step's inputs to its workers
-    # from the host, so it runs synchronously.
+    # input ids taken on the device (a tensor-parallel runner broadcasts them to its workers).
     supports_async = True
 
     def __init__(self, model: LlamaForCausalLM, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -242,10 +255,11 @@ class ModelRunner:
         sample_seqs = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
         return HostBatch(ids, starts, slots, tables, lens, [], rows, sample_seqs)
 
-    def prepare_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> HostBatch:
+    def prepare_ahead(self, batch: ScheduledBatch, after: "Launched", rows: list[int]) -> HostBatch:
         """prepare() for a batch scheduled before the previous step's tokens reached the host (async
         scheduling, core.py): one token per sequence, at position num_tokens (the token still in flight,
-        which the scheduler has room for already), its id taken on the device from `ids`."""
+        which the scheduler has room for already), its id taken on the device from the tokens `after`
+        sampled: rows[i] is the row of after's sampled sequences that batch.items[i] continues."""
         seqs = [seq for seq, _ in batch.items]
         bs = self.block_size
         starts = [len(s.token_ids) for s in seqs]  # num_tokens, without a property call per sequence
@@ -253,7 +267,7 @@ class ModelRunner:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
         lens = [p + 1 for p in starts]
         return HostBatch([0] * len(seqs), starts, slots, tables, lens, [], list(range(len(seqs))), seqs,
-                         ids_from=ids)
+                         ids_from=continuing(after.tokens, rows), ids_rows=rows)  # type: ignore[arg-type]
 
     def to_device(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """(input ids, positions, attention context, sample rows) on the device, from ONE host-to-
@@ -306,14 +320,16 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer
                 ) -> tuple[list[Sampled], list[tuple[Request, list[TokenLogprobs]]]]:
         """(sampled tokens, new prompt log-prob entries per request), both from this one forward."""
-        return self.launch(batch, eos_ids, tokenizer).collect()
+        return self.launch(batch, eos_ids, tokenizer, feeds_next=False).collect()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer,
-               ids: torch.Tensor | None = None) -> "Launched":
+    def launch(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer, after: "Launched | None" = None,
+               rows: list[int] | None = None, feeds_next: bool = True) -> "Launched":
         """Queue a step on the device up to its sampled tokens' copy to the host; collect() waits for them.
-        ids: the batch was scheduled ahead (prepare_ahead): its input ids, on the device."""
-        hb = self.prepare(batch) if ids is None else self.prepare_ahead(batch, ids)
+        after, rows: the batch was scheduled ahead (prepare_ahead), its input ids are these rows of the tokens
+        `after` sampled, on the device. feeds_next: this step's tokens may feed the next step on the device
+        (async scheduling; a tensor-parallel runner then broadcasts them to every rank)."""
+        hb = self.prepare(batch) if after is None else self.prepare_ahead(batch, after, rows or [])
         logits, prompt_hidden = self.forward(hb)
         scored: list[tuple[Request, list[TokenLogprobs]]] = []
         if prompt_hidden is not None:  # synchronizes (a prefill with prompt log-probs is never overlapped)

@@ -21,6 +21,8 @@ class DeviceComm(Protocol):
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]: ...
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor: ...
+
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
@@ -44,6 +46,11 @@ class GlooComm:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return parts
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x into every rank's x (in place; x contiguous)."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
 
     def close(self) -> None:
         dist.destroy_process_group(self.group)
@@ -95,6 +102,12 @@ class NcclComm:
         self.nccl.check(self.lib.ncclAllGather(x.data_ptr(), out.data_ptr(), x.numel(), _NCCL_DTYPES[x.dtype],
                                               self.comm, self._stream()))
         return list(out.unbind(0))
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x into every rank's x (in place, x contiguous), on the current stream."""
+        self.nccl.check(self.lib.ncclBroadcast(x.data_ptr(), x.data_ptr(), x.numel(), _NCCL_DTYPES[x.dtype], 0,
+                                              self.comm, self._stream()))
+        return x
 
     def close(self) -> None:
         # ncclCommAbort frees this rank's communicator without a collective finalize (ncclCommDestroy in

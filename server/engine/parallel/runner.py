@@ -1,6 +1,19 @@
 """Rank 0's runner with tensor parallelism: the ModelRunner the engine core calls, which also sends
 each step's inputs to every worker (they run the same forward; the collectives join the ranks) and
-loads weights on every rank. Sampling stays on rank 0."""
+loads weights on every rank. Sampling stays on rank 0.
+
+Async scheduling (core.py): step t+1 is launched before step t's tokens reach rank 0's host, so the
+workers cannot get its input ids over the pipe. Rank 0 broadcasts the tokens it sampled in step t on the
+device communicator, queued right after its sampling; each worker queues the same broadcast right after
+its forward of step t, into a small buffer, and step t+1 (its plan sent over the pipe, with which rows of
+t continue) reads its ids from there, as rank 0 reads its own. Every rank issues the same collectives
+in the same stream order, and nothing waits on the host: the broadcast is one kernel of a few hundred
+bytes. The other way, every rank sampling alike from all-gathered logits, was not taken: sampling reads
+state only rank 0 holds (each seeded sequence's torch.Generator, advanced once per token; grammar
+matchers; the history penalties read; the log-prob rows; n > 1's rows of one request), all of which
+would have to be mirrored and kept in step on every worker. With the broadcast, whatever rank 0 samples
+(seeded, structured, n > 1, with log-probs) is by construction what every rank feeds on.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,23 +24,44 @@ import torch
 from server.engine.parallel.executor import Workers
 from server.engine.parallel.steps import StepLag, pack_step
 from server.engine.parallel.worker import drop_graphs
-from server.engine.runner import HostBatch, ModelRunner
+from server.engine.runner import HostBatch, Launched, ModelRunner
+from server.engine.scheduler import ScheduledBatch
 from server.model.shard import TensorParallel
 
 
 class ParallelRunner(ModelRunner):
-    supports_async = False  # the workers get each step's input ids from the host (pack_step)
+    supports_async = True  # the sampled tokens reach the workers on the device (the module's docstring)
 
     def __init__(self, model, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
                  kv_chunk_bounds: tuple[int, ...] = (), *, workers: Workers):
+        self._feeds_next = False  # inside a launch() whose tokens feed the next step (it broadcasts them)
         super().__init__(model, pool, num_blocks, block_size, dtype, kv_chunk_bounds)
         self.workers = workers
         self.lag = StepLag()
         workers.before_down.append(lambda: drop_graphs(self))
 
     @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer, after: Launched | None = None,
+               rows: list[int] | None = None, feeds_next: bool = True) -> Launched:
+        self._feeds_next = feeds_next
+        try:
+            launched = super().launch(batch, eos_ids, tokenizer, after, rows, feeds_next)
+        finally:
+            self._feeds_next = False
+        if feeds_next and launched.sampled is not None:  # forward() told the workers to join (share)
+            comm = self.workers.group.comm
+            try:
+                if comm is None:
+                    raise RuntimeError("the device communicator is down")
+                comm.broadcast(launched.sampled.tokens)
+            except Exception as e:
+                raise self.workers.explain(e) from e
+        return launched
+
+    @torch.inference_mode()
     def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        packed = pack_step(hb)
+        # rank 0 samples (and then broadcasts) exactly when the batch has rows to sample (launch())
+        packed = pack_step(hb, self._feeds_next and bool(hb.sample_rows))
         self.workers.send_all("step", packed)
         try:
             out = super().forward(hb)

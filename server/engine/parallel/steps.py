@@ -2,6 +2,11 @@
 (only rank 0 samples), and the moment rank 0 sent them. One pickle of a few int lists per step (tens
 of microseconds at batch 64).
 
+Async scheduling adds two things (runner.py says why the tokens are broadcast): `share`, rank 0 will
+broadcast the tokens it samples in this step on the device communicator, right after its sampling, and
+every worker joins that broadcast right after its forward; `rows`, this step was scheduled ahead: its
+input ids are these rows of the tokens the previous step broadcast (None: its ids are in `ids`).
+
 The send time lets each rank measure how long after it its forward was launched (StepLag):
 time.perf_counter is the host's monotonic clock, the same in every process. A worker that launches
 later than rank 0 makes rank 0's GPU wait at the step's first all-reduce."""
@@ -14,15 +19,17 @@ from collections import deque
 from server.engine.runner import HostBatch
 
 
-def pack_step(hb: HostBatch) -> tuple:
+def pack_step(hb: HostBatch, share: bool) -> tuple:
     return (time.perf_counter(), hb.ids, hb.positions, hb.slots, hb.decode_tables, hb.decode_lens, hb.spans,
-            hb.sample_rows, hb.prompt_rows)
+            hb.sample_rows, hb.prompt_rows, share, hb.ids_rows if hb.ids_from is not None else None)
 
 
-def unpack_step(packed: tuple) -> tuple[float, HostBatch]:
-    """(rank 0's send time, the batch)."""
-    sent, ids, positions, slots, tables, lens, spans, sample_rows, prompt_rows = packed
-    return sent, HostBatch(ids, positions, slots, tables, lens, spans, sample_rows, [], prompt_rows=prompt_rows)
+def unpack_step(packed: tuple) -> tuple[float, HostBatch, bool]:
+    """(rank 0's send time, the batch, whether rank 0 broadcasts its sampled tokens after it). The batch's
+    ids_rows is set when its input ids are rows of the previous step's broadcast tokens."""
+    sent, ids, positions, slots, tables, lens, spans, sample_rows, prompt_rows, share, rows = packed
+    hb = HostBatch(ids, positions, slots, tables, lens, spans, sample_rows, [], prompt_rows=prompt_rows, ids_rows=rows)
+    return sent, hb, share
 
 
 class StepLag:

@@ -120,6 +120,9 @@ class SymmComm:
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self.nccl.all_gather(x)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        return self.nccl.broadcast(x)
+
     def close(self) -> None:
         self.nccl.close()  # synchronizes first: no kernel reads the buffer any more
         self.release()

@@ -22,6 +22,7 @@ from server.config import EngineConfig
 from server.engine.build import build_rank, rank_device
 from server.engine.parallel.group import Group, comm_options
 from server.engine.parallel.steps import StepLag, unpack_step
+from server.engine.runner import continuing
 from server.engine.sampler import PROMPT_ROWS_PER_PASS
 from server.heap import freeze_startup_heap
 from server.model.config import ModelConfig
@@ -96,6 +97,9 @@ class Worker:
         self.spin = spin_seconds(device)
         self.profiler = None  # a torch.profiler run of bench/tensor_parallel.py --profile
         self.closing = False  # rank 0 said close: its connections ending now is no failure
+        # Async scheduling: the tokens rank 0 sampled in the last step, broadcast to this rank on the device;
+        # the next step, if scheduled ahead, reads its input ids from them (runner.py, steps.py).
+        self.tokens: torch.Tensor | None = None
 
     def serve(self) -> None:
         stepped = False
@@ -135,15 +139,25 @@ class Worker:
 
     @torch.inference_mode()
     def step(self, packed: tuple, received: float) -> None:
-        sent, hb = unpack_step(packed)
+        sent, hb, share = unpack_step(packed)
+        tokens, self.tokens = self.tokens, None
+        if hb.ids_rows is not None:  # scheduled ahead: its ids are the last step's tokens, never on the host
+            if tokens is None:
+                raise RuntimeError("a step scheduled ahead came without the previous step's tokens")
+            hb.ids_from = continuing(tokens, hb.ids_rows)
         _, prompt_hidden = self.runner.forward(hb)
         if hb.decode_only:
             self.lag.add(sent, self.runner.launched, self.runner.replayed, received)
         if prompt_hidden is not None:  # rank 0 scores prompt log-probs in these chunks: gather the same
             for lo in range(0, prompt_hidden.shape[0], PROMPT_ROWS_PER_PASS):
                 self.runner.model.compute_logits(prompt_hidden[lo:lo + PROMPT_ROWS_PER_PASS])
-        if self.runner.device.type == "cuda":
+        if share:  # rank 0 broadcasts what it sampled right after its sampling: the same place in the order
+            self.tokens = self.group.comm.broadcast(  # type: ignore[union-attr]
+                torch.empty(len(hb.sample_rows), dtype=torch.long, device=self.runner.device))
+        elif self.runner.device.type == "cuda":
             # The graph's pinned staging buffer is refilled by the next step: let this one's copy finish.
+            # (With async scheduling the graphs' two staging buffers, each behind its copy's event, do that:
+            # this rank then queues the next step while this one runs, as rank 0 does.)
             torch.cuda.current_stream(self.runner.device).synchronize()
 
     # -- commands (each mirrors what rank 0 does on its own rank at the same time) ----------------
