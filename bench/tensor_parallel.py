@@ -14,8 +14,15 @@ context is created in the measuring process on the other GPUs.
 A last run repeats the last backend with workers that block in recv at once (no spin-poll) and no
 sleep cycles: the difference is what the spin buys.
 
+--async-scheduling off,on measures each run's decode steps both ways on the same engine (switched between
+steps: same weights, same graphs): on, step t+1 is launched on every rank before t's tokens reach rank 0's
+host (rank 0 broadcasts them on the device communicator); each row is labelled with its mode, and the
+speed-ups are against TP=1 with async off and with the same mode.
+
     python bench/tensor_parallel.py --world 2 --out $OUT
     python bench/tensor_parallel.py --world 2 --profile          # each rank's top GPU kernels at batch 64
+    python bench/tensor_parallel.py --world 2 --all-reduce nccl --async-scheduling off,on --no-spin-run \
+        --no-cycles --no-references                             # async off vs on only (make gpu-check ARGS=tp-async)
 """
 from __future__ import annotations
 
@@ -138,6 +145,11 @@ def lag_text(lag: dict | None) -> str:
     return "; ".join(parts)
 
 
+def mode_label(mode: str, args) -> str:
+    """' async on' / ' async off' when both modes run, else nothing (the labels of a one-mode run as before)."""
+    return f" async {mode}" if len(args.asyncs) > 1 or mode == "on" else ""
+
+
 def bench_world(folder: Path, label: str, world: int, all_reduce: str, idle: list[int], args, cycles: bool) -> dict:
     from server import LLM
 
@@ -152,13 +164,30 @@ def bench_world(folder: Path, label: str, world: int, all_reduce: str, idle: lis
     prompts = [PROMPT * 3, "def fibonacci(n):", "Once upon a time"]
     before = tokens(llm, prompts)
     res["tokens"] = before
-    res["decode"] = {}
-    for b in args.batches:
-        d = res["decode"][str(b)] = decode(llm, b, args.short, args.long)
-        # Progress lines: a run cut short by a time limit still leaves these figures in the log.
-        print(f"{label} batch {b}: decode step {d['step_ms']:.3f} ms ({d['tok_s']:.0f} tok/s); "
-              f"{args.short} tokens {d['short_s'] * 1e3:.0f} ms, {args.long} tokens {d['long_s'] * 1e3:.0f} ms"
-              + (f"; {lag_text(d.get('lag'))}" if d.get("lag") else ""), flush=True)
+    res["decode_async"] = {}
+    for mode in args.asyncs:
+        llm.engine.set_async_scheduling(mode == "on")
+        if mode == "on" and not llm.engine.async_scheduling:
+            sys.exit(f"{label}: async scheduling did not turn on")
+        ahead = llm.engine.steps_ahead
+        res["decode_async"][mode] = {}
+        for b in args.batches:
+            d = res["decode_async"][mode][str(b)] = decode(llm, b, args.short, args.long)
+            # Progress lines: a run cut short by a time limit still leaves these figures in the log.
+            print(f"{label}{mode_label(mode, args)} batch {b}: decode step {d['step_ms']:.3f} ms ({d['tok_s']:.0f} tok/s); "
+                  f"{args.short} tokens {d['short_s'] * 1e3:.0f} ms, {args.long} tokens {d['long_s'] * 1e3:.0f} ms"
+                  + (f"; {lag_text(d.get('lag'))}" if d.get("lag") else ""), flush=True)
+        if mode == "on":
+            res["steps_ahead"] = llm.engine.steps_ahead - ahead
+            if not res["steps_ahead"]:
+                sys.exit(f"{label}: async scheduling on, but no step went ahead")
+        llm.reset_prefix_cache()  # the first run's prefill shapes again (bf16 rounding follows the shapes)
+        tokens_now = tokens(llm, prompts)
+        res.setdefault("tokens_by_mode", {})[mode] = tokens_now
+        if tokens_now != before:
+            print(f"{label}{mode_label(mode, args)}: greedy tokens differ from the first run's!", flush=True)
+    llm.engine.set_async_scheduling(False)
+    res["decode"] = res["decode_async"][args.asyncs[0]]
     res["decode_tok_s"] = {b: d["tok_s"] for b, d in res["decode"].items()}
     for level in (1, 2) if cycles else ():
         rows = []
@@ -231,6 +260,11 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=16, help="new tokens of the short generate")
     ap.add_argument("--long", type=int, default=144, help="new tokens of the long generate")
     ap.add_argument("--all-reduce", default="nccl,symm", help="--tp-all-reduce values to run at TP=world")
+    ap.add_argument("--async-scheduling", default="off",
+                    help="off, on or off,on: decode steps with async scheduling off and/or on (one engine per run)")
+    ap.add_argument("--no-cycles", action="store_true", help="skip the sleep/wake cycles")
+    ap.add_argument("--no-references", action="store_true",
+                    help="skip the reference processes (plain CUDA, NCCL) the asleep memory is compared with")
     ap.add_argument("--no-spin-run", action="store_true",
                     help="skip the extra run whose workers block in recv (SLEEPSERVE_TP_WORKER_SPIN_US=0)")
     ap.add_argument("--profile", action="store_true",
@@ -245,6 +279,9 @@ def main() -> None:
         hold(args.hold, args.rank, args.world, args.port)
         return
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.asyncs = [m for m in args.async_scheduling.split(",") if m]
+    if not args.asyncs or any(m not in ("off", "on") for m in args.asyncs):
+        sys.exit(f"--async-scheduling takes off, on or off,on; got {args.async_scheduling!r}")
     reduces = [a for a in args.all_reduce.split(",") if a]
 
     import torch
@@ -263,9 +300,11 @@ def main() -> None:
             profile_world(folder, f"TP={world} {a}", world, a, args)
         return
     idle = gpu_used(world)
-    refs = {kind: reference(kind, world) for kind in ("cuda", "nccl", "nccl-destroyed")}
+    kinds = () if args.no_references else ("cuda", "nccl", "nccl-destroyed")
+    refs = {kind: reference(kind, world) for kind in kinds}
     print(f"references (bytes per GPU): {refs}", flush=True)
-    plan = [("TP=1", 1, "nccl", True)] + [(f"TP={world} {a}", world, a, True) for a in reduces]
+    cycles = not args.no_cycles
+    plan = [("TP=1", 1, "nccl", cycles)] + [(f"TP={world} {a}", world, a, cycles) for a in reduces]
     runs = [bench_world(folder, label, w, a, idle, args, cycles) for label, w, a, cycles in plan]
     if not args.no_spin_run and reduces:
         # The same as the last TP run but with workers that block in recv at once: what the spin buys.
@@ -280,23 +319,34 @@ def main() -> None:
               "decode_tokens": [args.short, args.long], "references_used": refs, "runs": runs,
               "tokens_equal_tp1": {r["label"]: r["tokens"] == one["tokens"] for r in runs[1:]},
               "speedup": {r["label"]: {b: r["decode"][b]["tok_s"] / one["decode"][b]["tok_s"] for b in one["decode"]}
-                          for r in runs[1:]}}
+                          for r in runs[1:]},
+              # every (run, mode) against TP=1 with async off and against TP=1 with the same mode
+              "speedup_async": {f"{r['label']} async {m}": {
+                  b: {"vs_tp1_off": d[b]["tok_s"] / one["decode_async"][args.asyncs[0]][b]["tok_s"],
+                      "vs_tp1_same": d[b]["tok_s"] / one["decode_async"][m][b]["tok_s"]} for b in d}
+                  for r in runs for m, d in r["decode_async"].items() if m in one["decode_async"]}}
     write_json(args.out, f"tensor-parallel-{world}", result)
 
     print(f"\ntensor parallel ({result['hardware']}, NCCL {nccl}, {result['date']}; {args.model} dummy weights; "
           f"decode step = (generate {args.long} - generate {args.short} new tokens) / {args.long - args.short})")
-    print(f"references per GPU: plain CUDA {[round(v / MiB) for v in refs['cuda']]} MiB, NCCL initialised "
-          f"{[round(v / MiB) for v in refs['nccl']]} MiB, NCCL after destroy_process_group "
-          f"{[round(v / MiB) for v in refs['nccl-destroyed']]} MiB")
+    if refs:
+        print(f"references per GPU: plain CUDA {[round(v / MiB) for v in refs['cuda']]} MiB, NCCL initialised "
+              f"{[round(v / MiB) for v in refs['nccl']]} MiB, NCCL after destroy_process_group "
+              f"{[round(v / MiB) for v in refs['nccl-destroyed']]} MiB")
     rows = []
+    base = args.asyncs[0]
     for r in runs:
-        speed = result["speedup"].get(r["label"])
-        rows.append([r["label"], "/".join(r["all_reduce"])]
-                    + [f"{r['decode'][str(b)]['step_ms']:.3f} ms ({r['decode'][str(b)]['tok_s']:.0f})" for b in args.batches]
-                    + ([" / ".join(f"{speed[str(b)]:.2f}x" for b in args.batches)] if speed else ["-"])
-                    + [lag_text(r["decode"][str(args.batches[0])].get("lag")) or "-"])
+        for m, dec in r["decode_async"].items():
+            speed = result["speedup_async"][f"{r['label']} async {m}"] if r is not one or m != base else None
+            rows.append([r["label"] + mode_label(m, args), "/".join(r["all_reduce"])]
+                        + [f"{dec[str(b)]['step_ms']:.3f} ms ({dec[str(b)]['tok_s']:.0f})" for b in args.batches]
+                        + ([" / ".join(f"{speed[str(b)]['vs_tp1_off']:.2f}x" for b in args.batches)] if speed else ["-"])
+                        + (([" / ".join(f"{speed[str(b)]['vs_tp1_same']:.2f}x" for b in args.batches)]
+                            if speed and r is not one else ["-"]) if len(args.asyncs) > 1 else [])
+                        + [lag_text(dec[str(args.batches[0])].get("lag")) or "-"])
     print(table(rows, ["run", "all-reduce per rank"] + [f"batch {b}: step (tok/s)" for b in args.batches]
-                + ["vs TP=1", f"step lag at batch {args.batches[0]} (median/p90 after rank 0's send)"]))
+                + [f"vs TP=1{mode_label(base, args)}"] + (["vs TP=1 same mode"] if len(args.asyncs) > 1 else [])
+                + [f"step lag at batch {args.batches[0]} (median/p90 after rank 0's send)"]))
     rows = []
     for r in runs:
         for level in (1, 2):
@@ -304,16 +354,26 @@ def main() -> None:
             if lv is None:
                 continue
             rows.append([r["label"], f"L{level}", f"{lv['sleep_s'] * 1e3:.0f} ms", f"{lv['wake_s'] * 1e3:.0f} ms",
-                         " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(lv["asleep_used"], refs["nccl-destroyed"])),
-                         " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(lv["asleep_used"], refs["cuda"])),
+                         " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(lv["asleep_used"],
+                                                                          refs.get("nccl-destroyed", [0] * world))),
+                         " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(lv["asleep_used"], refs.get("cuda", [0] * world))),
                          "yes" if lv["identical"] else "NO"])
-    print(table(rows, ["run", "level", "sleep", "wake", "asleep - NCCL-once ref (MiB/rank)",
-                       "asleep - CUDA ref (MiB/rank)", "greedy identical"]))
+    if rows:
+        print(table(rows, ["run", "level", "sleep", "wake", "asleep - NCCL-once ref (MiB/rank)",
+                           "asleep - CUDA ref (MiB/rank)", "greedy identical"]))
     for label, speed in result["speedup"].items():
         print(f"{label} / TP=1 decode: " + ", ".join(f"batch {b} {v:.2f}x" for b, v in speed.items())
               + f"; tokens equal TP=1's: {result['tokens_equal_tp1'][label]}")
+    if "on" in args.asyncs and "off" in args.asyncs:
+        for r in runs:
+            off, on = r["decode_async"]["off"], r["decode_async"]["on"]
+            print(f"async scheduling on / off, {r['label']}: " + ", ".join(
+                f"batch {b} {off[str(b)]['step_ms']:.3f} -> {on[str(b)]['step_ms']:.3f} ms "
+                f"({off[str(b)]['step_ms'] / on[str(b)]['step_ms']:.2f}x)" for b in args.batches))
     if not all(r[f"level{lv}"]["identical"] for r in runs for lv in (1, 2) if f"level{lv}" in r):
         sys.exit("greedy outputs changed after a sleep/wake cycle")
+    if not all(t == r["tokens"] for r in runs for t in r["tokens_by_mode"].values()):
+        sys.exit("greedy outputs differ between async scheduling off and on")
 
 
 if __name__ == "__main__":

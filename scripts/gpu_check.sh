@@ -9,7 +9,9 @@
 # rank's step lag, sleep/wake per level, per-rank memory asleep against NCCL and CUDA references) and
 # tp-torchrun (TP=2 launched by torchrun on one host's two GPUs: the spawned server's greedy tokens, after
 # level-1 and level-2 sleeps), tp-profile (each rank's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend) and
-# tp-noreg (the tp bench's TP=1 and TP=2 nccl runs with NCCL_GRAPH_REGISTER=0 in every process).
+# tp-noreg (the tp bench's TP=1 and TP=2 nccl runs with NCCL_GRAPH_REGISTER=0 in every process), tp-async
+# (--async-scheduling at TP=2: its GPU test, TP=2 async tokens = sync tokens; then the tp bench's TP=1 and TP=2
+# nccl decode steps with async off and on, one engine each, no sleep cycles or memory references).
 # hostcost: bench/step_host_cost.py, a decode step's host work beside its forward at batch 64 and 256 (temperature 1,
 # logprobs 0, n 8; an output every step as streaming requests get, and FINAL_ONLY as non-streaming ones), and the
 # engine's Python alone per sequence (no model, no sampler: what the forward has to cover on this host).
@@ -82,6 +84,10 @@ for stage in $stages; do
                 run weights $PY bench/weight_transfer.py --backend ipc --models llama-1b,llama-8b --out "$RESULTS" ;;
     tp)         run tp-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider
                 run tp $PY bench/tensor_parallel.py --world 2 --out "$RESULTS" ;;
+    tp-async)   run tp-async-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_tensor_parallel_gpu.py \
+                  -k async -p no:cacheprovider
+                run tp-async $PY bench/tensor_parallel.py --world 2 --all-reduce nccl --async-scheduling off,on \
+                  --no-spin-run --no-cycles --no-references --out "$RESULTS/tp-async" ;;
     tp-torchrun) run tp-torchrun $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_torchrun_gpu.py -p no:cacheprovider ;;
     tp-profile) run tp-profile $PY bench/tensor_parallel.py --world 2 --profile ;;
     tp-noreg)   # NCCL without CUDA-graph buffer registration, every rank (a suspect of TP=2's slow batch 64)

@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs: the symmetric-memory all-reduce (--tp-all-reduce symm) against NCCL's,
 eagerly and captured in a CUDA graph, then TP=2 greedy tokens with each backend (equal, and unchanged
-by level-1 and level-2 sleeps). Skipped on a host with fewer than two GPUs."""
+by level-1 and level-2 sleeps), and TP=2 async scheduling against synchronous steps. Skipped on a host
+with fewer than two GPUs."""
 from __future__ import annotations
 
 import json
@@ -85,3 +86,57 @@ def test_tp2_greedy_tokens_are_the_same_with_nccl_and_symm(tiny):
         finally:
             llm.close()
     assert results["symm"] == results["nccl"]
+
+
+def test_tp2_async_scheduling_gives_the_synchronous_tokens(tiny):
+    """--async-scheduling at TP=2 (NCCL, decode graphs): rank 0 broadcasts each step's sampled tokens to rank 1
+    on the device, and both ranks launch the next step from them before they reach the host. One engine
+    switched between the two modes (same weights, same graphs), float32 (batch-shape rounding far below any
+    argmax margin): batch 1 and 5 run to their length with log-probs beside n=2 seeded sampling, then ends at
+    different steps (a stop token, lengths) with a level-1 sleep (mode keep) while a step is in flight."""
+    from tests.test_async_scheduling import run, same
+
+    llm = LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="256MiB", max_num_seqs=8,
+              dtype="float32", tensor_parallel_size=2, tp_all_reduce="nccl")
+    eng = llm.engine
+
+    def both(reqs, hook=None) -> tuple[dict, dict]:
+        eng.set_async_scheduling(False)
+        off = run(llm, reqs)
+        eng.set_async_scheduling(True)
+        assert eng.async_scheduling, "async scheduling should be on at TP=2"
+        before = eng.steps_ahead
+        on = run(llm, reqs, hook)
+        eng.set_async_scheduling(False)
+        assert eng.steps_ahead > before, "no step went ahead"
+        for rid in off:
+            same(on[rid], off[rid])
+        return off, on
+
+    try:
+        eng.runner.step_lag()
+        for k in (1, 5):
+            reqs = [(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1))
+                    for p in (PROMPTS * 2)[:k]]
+            both(reqs)
+            both(reqs[:1] + [(PROMPTS[3], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40,
+                                                         ignore_eos=True))])
+        lags = eng.runner.step_lag()
+        assert all(v.get("eager_steps") == 0 for v in lags.values()), f"decode steps ran without a graph: {lags}"
+        ref = run(llm, [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))])
+        stop = ref["r0"].outputs[0].token_ids[7]
+        reqs = [(p, SamplingParams(temperature=0.0, max_tokens=6 + 7 * i, stop_token_ids=[stop]))
+                for i, p in enumerate(PROMPTS)]
+        slept = []
+
+        def hook(step: int, done: dict) -> None:
+            if step == 9:
+                assert eng._inflight is not None
+                llm.sleep(level=1, mode="keep")
+                llm.wake_up()
+                slept.append(step)
+
+        both(reqs, hook)
+        assert slept
+    finally:
+        llm.close()
