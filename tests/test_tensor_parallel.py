@@ -203,6 +203,27 @@ def test_async_level1_sleep_with_a_step_in_flight_at_two_ranks(tp2_async, refere
     assert tokens(tp2_async) == reference["served"]
 
 
+def test_async_step_failing_after_its_forward_keeps_the_ranks_paired(tp2_async, reference, monkeypatch):
+    """Rank 0's sampling raises after the worker was told the step broadcasts its tokens: rank 0 still joins
+    that broadcast (with placeholders), so the next steps' collectives pair up and the outputs are right."""
+    eng = tp2_async.engine
+    apply = eng.runner.masks.apply
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("sampling failed (injected)")
+
+    monkeypatch.setattr(eng.runner.masks, "apply", failing)
+    eng.add_request("boom", PROMPTS[0], params=GREEDY)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    monkeypatch.setattr(eng.runner.masks, "apply", apply)
+    assert calls and eng._inflight is None
+    eng.abort_all()
+    assert tokens(tp2_async) == reference["served"]
+
+
 def test_layout_is_checked_before_any_process_starts(default_model_folder):
     with pytest.raises(ValueError, match="cannot split 3 KV heads"):
         LLM(model=str(default_model_folder), tensor_parallel_size=4, **ARGS)

@@ -35,6 +35,7 @@ class ParallelRunner(ModelRunner):
     def __init__(self, model, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
                  kv_chunk_bounds: tuple[int, ...] = (), *, workers: Workers):
         self._feeds_next = False  # inside a launch() whose tokens feed the next step (it broadcasts them)
+        self._shared: int | None = None  # the tokens that launch() owes the workers' broadcast, once forward sent it
         super().__init__(model, pool, num_blocks, block_size, dtype, kv_chunk_bounds)
         self.workers = workers
         self.lag = StepLag()
@@ -43,26 +44,40 @@ class ParallelRunner(ModelRunner):
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer, after: Launched | None = None,
                rows: list[int] | None = None, feeds_next: bool = True) -> Launched:
-        self._feeds_next = feeds_next
+        self._feeds_next, self._shared = feeds_next, None
         try:
             launched = super().launch(batch, eos_ids, tokenizer, after, rows, feeds_next)
+        except BaseException:
+            if self._shared is not None:
+                # The workers were told this step broadcasts (forward sent it) and will wait in that broadcast:
+                # join it with placeholders so every rank's collectives stay paired. Nothing reads them: a
+                # failed launch leaves nothing in flight, so no step follows this one on the device.
+                self._broadcast(torch.zeros(self._shared, dtype=torch.long, device=self.device))
+            raise
         finally:
             self._feeds_next = False
-        if feeds_next and launched.sampled is not None:  # forward() told the workers to join (share)
-            comm = self.workers.group.comm
-            try:
-                if comm is None:
-                    raise RuntimeError("the device communicator is down")
-                comm.broadcast(launched.sampled.tokens)
-            except Exception as e:
-                raise self.workers.explain(e) from e
+        if self._shared is not None:
+            assert launched.sampled is not None  # rank 0 samples exactly when the batch has rows to sample
+            self._broadcast(launched.sampled.tokens)
         return launched
+
+    def _broadcast(self, tokens: torch.Tensor) -> None:
+        comm = self.workers.group.comm
+        try:
+            if comm is None:
+                raise RuntimeError("the device communicator is down")
+            comm.broadcast(tokens)
+        except Exception as e:
+            raise self.workers.explain(e) from e
 
     @torch.inference_mode()
     def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         # rank 0 samples (and then broadcasts) exactly when the batch has rows to sample (launch())
-        packed = pack_step(hb, self._feeds_next and bool(hb.sample_rows))
+        share = self._feeds_next and bool(hb.sample_rows)
+        packed = pack_step(hb, share)
         self.workers.send_all("step", packed)
+        if share:
+            self._shared = len(hb.sample_rows)  # from here on, the workers will wait in the broadcast
         try:
             out = super().forward(hb)
         except Exception as e:  # a collective that failed because a rank died says so
