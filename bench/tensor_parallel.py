@@ -260,8 +260,9 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=16, help="new tokens of the short generate")
     ap.add_argument("--long", type=int, default=144, help="new tokens of the long generate")
     ap.add_argument("--all-reduce", default="nccl,symm", help="--tp-all-reduce values to run at TP=world")
-    ap.add_argument("--async-scheduling", default="off",
-                    help="off, on or off,on: decode steps with async scheduling off and/or on (one engine per run)")
+    ap.add_argument("--async-scheduling", default="on",
+                    help="on (the server's default), off, or off,on: decode steps with async scheduling off and/or on "
+                         "(one engine per run, switched between them)")
     ap.add_argument("--no-cycles", action="store_true", help="skip the sleep/wake cycles")
     ap.add_argument("--no-references", action="store_true",
                     help="skip the reference processes (plain CUDA, NCCL) the asleep memory is compared with")

@@ -1,7 +1,7 @@
 """Tensor parallelism through the real server: one TP=2 server (two processes, gloo on CPU; the size set
-through SLEEPSERVE_TENSOR_PARALLEL_SIZE, --tp-all-reduce symm, which CPU ignores, and --async-scheduling:
-every step after the first of a batch is launched before the last one's tokens reach rank 0's host, its
-ids broadcast to the worker on the device communicator) serves this module, started once; the last test
+through SLEEPSERVE_TENSOR_PARALLEL_SIZE, --tp-all-reduce symm, which CPU ignores, and async scheduling (the
+default, named here: a step is launched before the last one's tokens reach rank 0's host, its ids broadcast
+to the worker on the device communicator) serves this module, started once; the last test
 kills its worker. One-rank answers come from the shared hold server (same model, same greedy decoding,
 synchronous); the synchronous TP=2 server is test_http_torchrun.py's."""
 from __future__ import annotations

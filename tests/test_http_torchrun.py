@@ -23,8 +23,10 @@ KEY = "test-key-0123456789abcdef"
 @pytest.fixture(scope="module")
 def server():
     env = {"SLEEPSERVE_TP_KEY": KEY, "SLEEPSERVE_TP_PORT": str(free_port())}
-    proc = TorchrunServer([*BASE_ARGS, "--dev-mode", "--tensor-parallel-size", "2", "--tp-launch", "torchrun"],
-                          env=env)
+    # Synchronous steps: the TP=2 server of test_http_tensor_parallel.py runs with async scheduling (the
+    # default), this one covers tensor parallelism without it through HTTP.
+    proc = TorchrunServer([*BASE_ARGS, "--dev-mode", "--tensor-parallel-size", "2", "--tp-launch", "torchrun",
+                           "--no-async-scheduling"], env=env)
     proc.launch()
     try:
         proc.wait_ready()
@@ -38,6 +40,7 @@ def server():
 def test_torchrun_ranks_answer_as_one_rank_and_keep_it_across_a_sleep(server):
     reference = greedy_texts(hold_server(), PROMPTS)
     info = httpx.get(server.url + "/server_info").json()
+    assert info["engine_config"]["async_scheduling"] is False
     assert info["engine_config"]["tp_launch"] == "torchrun" and info["world_size"] == 2
     ranks = info["tensor_parallel"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2

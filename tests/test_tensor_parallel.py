@@ -124,11 +124,12 @@ def test_a_rank_failing_its_sleep_leaves_every_rank_awake(tp2, reference):
 @pytest.fixture
 def tp2_async(tp2):
     """The module's TP=2 engine with async scheduling on (rank 0 broadcasts each step's sampled tokens to
-    the worker on the device communicator), off again afterwards."""
+    the worker on the device communicator), as it was afterwards."""
+    was = tp2.engine.async_scheduling
     tp2.engine.set_async_scheduling(True)
     assert tp2.engine.async_scheduling, "ParallelRunner should support async scheduling"
     yield tp2
-    tp2.engine.set_async_scheduling(False)
+    tp2.engine.set_async_scheduling(was)
 
 
 def _mixed_requests() -> list:
@@ -143,22 +144,21 @@ def _mixed_requests() -> list:
     ]
 
 
-def test_async_scheduling_at_two_ranks_gives_the_synchronous_outputs(tp2, reference):
+def test_async_scheduling_at_two_ranks_gives_the_synchronous_outputs(tp2_async, reference):
     """Greedy, stops, log-probs and seeded sampling at TP=2 with async on equal TP=2 with it off, token for
     token; the greedy tokens equal one rank's; steps really went ahead (their ids never crossed a pipe)."""
     from tests.test_async_scheduling import run, same
 
+    eng = tp2_async.engine
     reqs = _mixed_requests()
-    sync = run(tp2, reqs)
-    tp2.engine.set_async_scheduling(True)
-    try:
-        assert tp2.engine.async_scheduling
-        before = tp2.engine.steps_ahead
-        got = run(tp2, reqs)
-        assert tp2.engine.steps_ahead > before, "no step went ahead: the test ran synchronously"
-        assert tokens(tp2) == reference["served"]
-    finally:
-        tp2.engine.set_async_scheduling(False)
+    eng.set_async_scheduling(False)
+    sync = run(tp2_async, reqs)
+    assert tokens(tp2_async) == reference["served"]
+    eng.set_async_scheduling(True)
+    before = eng.steps_ahead
+    got = run(tp2_async, reqs)
+    assert eng.steps_ahead > before, "no step went ahead: the test ran synchronously"
+    assert tokens(tp2_async) == reference["served"]
     assert got.keys() == sync.keys()
     for rid in sync:
         same(got[rid], sync[rid])
