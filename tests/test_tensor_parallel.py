@@ -206,19 +206,20 @@ def test_async_level1_sleep_with_a_step_in_flight_at_two_ranks(tp2_async, refere
 def test_async_step_failing_after_its_forward_keeps_the_ranks_paired(tp2_async, reference, monkeypatch):
     """Rank 0's sampling raises after the worker was told the step broadcasts its tokens: rank 0 still joins
     that broadcast (with placeholders), so the next steps' collectives pair up and the outputs are right."""
+    import server.engine.runner as runner_module
+
     eng = tp2_async.engine
-    apply = eng.runner.masks.apply
     calls = []
 
     def failing(*args, **kwargs):
         calls.append(1)
         raise RuntimeError("sampling failed (injected)")
 
-    monkeypatch.setattr(eng.runner.masks, "apply", failing)
     eng.add_request("boom", PROMPTS[0], params=GREEDY)
-    with pytest.raises(RuntimeError, match="injected"):
-        eng.step()
-    monkeypatch.setattr(eng.runner.masks, "apply", apply)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "sample_on_device", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.step()
     assert calls and eng._inflight is None
     eng.abort_all()
     assert tokens(tp2_async) == reference["served"]

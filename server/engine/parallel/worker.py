@@ -163,6 +163,9 @@ class Worker:
     # -- commands (each mirrors what rank 0 does on its own rank at the same time) ----------------
 
     def op_sleep(self, tags: tuple[list[str], list[str]]):
+        # Rank 0 drained first: no step follows the last one on the device, and the broadcast tokens (outside
+        # the pool) would keep a segment of torch's allocator in use through the sleep.
+        self.tokens = None
         return self.pool.sleep(offload_tags=tags[0], discard_tags=tags[1])
 
     def op_wake(self, tags: list[str] | None):
