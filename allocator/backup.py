@@ -105,15 +105,34 @@ class PinnedBackup:
         self.buffer, self.layout = None, []
 
 
+# How a wake copies backups back to the device: "kernel" (default) reads the pinned host memory with
+# the GPU's own loads (a copy kernel over the mapped backup), "engine" uses the copy engines
+# (cuMemcpyHtoDAsync). Measured on an H200 (2026-11-30, docs/results/2026-11-30-h200x2-evening): right
+# after ~110 GiB were released (a sleep that discarded the KV cache, or a trainer's empty_cache), the
+# copy engines move only 27.6 GB/s for the ~100 ms the driver spends on the freed memory, while a
+# kernel reads 51.2 GB/s; with nothing released before, 55.4 against 51.3 GB/s.
+WAKE_COPY_ENV = "SLEEPSERVE_WAKE_COPY"
+
+
+def wake_copy_mode() -> str:
+    mode = os.environ.get(WAKE_COPY_ENV, "kernel").strip().lower() or "kernel"
+    if mode not in ("kernel", "engine"):
+        raise PoolError(f"{WAKE_COPY_ENV}={mode!r}: use 'kernel' or 'engine'")
+    return mode
+
+
 class Copier:
     """Chunked asynchronous copies between device allocations and pinned backups, on one stream
-    of our own."""
+    of our own: device to host by the copy engines, host to device by a kernel (or the copy engines,
+    wake_copy_mode())."""
 
     def __init__(self, ctx: "DeviceContext", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self._ctx = ctx
         self.chunk_bytes = chunk_bytes
         self._stream: "Stream | None" = None
         self._events: list["Event"] = []  # reused by save_marked() across cycles
+        self.kernel_restore = wake_copy_mode() == "kernel"
+        self._torch_stream = None  # torch's handle on self._stream, for the copy kernel
 
     def _get_stream(self) -> "Stream":
         if self._stream is None:
@@ -164,21 +183,59 @@ class Copier:
         with self._ctx.current():
             for seg in segments:
                 for dev, host, n in self._chunks(backup, seg):
-                    driver.copy_to_device_async(dev, host, n, stream)
+                    if not (self.kernel_restore and self._kernel_copy(dev, host, n)):
+                        driver.copy_to_device_async(dev, host, n, stream)
                     total += n
         return total
+
+    def _kernel_copy(self, dev: int, host: int, nbytes: int) -> bool:
+        """Enqueue a copy kernel that reads the mapped pinned host range into the device range, on our
+        stream; False when this range cannot take one (the caller copies by the copy engines)."""
+        import torch
+
+        from . import driver
+
+        try:
+            src = driver.host_device_pointer(self._ctx, host)
+        except PoolError:
+            return False  # not mapped (a backup pinned without DEVICEMAP)
+        # 8-byte words when everything is aligned (every allocation is; the ends of a chunk are).
+        word = 8 if (dev | src | nbytes) % 8 == 0 else 1
+        dtype = torch.int64 if word == 8 else torch.uint8
+        device = torch.device("cuda", self._ctx.ordinal)
+        if self._torch_stream is None:
+            self._torch_stream = torch.cuda.ExternalStream(int(self._get_stream().handle), device=device)
+        try:
+            out = torch.as_tensor(_Range(dev, nbytes // word, dtype), device=device)
+            inp = torch.as_tensor(_Range(src, nbytes // word, dtype), device=device)
+        except (RuntimeError, TypeError, ValueError):
+            return False  # torch would not wrap the mapped host range: the copy engines do it
+        with torch.cuda.device(device), torch.cuda.stream(self._torch_stream):
+            # x | 0 is x, bit for bit; an elementwise kernel, where copy_ would be a copy-engine memcpy.
+            torch.bitwise_or(inp, 0, out=out)
+        return True
 
     def wait(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
 
     def close(self) -> None:
+        self._torch_stream = None
         for event in self._events:
             event.destroy()
         self._events = []
         if self._stream is not None:
             self._stream.destroy()
             self._stream = None
+
+
+class _Range:
+    """count elements of dtype at a device address, as torch.as_tensor reads them (no copy)."""
+
+    def __init__(self, ptr: int, count: int, dtype) -> None:
+        typestr = "<i8" if dtype.itemsize == 8 else "|u1"
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False),
+                                         "strides": None, "version": 2}
 
 
 def open_unlinked(folder: Path) -> int:

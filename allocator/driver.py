@@ -113,10 +113,15 @@ class Event:
 
 
 def host_alloc(ctx: DeviceContext, nbytes: int) -> int:
-    """Pinned host memory usable from every context (PORTABLE)."""
+    """Pinned host memory usable from every context (PORTABLE) and mapped into the device's address
+    space (DEVICEMAP), so kernels can read it (Copier's kernel copies)."""
     with ctx.current():
-        ptr = check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE),
-                    f"cuMemHostAlloc({nbytes / 2**30:.2f} GiB pinned)")
+        try:
+            ptr = check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP),
+                        f"cuMemHostAlloc({nbytes / 2**30:.2f} GiB pinned, mapped)")
+        except PoolError:  # not mapped then: the wake copies it by the copy engines
+            ptr = check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE),
+                        f"cuMemHostAlloc({nbytes / 2**30:.2f} GiB pinned)")
     return int(ptr)
 
 
@@ -126,10 +131,21 @@ def host_free(ctx: DeviceContext, ptr: int) -> None:
 
 
 def host_register(ctx: DeviceContext, ptr: int, nbytes: int) -> None:
-    """Page-lock existing host memory for every context (PORTABLE)."""
+    """Page-lock existing host memory for every context (PORTABLE), mapped into the device's address
+    space (DEVICEMAP) so kernels can read it."""
     with ctx.current():
-        check(cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE),
-              f"cuMemHostRegister({nbytes / 2**30:.2f} GiB)")
+        try:
+            check(cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP),
+                  f"cuMemHostRegister({nbytes / 2**30:.2f} GiB, mapped)")
+        except PoolError:  # not mapped then: the wake copies it by the copy engines
+            check(cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE),
+                  f"cuMemHostRegister({nbytes / 2**30:.2f} GiB)")
+
+
+def host_device_pointer(ctx: DeviceContext, ptr: int) -> int:
+    """The device address of pinned, mapped host memory (the same address where addressing is unified)."""
+    with ctx.current():
+        return int(check(cu.cuMemHostGetDevicePointer(ptr, 0), "cuMemHostGetDevicePointer"))
 
 
 def host_unregister(ctx: DeviceContext, ptr: int) -> None:

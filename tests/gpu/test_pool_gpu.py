@@ -400,3 +400,21 @@ def scenario_expandable() -> dict:
 if __name__ == "__main__":
     scenarios = {"footprint": scenario_footprint, "expandable": scenario_expandable}
     print(json.dumps(scenarios[sys.argv[1]]()))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel-copy", "copy-engine"])
+def test_wake_restores_every_byte_by_kernel_or_copy_engine(pool, kernel):
+    """A wake's host-to-device copies run as a kernel reading the mapped pinned backup (the default:
+    the copy engines slow down right after a big release) or by the copy engines
+    (SLEEPSERVE_WAKE_COPY=engine); both restore every byte, big and small allocations alike."""
+    pool._backend._copier.kernel_restore = kernel
+    sizes = [96 * MiB + 4096, 2 * MiB, 130 * MiB, 1]
+    ws = [pool.empty((n,), torch.uint8, "weights") for n in sizes]
+    for w in ws:
+        w.copy_(torch.randint(0, 256, w.shape, device="cuda", dtype=torch.uint8))
+    expected = [raw(w).cpu() for w in ws]
+    for _ in range(2):
+        pool.sleep(offload_tags=["weights"])
+        pool.wake_up()
+        for w, e in zip(ws, expected):
+            assert torch.equal(raw(w).cpu(), e)
