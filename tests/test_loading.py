@@ -63,3 +63,37 @@ def test_dummy_weights_for_a_given_config(default_model_folder, tmp_path):
         assert llm.engine.model.model.layers[0].self_attn.q_norm is not None
     finally:
         llm.close()
+
+
+def test_weights_are_views_of_a_few_slabs(default_model_folder, tmp_path, monkeypatch):
+    """materialize packs every parameter and buffer into slabs (one pool allocation each, one physical
+    handle on CUDA, which a level-2 sleep releases one by one), without overlap, aligned, in the pool."""
+    import torch
+
+    from allocator import MemoryPool
+    from allocator.host import HostBackend
+    from server.model import loader
+    from server.model.config import ModelConfig
+
+    small = _copy_model(default_model_folder, tmp_path / "tiny")
+    cfg = json.loads((small / "config.json").read_text())
+    cfg.update(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    (small / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(loader, "SLAB_BYTES", 1 << 20)  # several slabs for a tiny model
+    pool = MemoryPool(HostBackend(tmp_path / "pool"))
+    try:
+        model = loader.build_model(ModelConfig.from_folder(small), pool, torch.float32, 64)
+        tensors = [*model.parameters(), *model.buffers()]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        slabs = pool.stats().tags["weights"].allocations
+        assert nbytes > 2 * loader.SLAB_BYTES and 2 < slabs < len(tensors) // 4
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap
+        assert all(pool.tag_of(t) == "weights" and t.data_ptr() % loader.ALIGN == 0 for t in tensors)
+        attn = model.model.layers[0].self_attn  # a fused group is still one tensor, its projections views
+        assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+        assert attn.v_proj.weight.data_ptr() + attn.v_proj.weight.nbytes == \
+            attn.qkv_weight.data_ptr() + attn.qkv_weight.nbytes
+    finally:
+        pool.close()

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -44,13 +45,42 @@ def resolve_model(model: str | None) -> ModelSource:
         f"model {model!r} is neither a local folder nor a .gguf file (sleepserve never downloads from a hub)")
 
 
+# Weights come in slabs of about this size, each one pool allocation (one physical handle on CUDA),
+# every tensor a view of one: a sleep releases handles one by one, at 0.82 ms/GiB in 64 MiB handles
+# and 0.33 ms/GiB from 1 GiB up (bench/vmm_floor.py, H200), and one allocation per tensor made an 8B
+# model ~130 handles of ~120 MiB. A tensor larger than a slab gets one of its own.
+SLAB_BYTES = 1 << 30
+ALIGN = 512  # what torch's own allocator gives every tensor
+
+
 def materialize(model: nn.Module, pool, dtype: torch.dtype) -> None:
     """Give every meta parameter and buffer real storage in the pool under tag `weights`.
 
     Projections that a module wants side by side (its fused_groups(): q|k|v, gate|up) get one
-    allocation, and each projection's parameter is a view of it. Names stay those of the
+    tensor, and each projection's parameter is a view of it. Names stay those of the
     checkpoint, so loading and in-place updates are unchanged; on CUDA one GEMM serves the group.
+    Every tensor is a view of one of a few slabs (SLAB_BYTES), in model order.
     """
+    wanted: list[tuple[tuple[int, ...], torch.dtype, Callable[[torch.Tensor], None]]] = []
+    grouped: set[int] = set()  # ids of the meta parameters a fused group places
+
+    def group(module: nn.Module, name: str, kind: str, linears: list[nn.Linear], rows: list[int]):
+        def place(whole: torch.Tensor) -> None:
+            for lin, view in zip(linears, whole.split(rows)):
+                lin._parameters[kind] = nn.Parameter(view, requires_grad=False)
+            setattr(module, f"{name}_{kind}", whole)
+        return place
+
+    def param(module: nn.Module, name: str):
+        def place(t: torch.Tensor) -> None:
+            module._parameters[name] = nn.Parameter(t, requires_grad=False)
+        return place
+
+    def buffer(module: nn.Module, name: str):
+        def place(t: torch.Tensor) -> None:
+            module._buffers[name] = t
+        return place
+
     for module in model.modules():
         groups = module.fused_groups() if hasattr(module, "fused_groups") else {}
         for name, linears in groups.items():
@@ -59,17 +89,36 @@ def materialize(model: nn.Module, pool, dtype: torch.dtype) -> None:
                 if any(p is None for p in parts):
                     continue
                 rows = [p.shape[0] for p in parts]
-                whole = pool.empty((sum(rows), *parts[0].shape[1:]), dtype, WEIGHTS)
-                for lin, view in zip(linears, whole.split(rows)):
-                    lin._parameters[kind] = nn.Parameter(view, requires_grad=False)
-                setattr(module, f"{name}_{kind}", whole)
+                wanted.append(((sum(rows), *parts[0].shape[1:]), dtype, group(module, name, kind, linears, rows)))
+                grouped.update(id(p) for p in parts)
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is not None and p.is_meta:
-                module._parameters[name] = nn.Parameter(pool.empty(p.shape, dtype, WEIGHTS), requires_grad=False)
+            if p is not None and p.is_meta and id(p) not in grouped:
+                wanted.append((tuple(p.shape), dtype, param(module, name)))
         for name, b in list(module._buffers.items()):
             if b is not None:
-                module._buffers[name] = pool.empty(b.shape, dtype if b.is_floating_point() else b.dtype, WEIGHTS)
+                wanted.append((tuple(b.shape), dtype if b.is_floating_point() else b.dtype, buffer(module, name)))
+    views = _slab_views(pool, [(shape, dt) for shape, dt, _ in wanted])
+    for (_, _, place), view in zip(wanted, views):
+        place(view)
+
+
+def _slab_views(pool, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Tensors of these shapes and dtypes, packed in order into slabs of about SLAB_BYTES (a larger
+    tensor gets one of its own), each tensor starting on ALIGN bytes."""
+    sizes = [math.prod(shape) * dt.itemsize for shape, dt in specs]
+    places: list[tuple[int, int]] = []  # per tensor: (slab, offset)
+    ends = [0]  # per slab: its bytes
+    for size in sizes:
+        start = -(-ends[-1] // ALIGN) * ALIGN
+        if ends[-1] and start + size > SLAB_BYTES:
+            ends.append(0)
+            start = 0
+        places.append((len(ends) - 1, start))
+        ends[-1] = start + size
+    slabs = [pool.empty((max(1, end),), torch.uint8, WEIGHTS) for end in ends]
+    return [slabs[s][offset:offset + size].view(dt).view(shape)
+            for (shape, dt), size, (s, offset) in zip(specs, sizes, places)]
 
 
 def build_model(cfg: ModelConfig, pool, dtype: torch.dtype, max_positions: int,
