@@ -119,7 +119,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "spawn", choices=("spawn", "torchrun")),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
     Option("--async-scheduling", "schedule and launch the next step while the device runs this one, and finish "
-           "this one's outputs meanwhile (tensor parallelism stays synchronous)", True, boolean,
+           "this one's outputs meanwhile (at tensor parallelism too: rank 0 broadcasts the sampled tokens)", True, boolean,
            negation="--no-async-scheduling"),
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),

@@ -42,7 +42,7 @@ class EngineConfig:
     enforce_eager: bool = False               # no CUDA graphs
     # Launch step t+1 before step t's tokens reach the host, and do t's host work while t+1 runs
     # (server/engine/core.py); on by default: batch 1 1.24x and batch 64 1.36-1.55x faster on an H200, the
-    # same tokens. Tensor parallelism stays synchronous.
+    # same tokens. At TP > 1 rank 0 broadcasts each step's sampled tokens to the workers (parallel/runner.py).
     async_scheduling: bool = True
     seed: int = 0
     # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes
