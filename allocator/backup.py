@@ -133,6 +133,7 @@ class Copier:
         self._events: list["Event"] = []  # reused by save_marked() across cycles
         self.kernel_restore = wake_copy_mode() == "kernel"
         self._torch_stream = None  # torch's handle on self._stream, for the copy kernel
+        self.kernel_copies = 0  # restores done by the copy kernel (tests, diagnostics)
 
     def _get_stream(self) -> "Stream":
         if self._stream is None:
@@ -203,16 +204,22 @@ class Copier:
         word = 8 if (dev | src | nbytes) % 8 == 0 else 1
         dtype = torch.int64 if word == 8 else torch.uint8
         device = torch.device("cuda", self._ctx.ordinal)
-        if self._torch_stream is None:
-            self._torch_stream = torch.cuda.ExternalStream(int(self._get_stream().handle), device=device)
         try:
             out = torch.as_tensor(_Range(dev, nbytes // word, dtype), device=device)
             inp = torch.as_tensor(_Range(src, nbytes // word, dtype), device=device)
         except (RuntimeError, TypeError, ValueError):
             return False  # torch would not wrap the mapped host range: the copy engines do it
-        with torch.cuda.device(device), torch.cuda.stream(self._torch_stream):
-            # x | 0 is x, bit for bit; an elementwise kernel, where copy_ would be a copy-engine memcpy.
-            torch.bitwise_or(inp, 0, out=out)
+        if out.data_ptr() != dev or inp.data_ptr() != src:
+            return False  # torch copied a range instead of wrapping it: the copy engines do it
+        try:
+            if self._torch_stream is None:
+                self._torch_stream = torch.cuda.ExternalStream(int(self._get_stream().handle), device=device)
+            with torch.cuda.device(device), torch.cuda.stream(self._torch_stream):
+                # x | 0 is x, bit for bit; an elementwise kernel, where copy_ would be a copy-engine memcpy.
+                torch.bitwise_or(inp, 0, out=out)
+        except RuntimeError as err:  # a launch failure: the wake rolls back on PoolError
+            raise PoolError(f"the wake's copy kernel failed: {err}") from err
+        self.kernel_copies += 1
         return True
 
     def wait(self) -> None:

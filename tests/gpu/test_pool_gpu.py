@@ -407,7 +407,8 @@ def test_wake_restores_every_byte_by_kernel_or_copy_engine(pool, kernel):
     """A wake's host-to-device copies run as a kernel reading the mapped pinned backup (the default:
     the copy engines slow down right after a big release) or by the copy engines
     (SLEEPSERVE_WAKE_COPY=engine); both restore every byte, big and small allocations alike."""
-    pool._backend._copier.kernel_restore = kernel
+    copier = pool._backend._copier
+    copier.kernel_restore = kernel
     sizes = [96 * MiB + 4096, 2 * MiB, 130 * MiB, 1]
     ws = [pool.empty((n,), torch.uint8, "weights") for n in sizes]
     for w in ws:
@@ -418,3 +419,5 @@ def test_wake_restores_every_byte_by_kernel_or_copy_engine(pool, kernel):
         pool.wake_up()
         for w, e in zip(ws, expected):
             assert torch.equal(raw(w).cpu(), e)
+    # The kernel path really ran (not a silent fall-back to the copy engines), and only when asked.
+    assert (copier.kernel_copies > 0) == kernel
