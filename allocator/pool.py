@@ -66,12 +66,11 @@ def _split(offset: int, size: int, granularity: int) -> list[tuple[int, int]]:
 
 
 class _Chunks:
-    """One chunked tensor's pieces (backend addresses and sizes, a list per chunk) and how many leading
-    chunks are mapped. `ready` is written under `cond` by the pool (wake, sleep, the background mapper)."""
+    """One chunked tensor's pieces (backend addresses, a list per chunk) and how many leading chunks
+    are mapped. `ready` is written under `cond` by the pool (wake, sleep, the background mapper)."""
 
-    def __init__(self, pieces: list[list[int]], sizes: list[list[int]]) -> None:
+    def __init__(self, pieces: list[list[int]]) -> None:
         self.pieces = pieces
-        self.sizes = sizes  # bytes of each piece
         self.ready = len(pieces)
         self.cond = threading.Condition()
         self.mapper: threading.Thread | None = None
@@ -133,7 +132,6 @@ class MemoryPool:
         self._chunks: dict[str, _Chunks] = {}  # by tag: the tag's chunked tensor (empty_chunked)
         self._preparing: threading.Thread | None = None  # prepare_backups() at work
         self._busy: Callable[[], bool] | None = None       # yield_mapping_while()
-        self._busy_wait_s_per_gib: float | None = None
         self.prepare_error: PoolError | None = None  # why the last background preparation failed
 
     # ------------------------------------------------------------------ allocation
@@ -223,8 +221,7 @@ class MemoryPool:
                 raise PoolError(f"tag '{tag}' already has a chunked tensor; use one per tag")
             tensor, addresses = self._backend.empty_chunked(dims, dtype, tag, pieces)
             at = iter(addresses)
-            self._chunks[tag] = _Chunks([[next(at) for _ in chunk] for chunk in per_chunk],
-                                        [[size for _, size in chunk] for chunk in per_chunk])
+            self._chunks[tag] = _Chunks([[next(at) for _ in chunk] for chunk in per_chunk])
         return tensor
 
     def chunks_ready(self, tag: str) -> int:
@@ -255,8 +252,8 @@ class MemoryPool:
         ends it (an error included), finish() tells the waiters that nothing more comes."""
         try:
             for c in range(chunks.ready, len(chunks.pieces)):
-                for address, size in zip(chunks.pieces[c], chunks.sizes[c]):
-                    self._yield_to_foreground(chunks, size)
+                for address in chunks.pieces[c]:
+                    self._yield_to_foreground(chunks)
                     if chunks.cancel.is_set() or self._closed:
                         break
                     try:
@@ -278,30 +275,20 @@ class MemoryPool:
         finally:
             chunks.finish()
 
-    def yield_mapping_while(self, busy: Callable[[], bool] | None, wait_s_per_gib: float | None = 0.02) -> None:
+    def yield_mapping_while(self, busy: Callable[[], bool] | None) -> None:
         """Let the background mapper give way to the foreground: while busy() (e.g. the engine has
-        requests running), it maps the next chunk only after busy_wait_s(its bytes) of busy time
-        (wait_s_per_gib None: not at all) instead of at once, unless someone waits for chunks
-        (wait_chunks), who gets them at full speed; idle, it maps at once.
-        Mapping device memory slows the kernels running beside it (the first request after a wake
-        ran 1.16-1.35x slower while the KV cache mapped, 0.93-1.13x when its pieces of 0.1-2.3 GiB
-        were paced at one per 20 ms; H200, 2026-11-30). The pace is per GiB of each piece (at most
-        MAX_PIECE_BYTES), so the bytes mapped beside the requests stay what they were."""
-        self._busy, self._busy_wait_s_per_gib = busy, wait_s_per_gib
+        requests running) it maps nothing, unless someone waits for chunks (wait_chunks), who gets
+        them at full speed; idle, it maps at once. Mapping device memory slows the kernels running
+        beside it (H200, 2026-11-30: the first request after a wake ran 1.16-1.35x slower with the
+        mapper at full speed beside it, 1.79-1.99x with 2 GiB pieces paced at one per 40 ms of busy
+        time, 0.88-0.93x when nothing mapped during it)."""
+        self._busy = busy
 
-    def busy_wait_s(self, nbytes: int) -> float | None:
-        """How long the background mapper holds a piece of nbytes back while busy (None: until idle)."""
-        per_gib = self._busy_wait_s_per_gib
-        return None if per_gib is None else per_gib * max(1.0, nbytes / 2**30)
-
-    def _yield_to_foreground(self, chunks: _Chunks, nbytes: int) -> None:
+    def _yield_to_foreground(self, chunks: _Chunks) -> None:
         busy = self._busy
         if busy is None:
             return
-        wait = self.busy_wait_s(nbytes)
-        deadline = None if wait is None else time.perf_counter() + wait
-        while (busy() and chunks.waiters == 0 and not chunks.cancel.is_set() and not self._closed
-               and (deadline is None or time.perf_counter() < deadline)):
+        while busy() and chunks.waiters == 0 and not chunks.cancel.is_set() and not self._closed:
             chunks.cancel.wait(0.001)
 
     def _stop_mapping(self, tags: Iterable[str] | None = None) -> None:

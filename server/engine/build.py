@@ -134,11 +134,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
     scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(parts.pool.device))
     if parts.runner.kv_chunked:
         # After a wake, the rest of the KV cache maps in the background, but only while no request
-        # runs, or at full speed when the scheduler waits for blocks: mapping beside running kernels
-        # slows them (H200, f9a4fe9: 2 GiB pieces paced at one per 40 ms of busy time made the first
-        # request after a wake 1.83-1.99x (1B) and 1.07-1.22x (8B) slower; 0.88-0.93x at a376414,
-        # when no piece mapped during it).
-        parts.pool.yield_mapping_while(lambda: scheduler.has_work, wait_s_per_gib=None)
+        # runs, or at full speed when the scheduler waits for blocks (MemoryPool.yield_mapping_while).
+        parts.pool.yield_mapping_while(lambda: scheduler.has_work)
     return EngineCore(
         config=config, device=parts.pool.device, dtype=parts.runner.dtype, model_path=source.folder,
         model_config=model_config, served_model_name=config.served_model_name or source.name, tokenizer=tokenizer,
