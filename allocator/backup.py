@@ -201,12 +201,11 @@ class Copier:
         except PoolError:
             return False  # not mapped (a backup pinned without DEVICEMAP)
         # 8-byte words when everything is aligned (every allocation is; the ends of a chunk are).
-        word = 8 if (dev | src | nbytes) % 8 == 0 else 1
-        dtype = torch.int64 if word == 8 else torch.uint8
+        dtype = torch.int64 if (dev | src | nbytes) % 8 == 0 else torch.uint8
         device = torch.device("cuda", self._ctx.ordinal)
         try:
-            out = torch.as_tensor(_Range(dev, nbytes // word, dtype), device=device)
-            inp = torch.as_tensor(_Range(src, nbytes // word, dtype), device=device)
+            out = torch.as_tensor(driver.DeviceRange(dev, nbytes), device=device).view(dtype)
+            inp = torch.as_tensor(driver.DeviceRange(src, nbytes), device=device).view(dtype)
         except (RuntimeError, TypeError, ValueError):
             return False  # torch would not wrap the mapped host range: the copy engines do it
         if out.data_ptr() != dev or inp.data_ptr() != src:
@@ -234,15 +233,6 @@ class Copier:
         if self._stream is not None:
             self._stream.destroy()
             self._stream = None
-
-
-class _Range:
-    """count elements of dtype at a device address, as torch.as_tensor reads them (no copy)."""
-
-    def __init__(self, ptr: int, count: int, dtype) -> None:
-        typestr = "<i8" if dtype.itemsize == 8 else "|u1"
-        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False),
-                                         "strides": None, "version": 2}
 
 
 def open_unlinked(folder: Path) -> int:

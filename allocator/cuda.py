@@ -31,7 +31,7 @@ import torch
 
 from . import cumem
 from .backup import Copier, PinnedBackup, groups
-from .driver import DeviceContext
+from .driver import DeviceContext, DeviceRange
 from .timing import Clock
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
@@ -94,14 +94,6 @@ class _Clock(Clock):
                 driver[op] = {"calls": calls - calls0, "ms": (ns - ns0) / 1e6, "bytes": nbytes - bytes0,
                               "longest_ms": longest / 1e6}
         return super().report(driver=driver, **extra)
-
-
-class _DeviceRange:
-    """Bytes at a device address, as torch.as_tensor reads them (no copy; kept alive by the tensor)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 2}
 
 
 class CudaBackend:
@@ -250,7 +242,7 @@ class CudaBackend:
         try:
             for offset, size in pieces:
                 self._lib.add_piece(ptr + offset, size, self._ns + tag)
-            raw = torch.as_tensor(_DeviceRange(ptr, nbytes), device=self.device)
+            raw = torch.as_tensor(DeviceRange(ptr, nbytes), device=self.device)
             tensor = raw.view(dtype).view(shape)
         except Exception as err:
             self._lib.free_reservation(ptr)  # the pieces made so far go with it

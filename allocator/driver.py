@@ -112,6 +112,14 @@ class Event:
             self.handle = None
 
 
+class DeviceRange:
+    """Bytes at a device address, as torch.as_tensor reads them (no copy; kept alive by the tensor)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 2}
+
+
 def host_alloc(ctx: DeviceContext, nbytes: int) -> int:
     """Pinned host memory usable from every context (PORTABLE) and mapped into the device's address
     space (DEVICEMAP), so kernels can read it (Copier's kernel copies)."""
