@@ -266,6 +266,17 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False) -> di
             print(f"{name}: request after a wake once KV mapping ended ({waited * 1e3:.0f} ms after the wake "
                   f"returned) {settled_s * 1e3:.1f} ms ({settled_s / before_s:.2f}x), the next one "
                   f"{second_s * 1e3:.1f} ms ({second_s / before_s:.2f}x)", flush=True)
+            # The same request right after a wake that came 1 s after its sleep (a trainer's step sits
+            # between them in RL): tells the wake's own cost from what the driver still does with the
+            # memory the sleep released (measured: it keeps the GPU busy for ~100 ms after a release).
+            c.post("/reset_prefix_cache")
+            timed_post(c, "/sleep?level=1")
+            time.sleep(1.0)
+            timed_post(c, "/wake_up")
+            _, gap_s = complete(c)
+            res["request_after_wake_1s_after_sleep_s"] = gap_s
+            print(f"{name}: 1st request after a wake 1 s after its sleep {gap_s * 1e3:.1f} ms "
+                  f"({gap_s / before_s:.2f}x)", flush=True)
     finally:
         server.stop()
     l1 = [r for r in res["cycles"] if r["level"] == 1]
