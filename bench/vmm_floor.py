@@ -9,8 +9,13 @@ reserved range (like the pool's allocations); then, timed:
     release (what a wake right after a sleep pays), and again after a 1 s pause.
 Calls go through ctypes to libcuda, which drops the GIL, so threads really overlap in the driver.
 Prints a table (ms per GiB) and the best release of --gib, and writes vmm-floor.json under --out.
+--aftermath instead measures what the driver's work on that memory costs the kernels running next: a
+1 GiB device-to-device copy (HBM-bound, like a decode step) timed back to back for 400 ms after creating
+--gib in 2 GiB handles, and after releasing them (H200, 2026-11-30: creating costs the copy nothing;
+after a release of 100 GiB it runs 11% slower for 200-300 ms while the driver clears the memory).
 
     python bench/vmm_floor.py --gib 100 --out $OUT/results
+    python bench/vmm_floor.py --gib 100 --aftermath
 """
 from __future__ import annotations
 
@@ -119,16 +124,61 @@ def recreate(drv: Driver, pieces: list[tuple[int, int, int]]) -> tuple[list[tupl
     return out, time.perf_counter() - t
 
 
+def copy_bandwidth_after(label: str, seconds: float = 0.4) -> dict:
+    """GB/s of a 1 GiB device copy run back to back for `seconds`, by window of time since the call."""
+    import torch
+
+    src = torch.ones(GiB, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    rows, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        rows.append(((time.perf_counter() - t0) * 1e3, start.elapsed_time(end)))
+    windows = {}
+    for lo, hi in ((0, 20), (20, 50), (50, 100), (100, 200), (200, 400)):
+        ms = [m for t, m in rows if lo <= t < hi]
+        if ms:  # bytes read + written over the mean and the slowest copy
+            windows[f"{lo}-{hi} ms"] = (2 * GiB / 1e6 / statistics.mean(ms), 2 * GiB / 1e6 / max(ms))
+    print(f"{label}: copy GB/s mean/worst " + " | ".join(f"{w} {m:.0f}/{lo:.0f}" for w, (m, lo) in windows.items()),
+          flush=True)
+    return windows
+
+
+def aftermath(drv: Driver, total: int) -> dict:
+    size = 2 * GiB
+    va = drv.reserve(total)
+    pieces = [(va + i * size, size, 0) for i in range(total // size)]
+    for _ in range(3):
+        copy_bandwidth_after("warm-up", 0.1)
+    out = {"baseline": copy_bandwidth_after("baseline")}
+    pieces, s = recreate(drv, pieces)
+    print(f"create+map {total / GiB:.0f} GiB: {s * 1e3:.1f} ms")
+    out["after create"] = copy_bandwidth_after("after create+map")
+    rel = release(drv, pieces, 1)
+    print(f"unmap+release: {rel['wall_s'] * 1e3:.1f} ms")
+    out["after release"] = copy_bandwidth_after("after release")
+    out["0.4 s after release"] = copy_bandwidth_after("0.4 s after release")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=100.0)
     ap.add_argument("--sizes", default="2MiB,64MiB,512MiB,2GiB,8GiB,whole")
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--aftermath", action="store_true", help="the copy bandwidth after creating and releasing")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     drv = Driver()
     total = int(args.gib * GiB) // drv.gran * drv.gran
+    if args.aftermath:
+        write_json(args.out, "vmm-aftermath", {"date": now_iso(), "gib": total / GiB, **aftermath(drv, total)})
+        return
     free0 = drv.free_bytes()
     result = {"date": now_iso(), "gib": total / GiB, "granularity": drv.gran, "free_before": free0, "rows": []}
     va = drv.reserve(total)

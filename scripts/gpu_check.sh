@@ -102,7 +102,8 @@ for stage in $stages; do
     structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
     flows)      run flows $PY bench/readme_flows.py --out "$RESULTS" ;;
     limits)     run limits $PY bench/sleep_limits.py --out "$RESULTS" ;;
-    vmmfloor)   run vmmfloor $PY bench/vmm_floor.py --gib 100 --out "$RESULTS" ;;
+    vmmfloor)   run vmmfloor $PY bench/vmm_floor.py --gib 100 --out "$RESULTS"
+                run vmm-aftermath $PY bench/vmm_floor.py --gib 100 --aftermath --out "$RESULTS" ;;
     tms)        run tms $PY bench/tms_compare.py --out "$RESULTS" ;;
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
     rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"
