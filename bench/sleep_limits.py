@@ -187,8 +187,9 @@ def describe(http_s: float, answer: dict) -> str:
     return "; ".join(parts)
 
 
-def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False) -> dict:
-    """cpu: a smoke run of the same flow on the CPU backend (the embedded model, no references)."""
+def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra: list[str] = ()) -> dict:
+    """cpu: a smoke run of the same flow on the CPU backend (the embedded model, no references).
+    extra: more server flags (e.g. --kv-wake-chunk 0 to map the whole KV cache before a wake returns)."""
     from tests.footprint import reference_process_used
 
     if cpu:
@@ -203,7 +204,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False) -> di
                                            [str(Path(__file__).resolve().parents[1])])
         serve = [str(folder), "--device", "cuda", "--load-format", "dummy", "--max-model-len", "4096"]
     t0 = time.perf_counter()
-    server = ServerProcess([*serve, "--dev-mode", "--while-asleep", "reject"]).start()
+    server = ServerProcess([*serve, *extra, "--dev-mode", "--while-asleep", "reject"]).start()
     res: dict = {"model": name, "startup_s": time.perf_counter() - t0, "one_kernel_process_used": one_kernel,
                  "reference_process_used": reference}
     try:
@@ -301,13 +302,14 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=4)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the flow")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--server-args", default="", help="more flags for every server, e.g. '--kv-wake-chunk 0'")
     args = ap.parse_args()
     cpu = args.device == "cpu"
     raw = {"d2h": float("nan"), "h2d": float("inf")} if cpu else run_json(_RAW_H2D, str(Path(__file__).resolve().parents[1]))
     breakdown = {"context": 0} if cpu else run_json(_BREAKDOWN)
     result = {"date": now_iso(), "raw_pinned_gbps": raw, "footprint_steps": breakdown, "models": []}
     for name in ["SmolLM2-135M (CPU)"] if cpu else args.models.split(","):
-        result["models"].append(bench_model(name, raw["h2d"], args.cycles, cpu))
+        result["models"].append(bench_model(name, raw["h2d"], args.cycles, cpu, args.server_args.split()))
         write_json(args.out, "sleep-limits", result)
     print(f"\nsleep limits through HTTP ({result['date']}; raw pinned H2D {raw['h2d']:.1f} GB/s, "
           f"D2H {raw['d2h']:.1f} GB/s; wakes right after their sleep)")
