@@ -9,7 +9,10 @@
 # rank's step lag, sleep/wake per level, per-rank memory asleep against NCCL and CUDA references) and
 # tp-torchrun (TP=2 launched by torchrun on one host's two GPUs: the spawned server's greedy tokens, after
 # level-1 and level-2 sleeps), tp-profile (each rank's top GPU kernels per decode step at batch 64, TP=1 and TP=2 with each backend) and
-# tp-noreg (the tp bench's TP=1 and TP=2 nccl runs with NCCL_GRAPH_REGISTER=0 in every process), tp-async
+# tp-noreg (the tp bench's TP=1 and TP=2 nccl runs with NCCL_GRAPH_REGISTER=0 in every process), tp-release
+# (--tp-release-comm-on-sleep: its GPU test, then bench/tp_release.py: TP=2 NCCL 8B with the flag off and on,
+# per rank memory asleep minus the NCCL-once and CUDA references, L1/L2 sleep and wake times with the
+# communicator's re-creation and graph re-capture, greedy identical after every wake), tp-async
 # (--async-scheduling at TP=2: its GPU test, TP=2 async tokens = sync tokens; then the tp bench's TP=1 and TP=2
 # nccl decode steps with async off and on, one engine each, no sleep cycles or memory references).
 # hostcost: bench/step_host_cost.py, a decode step's host work beside its forward at batch 64 and 256 (temperature 1,
@@ -88,6 +91,10 @@ for stage in $stages; do
                   -k async -p no:cacheprovider
                 run tp-async $PY bench/tensor_parallel.py --world 2 --all-reduce nccl --async-scheduling off,on \
                   --no-spin-run --no-cycles --no-references --out "$RESULTS/tp-async" ;;
+    tp-release) # --tp-release-comm-on-sleep: its GPU test, then asleep memory and sleep/wake times with the flag off and on
+                run tp-release-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_tensor_parallel_gpu.py \
+                  -k release -p no:cacheprovider
+                run tp-release $PY bench/tp_release.py --world 2 --out "$RESULTS/tp-release" ;;
     tp-torchrun) run tp-torchrun $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_torchrun_gpu.py -p no:cacheprovider ;;
     tp-profile) run tp-profile $PY bench/tensor_parallel.py --world 2 --profile ;;
     tp-noreg)   # NCCL without CUDA-graph buffer registration, every rank (a suspect of TP=2's slow batch 64)
@@ -119,6 +126,8 @@ echo "=== tables"
 grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|wall time per decode step|host cost per decode step)" "$LOG" || true
 grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
 grep -h -E "^async scheduling on / off" "$LOG" || true
+grep -h -A8 -E "^tp release \(" "$LOG" || true
+grep -h -E "^tp release L[12]:" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
 grep -h -E "^TP=[0-9].* (batch [0-9]+: decode step|started in|closed in)" "$LOG" || true
 grep -h -A18 -E "^profile TP=" "$LOG" || true

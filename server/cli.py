@@ -117,6 +117,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--tp-launch", "how the tensor-parallel ranks start: spawn (the server starts them on this machine) or "
            "torchrun (torchrun started one server command per rank, on one host or several; needs SLEEPSERVE_TP_KEY)",
            "spawn", choices=("spawn", "torchrun")),
+    Option("--tp-release-comm-on-sleep", "with --tensor-parallel-size > 1, a level-1/2 sleep destroys every rank's "
+           "device communicator (NCCL's buffers: ~840 MiB per H200 rank) and the wake creates a new one and "
+           "re-captures the decode CUDA graphs (the wake takes longer)", False, boolean,
+           negation="--no-tp-release-comm-on-sleep"),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
     Option("--async-scheduling", "schedule and launch the next step while the device runs this one, and finish "
            "this one's outputs meanwhile (at tensor parallelism too: rank 0 broadcasts the sampled tokens)", True, boolean,
@@ -246,6 +250,7 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "async_scheduling": values["async_scheduling"],
         "seed": values["seed"], "tensor_parallel_size": values["tensor_parallel_size"],
         "tp_all_reduce": values["tp_all_reduce"], "tp_launch": values["tp_launch"],
+        "tp_release_comm_on_sleep": values["tp_release_comm_on_sleep"],
         "offload_dir": values["offload_dir"], "prepare_backups": values["prepare_backups"],
         "kv_wake_chunk": values["kv_wake_chunk"],
         "while_asleep": values["while_asleep"],

@@ -55,6 +55,11 @@ class EngineConfig:
     # How the ranks start: spawn (rank 0 starts the workers on this machine) or torchrun (torchrun
     # started every rank, on one host or several; server/engine/parallel/launch.py).
     tp_launch: str = "spawn"
+    # At TP > 1, a level-1/2 sleep destroys every rank's device communicator (NCCL, ~840 MiB per H200 rank
+    # outside the pool) and the decode graphs that captured it; the wake that leaves nothing asleep creates
+    # a new one and re-captures the graphs (server/engine/parallel/comm_cycle.py). Off: the wake then costs
+    # a communicator start and a graph capture per bucket (an 8B TP=2 wake took 2.5-3.6 s vs 0.3 s, H200).
+    tp_release_comm_on_sleep: bool = False
     offload_dir: str | None = None            # CPU backend: where offloaded tags are written while asleep
     # Allocate the host backups of level 1 at start-up, in the background: on | off | auto (on where
     # backups are kept between cycles (CUDA) and take at most half of the host memory free at start-up).

@@ -1,8 +1,9 @@
 """Tensor parallelism through the real server: one TP=2 server (two processes, gloo on CPU; the size set
 through SLEEPSERVE_TENSOR_PARALLEL_SIZE, --tp-all-reduce symm, which CPU ignores, and async scheduling (the
 default, named here: a step is launched before the last one's tokens reach rank 0's host, its ids broadcast
-to the worker on the device communicator) serves this module, started once; the last test
-kills its worker. One-rank answers come from the shared hold server (same model, same greedy decoding,
+to the worker on the device communicator), with --tp-release-comm-on-sleep through its variable (every sleep
+destroys the ranks' communicator, every full wake creates a new one), serves this module, started once; the
+last test kills its worker. One-rank answers come from the shared hold server (same model, same greedy decoding,
 synchronous); the synchronous TP=2 server is test_http_torchrun.py's."""
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def server():
     # --tp-all-reduce symm through its variable: on CPU the ranks report gloo (checked below)
     proc = ServerProcess([*BASE_ARGS, "--dev-mode", "--async-scheduling", "--weight-transfer-config",
                           '{"backend": "gloo"}'],
-                         env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2", "SLEEPSERVE_TP_ALL_REDUCE": "symm"}).start()
+                         env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2", "SLEEPSERVE_TP_ALL_REDUCE": "symm",
+                              "SLEEPSERVE_TP_RELEASE_COMM_ON_SLEEP": "1"}).start()
     yield proc
     proc.stop()
 
@@ -51,6 +53,7 @@ def test_world_size_and_per_rank_reports(server):
     info = httpx.get(server.url + "/server_info").json()
     assert info["world_size"] == 2 and info["engine_config"]["tensor_parallel_size"] == 2
     assert info["engine_config"]["tp_all_reduce"] == "symm"
+    assert info["engine_config"]["tp_release_comm_on_sleep"] is True
     ranks = info["tensor_parallel"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
     assert [r["all_reduce"] for r in ranks] == ["gloo", "gloo"]  # CPU: gloo whatever --tp-all-reduce says
@@ -73,6 +76,9 @@ def test_sleep_levels_and_update_weights_keep_the_outputs(server, reference):
     assert "ranks" in sleep_pool["phases_ms"] and "ranks" in wake_pool["phases_ms"]
     assert "write_backups" in sleep_pool["rank0"]["phases_ms"] and "read_backups" in wake_pool["rank0"]["phases_ms"]
     assert len(sleep_pool["rank_ms"]) == len(wake_pool["rank_ms"]) == 2
+    # --tp-release-comm-on-sleep: every rank's communicator went with the sleep and came back with the wake
+    assert "comm_release" in sleep_pool["phases_ms"] and "comm_recreate" in wake_pool["phases_ms"]
+    assert len(sleep_pool["comm_ms"]) == len(wake_pool["comm_ms"]) == 2
     assert greedy_texts(server, PROMPTS) == reference
     assert post(server, "/sleep", params={"level": 2}).status_code == 200
     assert post(server, "/wake_up").status_code == 200

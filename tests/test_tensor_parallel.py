@@ -122,6 +122,89 @@ def test_a_rank_failing_its_sleep_leaves_every_rank_awake(tp2, reference):
 
 
 @pytest.fixture
+def released(tp2):
+    """The module's TP=2 engine with --tp-release-comm-on-sleep's behaviour on (the flag's value lives on its
+    ParallelPool; LLM(tp_release_comm_on_sleep=True) and the server's flag set it there at start)."""
+    pool = tp2.engine.pool
+    pool.release_comm = True
+    yield tp2
+    pool.release_comm = False
+    assert [s["all_reduce"] for s in pool.comm_states()] == ["gloo", "gloo"], "a test left the communicator down"
+
+
+def comm_states(llm) -> tuple[list[str], list[int]]:
+    states = llm.engine.pool.comm_states()
+    return [s["all_reduce"] for s in states], [s["generation"] for s in states]
+
+
+def test_release_comm_on_sleep_gives_every_rank_a_new_communicator_on_wake(released, reference):
+    """Level 1 (async scheduling on: the sampled tokens reach the worker on the new communicator) and level 2
+    with the RL order (wake the weights, update them with the communicator still down, wake the KV cache):
+    every rank's communicator is down while anything sleeps and a new generation afterwards; greedy tokens
+    as before the sleep, and as one rank's."""
+    eng = released.engine
+    group = eng.runner.workers.group
+    old, (names, gens) = group.comm, comm_states(released)
+    assert names == ["gloo", "gloo"]
+    report = released.sleep(level=1)
+    assert "comm_release" in report.timings["pool"]["phases_ms"]
+    assert comm_states(released)[0] == ["none", "none"] and group.comm is None and eng.model.tp.comm is None
+    released.wake_up(tags=["weights"])  # the KV cache still sleeps: the engine cannot run, no communicator yet
+    assert comm_states(released)[0] == ["none", "none"]
+    woke = released.wake_up()
+    assert "comm_recreate" in woke.timings["pool"]["phases_ms"] and len(woke.timings["pool"]["comm_ms"]) == 2
+    names, after = comm_states(released)
+    assert names == ["gloo", "gloo"] and after == [g + 1 for g in gens]
+    assert group.comm is not old and eng.model.tp.comm is group.comm
+    was = eng.async_scheduling
+    eng.set_async_scheduling(True)
+    try:
+        ahead = eng.steps_ahead
+        assert tokens(released) == reference["served"]
+        assert eng.steps_ahead > ahead, "no step went ahead: the broadcast on the new communicator was not used"
+    finally:
+        eng.set_async_scheduling(was)
+
+    released.sleep(level=2)
+    assert comm_states(released)[0] == ["none", "none"]
+    released.wake_up(tags=["weights"])
+    released.update_weights(path=str(reference["trained_path"]))  # no communicator needed: each rank reads its slices
+    assert comm_states(released)[0] == ["none", "none"]
+    released.wake_up(tags=["kv_cache"])
+    assert comm_states(released) == (["gloo", "gloo"], [g + 2 for g in gens])
+    assert tokens(released) == reference["trained"]
+    released.update_weights()
+    assert tokens(released) == reference["served"]
+
+
+def test_a_rank_failing_to_recreate_the_communicator_leaves_every_rank_asleep(released, reference):
+    """Rank 1 fails once its new communicator is up (rank 0's is up too): both drop theirs, every rank goes back
+    to sleep as before the wake, the engine keeps answering, and the next wake succeeds."""
+    released.sleep(level=1)
+    gens = comm_states(released)[1]
+    released.engine.pool.inject_failure(1, "comm_recreate", "NCCL out of memory on rank 1 (injected)")
+    with pytest.raises(PoolError, match=r"re-creating the device communicator on .*rank 1: NCCL out of memory"):
+        released.wake_up()
+    assert released.is_sleeping()
+    for states in rank_states(released):  # every rank had woken its pool: all put back to sleep as they were
+        assert states["weights"] == "offloaded" and states["kv_cache"] == "discarded"
+    assert comm_states(released) == (["none", "none"], [g + 1 for g in gens])
+    released.wake_up()
+    assert comm_states(released) == (["gloo", "gloo"], [g + 2 for g in gens])
+    assert tokens(released) == reference["served"]
+
+
+def test_a_failed_sleep_keeps_the_communicator(released, reference):
+    released.engine.pool.inject_failure(1, "sleep", "backup write failed on rank 1 (injected)")
+    gens = comm_states(released)[1]
+    with pytest.raises(PoolError, match="rank 1.*backup write failed"):
+        released.sleep(level=1)
+    assert not released.is_sleeping()
+    assert comm_states(released) == (["gloo", "gloo"], gens)  # released only once every rank slept
+    assert tokens(released) == reference["served"]
+
+
+@pytest.fixture
 def tp2_async(tp2):
     """The module's TP=2 engine with async scheduling on (rank 0 broadcasts each step's sampled tokens to
     the worker on the device communicator), as it was afterwards."""

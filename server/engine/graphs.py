@@ -4,7 +4,10 @@ An engine concern beside the runner it replays for: one graph per batch-size buc
 replays the smallest bucket that holds it, padded. Padding rows write their K/V into NULL_BLOCK and
 read one token, so they cost almost nothing and touch no sequence's cache. Every buffer a graph
 reads or writes is pool memory under tag `cuda_graph`, so sleep backs it up, wake restores it, and
-the graphs replay as captured (docs/architecture.md, invariant 2: nothing is re-captured).
+the graphs replay as captured (docs/architecture.md, invariant 2: nothing is re-captured). The one
+exception: with --tp-release-comm-on-sleep the graphs that captured a tensor-parallel communicator's
+collectives are destroyed with it (release) and captured again on the same buffers, stream and pool once
+a new one is up (recapture, server/engine/parallel/comm_cycle.py).
 
 A step's inputs travel in one host-to-device copy from a pinned staging buffer laid out as
 [ids | positions | slots | lengths | block tables, compact]; one device copy then spreads the
@@ -46,12 +49,9 @@ class DecodeGraphs:
         self.stage = pool.empty((4 * B + B * self.width,), torch.long, CUDA_GRAPH)
         self.tables = pool.empty((B, self.width), torch.long, CUDA_GRAPH)
         self.input_ids, self.positions, self.slots, self.lens = (self.stage[i * B:(i + 1) * B] for i in range(4))
-        self.stage.zero_()
-        self.slots.fill_(NULL_BLOCK * runner.block_size)
-        self.tables.fill_(NULL_BLOCK)
-        self.lens.fill_(1)
         # What a padding row of each of ids, positions, slots, lengths holds.
         self.padding = (0, 0, NULL_BLOCK * runner.block_size, 1)
+        self._reset_inputs()
         # Two pinned host buffers, used in turn, each with the event of the last copy out of it: with
         # async scheduling the next step is staged while the previous step's copy may still be queued.
         self.hosts = [torch.zeros(self.stage.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -62,6 +62,15 @@ class DecodeGraphs:
         model = runner.model
         self.logits = pool.empty((B, model.config.vocab_size), model.output_weight().dtype, CUDA_GRAPH)
         self.device = dev
+        self.stream = torch.cuda.Stream(dev)  # every capture's (a re-capture reuses its cuBLAS workspace's place)
+
+    def _reset_inputs(self) -> None:
+        """Every row a padding row: a warm-up forward writes its K/V into NULL_BLOCK only (a re-capture runs
+        with sequences' KV in the cache: the slots the last step left here are theirs)."""
+        self.stage.zero_()
+        self.slots.fill_(self.padding[2])
+        self.tables.fill_(NULL_BLOCK)
+        self.lens.fill_(1)
 
     def _forward(self, batch: int) -> torch.Tensor:
         ctx = AttentionContext(slot_mapping=self.slots[:batch], num_decode_tokens=batch,
@@ -76,26 +85,56 @@ class DecodeGraphs:
     def capture(cls, runner: "ModelRunner", max_num_seqs: int) -> "DecodeGraphs":
         t0 = time.perf_counter()
         self = cls(runner, batch_buckets(max_num_seqs))
-        pool = runner.pool
-        stream = torch.cuda.Stream(self.device)
-        # Largest first: smaller graphs then reuse the memory the larger ones left in the pool.
-        for batch in reversed(self.buckets):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with pool.use(CUDA_GRAPH), torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                    self._forward(batch)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool.graph_pool(CUDA_GRAPH), stream=stream):
-                self._forward(batch)
-            self.graphs[batch] = graph
-        torch.cuda.synchronize(self.device)
+        self._capture_all(warmups=2)
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.buckets),
                  ",".join(map(str, self.buckets)), time.perf_counter() - t0)
         return self
 
+    def _capture_all(self, warmups: int, warm_largest_only: bool = False, error_mode: str = "global") -> None:
+        pool, stream = self.runner.pool, self.stream
+        # Largest first: smaller graphs then reuse the memory the larger ones left in the pool.
+        for batch in reversed(self.buckets):
+            if not warm_largest_only or batch == self.largest:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with pool.use(CUDA_GRAPH), torch.cuda.stream(stream):
+                    for _ in range(warmups):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                        self._forward(batch)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool.graph_pool(CUDA_GRAPH), stream=stream,
+                                  capture_error_mode=error_mode):
+                self._forward(batch)
+            self.graphs[batch] = graph
+        torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        """Destroy the graphs (their memory stays in the pool, for the re-capture): before the communicator
+        whose collectives they captured goes (NCCL's teardown waits for them). Decode runs nothing until
+        recapture(): covers() is False meanwhile."""
+        self.graphs.clear()
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def recapture(self) -> None:
+        """Capture every bucket again into the same buffers and pool, with the communicator now in use
+        (every rank at once: the warm-up runs its collectives). One warm-up, at the largest batch: kernels
+        were compiled and chosen at start-up; it re-creates the capture stream's cuBLAS workspace (a sleep
+        clears it) inside the pool, where the start-up's was. thread_local: the pool's background KV
+        mapper (a wake's rest of the cache) may map memory on its thread meanwhile, which a global
+        capture would count as an unsafe call; it enqueues nothing on the capture's stream."""
+        t0 = time.perf_counter()
+        self.release()
+        try:
+            with torch.cuda.device(self.device):  # rank 0 re-captures on its engine thread, not where it captured
+                self._reset_inputs()
+                self._capture_all(warmups=1, warm_largest_only=True, error_mode="thread_local")
+        except BaseException:
+            self.release()
+            raise
+        log.info("re-captured %d decode CUDA graphs in %.2f s", len(self.buckets), time.perf_counter() - t0)
+
     def covers(self, batch: int) -> bool:
-        return batch <= self.buckets[-1]
+        return batch <= self.buckets[-1] and bool(self.graphs)
 
     def run(self, hb: "HostBatch") -> torch.Tensor:
         """Stage a decode batch, replay the graph of its bucket, return the sampled rows' logits."""

@@ -140,3 +140,59 @@ def test_tp2_async_scheduling_gives_the_synchronous_tokens(tiny):
         assert slept
     finally:
         llm.close()
+
+
+def test_tp2_release_comm_on_sleep_recreates_nccl_and_recaptures_the_graphs(tiny):
+    """--tp-release-comm-on-sleep at TP=2 (NCCL, decode graphs, fp32): level-1 and level-2 (+ update_weights)
+    cycles keep the greedy tokens; every rank's NCCL communicator is down while asleep and a new generation
+    after the wake; decode steps after the wake replay graphs (re-captured, none eager); the graphs' pool
+    memory does not grow from cycle to cycle (re-captured into the same buffers and pool); a rank failing
+    once its new communicator is up rolls every rank back to sleep, and the next wake succeeds."""
+    from allocator import PoolError
+
+    llm = LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="256MiB", max_num_seqs=16,
+              dtype="float32", tensor_parallel_size=2, tp_all_reduce="nccl", tp_release_comm_on_sleep=True)
+    pool = llm.engine.pool
+
+    def comms() -> tuple[list[str], list[int]]:
+        states = pool.comm_states()
+        return [s["all_reduce"] for s in states], [s["generation"] for s in states]
+
+    def graph_bytes() -> list[tuple[int, int]]:
+        return [(s.tags["cuda_graph"].bytes, s.tags["cuda_graph"].allocations) for s in pool.stats_per_rank()]
+
+    try:
+        reference = greedy(llm)
+        llm.engine.runner.step_lag()
+        names, gens = comms()
+        assert names == ["nccl", "nccl"]
+        graphs_at_start = graph_bytes()
+        graphs_before = None
+        for cycle in range(2):
+            for level in (1, 2):
+                llm.sleep(level=level)
+                assert comms()[0] == ["none", "none"], "the communicator should be down while asleep"
+                llm.wake_up()
+                if level == 2:
+                    llm.update_weights()  # dummy weights: the same seeded values again
+                assert greedy(llm) == reference, f"outputs changed after a level-{level} sleep (cycle {cycle})"
+                lags = llm.engine.runner.step_lag()
+                assert all(v.get("eager_steps") == 0 for v in lags.values()), f"decode ran without graphs: {lags}"
+            now = graph_bytes()
+            # The re-capture reuses the graph buffers and the pool's cached blocks: the first may differ from the
+            # start-up's by the allocator's rounding at most, and nothing grows from one cycle to the next.
+            for (b0, _), (b1, _) in zip(graphs_at_start, now):
+                assert b1 <= b0 * 1.1 + (8 << 20), f"graph pool memory {graphs_at_start} at start, {now} after a re-capture"
+            assert graphs_before is None or now == graphs_before, f"graph pool memory grew: {graphs_before} -> {now}"
+            graphs_before = now
+        assert comms() == (["nccl", "nccl"], [g + 4 for g in gens])
+        llm.sleep(level=1)
+        pool.inject_failure(1, "comm_recreate", "out of memory on rank 1 (injected)")
+        with pytest.raises(PoolError, match="rank 1: out of memory"):
+            llm.wake_up()
+        assert llm.is_sleeping() and comms()[0] == ["none", "none"]
+        llm.wake_up()
+        assert greedy(llm) == reference
+        assert comms() == (["nccl", "nccl"], [g + 6 for g in gens])
+    finally:
+        llm.close()

@@ -1,13 +1,15 @@
-"""The ranks' groups, both for the server's life: a control group and the device communicator the
-model's collectives run on.
+"""The ranks' groups: a control group for the server's life and the device communicator the model's
+collectives run on.
 
 A TCP store hosted by rank 0 outlives everything. The control group (torch.distributed's default
-group, gloo, CPU tensors) carries the rare agreements (how many KV blocks every rank holds): it holds
-no device memory. The device communicator (comm.py: raw NCCL on CUDA, a second gloo group on CPU) holds
-memory outside the pool (NCCL: ~880 MiB per H200 rank) and stays up while the ranks sleep, because the
-decode graphs captured its collectives (parallel/pool.py says what releasing it cost). On CUDA the
-small all-reduces may instead run one-shot on symmetric memory (symm.py, --tp-all-reduce), with NCCL
-beside it for the rest. CPU runs the same path as CUDA.
+group, gloo, CPU tensors) carries the rare agreements (how many KV blocks every rank holds; whether
+every rank re-created its communicator): it holds no device memory. The device communicator (comm.py:
+raw NCCL on CUDA, a second gloo group on CPU) holds memory outside the pool (NCCL: ~840 MiB per H200
+rank). By default it stays up while the ranks sleep, because the decode graphs captured its
+collectives; with --tp-release-comm-on-sleep a sleep takes it down (down()) and the wake creates a new
+generation of it (up(), comm_cycle.py). On CUDA the small all-reduces may instead run one-shot on
+symmetric memory (symm.py, --tp-all-reduce), with NCCL beside it for the rest. CPU runs the same path
+as CUDA.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class Group:
                                    wait_for_workers=False)
         self.port = self.store.port
         self.comm: DeviceComm | None = None
+        self.generation = -1  # of the device communicator: each up() makes the next one, on every rank alike
+        self.options: dict = {}
 
     def start(self, all_reduce: str = "nccl", symm_bytes: int = 0) -> None:
         """Join the control group and create the device communicator (every rank at once).
@@ -50,21 +54,31 @@ class Group:
         if self.device.type == "cuda":
             # NCCL's NVLS algorithms use NVLink multicast, which this server never turns on.
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-            self.comm = NcclComm(self.store, "nccl", self.rank, self.world, self.device)
+        elif all_reduce == "symm" and self.rank == 0:
+            log.info("--tp-all-reduce symm is for CUDA; on CPU the all-reduces run on gloo")
+        self.options = {"all_reduce": all_reduce, "symm_bytes": symm_bytes}
+        self.up()
+
+    def up(self) -> None:
+        """Create the next generation of the device communicator: every rank at once (a collective), with
+        the same options as the first. Each generation's NCCL unique id has its own key in the store."""
+        self.generation += 1
+        all_reduce, symm_bytes = self.options["all_reduce"], self.options["symm_bytes"]
+        if self.device.type == "cuda":
+            comm: DeviceComm = NcclComm(self.store, f"nccl-{self.generation}", self.rank, self.world, self.device)
             if all_reduce == "symm" and symm_bytes > 0:
                 from server.engine.parallel.symm import try_symm
 
                 device = self.cuda_device()
                 with torch.cuda.device(device):  # rank 0 sets its device only later (build_rank)
-                    symm = try_symm(self.comm, self.rank, self.world, device, symm_bytes,
+                    symm = try_symm(comm, self.rank, self.world, device, symm_bytes,
                                     required=all_reduce == "symm")
                 if symm is not None:
-                    self.comm = symm
+                    comm = symm
         else:
-            if all_reduce == "symm" and self.rank == 0:
-                log.info("--tp-all-reduce symm is for CUDA; on CPU the all-reduces run on gloo")
-            self.comm = GlooComm()
-        self.tp.comm = self.comm
+            comm = GlooComm()
+        self.comm = comm
+        self.tp.comm = comm
 
     def cuda_device(self) -> torch.device:
         """This rank's device with its index ("cuda" alone is the current device)."""
@@ -76,8 +90,15 @@ class Group:
         """What the model's all-reduces run on (GET /server_info, per rank)."""
         return getattr(self.comm, "name", "none")
 
+    def state(self) -> dict:
+        """This rank's communicator: its generation (a new one after every re-creation) and what it runs
+        on ("none" while released)."""
+        return {"rank": self.rank, "generation": self.generation, "all_reduce": self.all_reduce_name}
+
     def down(self) -> None:
-        """Release the device communicator (at close); a collective after this raises."""
+        """Release the device communicator (at close, or for a sleep with --tp-release-comm-on-sleep); a
+        collective after this raises until the next up(). The graphs that captured its collectives must be
+        gone first (worker.drop_graphs)."""
         if self.comm is not None:
             self.tp.comm = None
             comm, self.comm = self.comm, None
@@ -88,6 +109,13 @@ class Group:
         comm = self.comm
         if comm is not None:
             comm.abort()
+
+    @staticmethod
+    def agree(ok: bool) -> bool:
+        """True when every rank says ok (over the control group: gloo, CPU tensors, no device memory)."""
+        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
 
     def close(self) -> None:
         self.down()

@@ -6,10 +6,14 @@ a MemoryPool; each rank's own pool keeps its own tag states (they move together)
 rolls back the others: a failed wake puts every rank back to sleep as it was, a failed sleep wakes the
 ranks that slept, and the error names the rank.
 
-The device communicator stays up while the ranks sleep (NCCL keeps ~880 MiB per H200 rank outside the
-pool): the decode graphs captured its collectives, so they replay after the wake as they were. Releasing
-it for the sleep was tried (ncclCommAbort, a new communicator and a re-capture on every wake): on two H200s
-an 8B wake took 2.5-3.6 s instead of 0.3 s, and each cycle left ~142 MiB more in use per rank.
+By default the device communicator stays up while the ranks sleep (NCCL keeps ~840 MiB per H200 rank
+outside the pool): the decode graphs captured its collectives, so they replay after the wake as they
+were. With --tp-release-comm-on-sleep (release_comm) this facade also takes it down on every rank after
+the first tags sleep, and a wake that leaves nothing asleep creates a new one and re-captures the graphs
+on every rank before it returns (comm_cycle.py); if any rank fails that, every rank goes back to sleep as
+before the wake. An earlier build that always did so (H200x2, 8B) woke in 2.5-3.6 s instead of 0.3 s and
+left ~142 MiB more in use per rank after each cycle; this one re-captures into the same graph buffers
+with one warm-up, measured by `make gpu-check ARGS=tp-release`.
 """
 from __future__ import annotations
 
@@ -28,10 +32,12 @@ def _tags(tags: str | Iterable[str] | None) -> list[str]:
 
 
 class ParallelPool:
-    def __init__(self, local: MemoryPool, workers: Workers):
+    def __init__(self, local: MemoryPool, workers: Workers, runner=None, release_comm: bool = False):
         self.local = local
         self.workers = workers
         self.world = workers.world
+        self.runner = runner  # rank 0's: its decode graphs go and come back with the communicator
+        self.release_comm = release_comm
 
     # -- what the engine reads: rank 0's pool answers for all (their tag states move together) ------
 
@@ -79,9 +85,13 @@ class ParallelPool:
             raise PoolError(f"sleep failed on {self._name(failed)}; the ranks that had slept were woken again, "
                             "so every rank is as before the call")
         reports: list[SleepReport] = list(outcomes.values())
+        comm: dict[str, Any] = {}  # comm_ms: each rank's milliseconds to drop its graphs and communicator
+        if self.release_comm and not before and self.workers.group.comm is not None:
+            comm["comm_ms"] = self._release_comm()
+            clock.mark("comm_release")
         return SleepReport(sum(r.bytes_offloaded for r in reports), sum(r.bytes_discarded for r in reports),
                            max(r.seconds for r in reports), max(r.copy_seconds for r in reports),
-                           timings=self._timings(clock, outcomes))
+                           timings=self._timings(clock, outcomes, **comm))
 
     def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
         clock = Clock()
@@ -95,26 +105,62 @@ class ParallelPool:
         failed = {r: v for r, v in outcomes.items() if isinstance(v, BaseException)}
         if failed:
             # Every rank back to sleep as it was: the failed ones rolled their own wake back already.
-            ok = [r for r in outcomes if r not in failed]
-            offload = [t for t in targets if before[t] == "offloaded"]
-            discard = [t for t in targets if before[t] == "discarded"]
-            self._on_ranks(ok, "sleep", (offload, discard),
-                           lambda: self.local.sleep(offload_tags=offload, discard_tags=discard))
+            self._back_to_sleep([r for r in outcomes if r not in failed], targets, before)
             first = next(iter(failed.values()))
             raise PoolError(f"wake_up failed on {self._name(failed)} ({first}); every rank was put back to sleep "
                             f"(tags {sorted(targets)} stay asleep): free the resource named and call wake_up again")
+        comm: dict[str, Any] = {}  # comm_ms: each rank's {init_ms, capture_ms}
+        if self.workers.group.comm is None and not self.local.sleeping_tags():
+            comm["comm_ms"] = self._recreate_comm(targets, before)
+            clock.mark("comm_recreate")
         reports: list[WakeReport] = list(outcomes.values())
         return WakeReport(sum(r.bytes_restored for r in reports), sum(r.bytes_mapped for r in reports),
                           max(r.seconds for r in reports), max(r.copy_seconds for r in reports),
-                          timings=self._timings(clock, outcomes))
+                          timings=self._timings(clock, outcomes, **comm))
+
+    def _back_to_sleep(self, ranks: list[int], targets: list[str], before: dict[str, str]) -> None:
+        """Put `targets` back to sleep on `ranks` as they were before this wake (`before`)."""
+        offload = [t for t in targets if before[t] == "offloaded"]
+        discard = [t for t in targets if before[t] == "discarded"]
+        self._on_ranks(ranks, "sleep", (offload, discard),
+                       lambda: self.local.sleep(offload_tags=offload, discard_tags=discard))
+
+    # -- the device communicator (--tp-release-comm-on-sleep: comm_cycle.py) ---------------------
+
+    def _release_comm(self) -> list[float]:
+        """Every rank drops its decode graphs and its communicator (after the sleep succeeded everywhere:
+        a failed sleep rolls back with the communicator intact). A rank that fails is logged; the next
+        wake's re-creation releases what it kept first."""
+        from server.engine.parallel.comm_cycle import release
+
+        outcomes = self.workers.run("comm_release", None, lambda: release(self.runner, self.workers.group))
+        for rank, value in sorted(outcomes.items()):
+            if isinstance(value, BaseException):
+                log.error("rank %d could not release its device communicator (it stays in use while asleep): %s",
+                          rank, value)
+        return [v if isinstance(v, float) else -1.0 for _, v in sorted(outcomes.items())]
+
+    def _recreate_comm(self, targets: list[str], before: dict[str, str]) -> list[dict[str, float]]:
+        """A new communicator and re-captured graphs on every rank (a collective: every rank at once, as
+        the group's first start). Any rank failing: every rank back to sleep as before this wake."""
+        from server.engine.parallel.comm_cycle import recreate
+
+        outcomes = self.workers.run("comm_recreate", None, lambda: recreate(self.runner, self.workers.group))
+        failed = {r: v for r, v in outcomes.items() if isinstance(v, BaseException)}
+        if failed:
+            self._back_to_sleep(list(outcomes), targets, before)
+            raise PoolError(f"wake_up failed re-creating the device communicator on {self._name(failed)}; every "
+                            f"rank was put back to sleep (tags {sorted(targets)} stay asleep, no communicator): "
+                            "free the resource named and call wake_up again")
+        return [v for _, v in sorted(outcomes.items())]
 
     @staticmethod
-    def _timings(clock: Clock, outcomes: dict[int, Any]) -> dict[str, Any]:
-        """This call's phases ("ranks": every rank's pool call, run at once), rank 0's own pool phases,
-        and each rank's pool seconds."""
+    def _timings(clock: Clock, outcomes: dict[int, Any], **extra: Any) -> dict[str, Any]:
+        """This call's phases ("ranks": every rank's pool call, run at once; "comm_release" or
+        "comm_recreate"), rank 0's own pool phases, each rank's pool ms (and communicator ms: comm_ms)."""
         ranks = {r: v for r, v in sorted(outcomes.items()) if not isinstance(v, BaseException)}
         return clock.report(rank0=getattr(ranks.get(0), "timings", {}),
-                            rank_ms=[getattr(v, "seconds", 0.0) * 1e3 for v in ranks.values()])
+                            rank_ms=[getattr(v, "seconds", 0.0) * 1e3 for v in ranks.values()], **extra)
 
     def _on_ranks(self, ranks: list[int], op: str, arg: Any, local) -> None:
         """Undo on the ranks that did the step (a rollback that fails too is logged: nothing else to do)."""
@@ -127,6 +173,14 @@ class ParallelPool:
             except Exception:
                 log.exception("rolling back %s on rank %d failed", op, rank)
 
+    def comm_states(self) -> list[dict]:
+        """Each rank's device communicator: its generation and backend ("none" while released)."""
+        outcomes = self.workers.run("comm_state", None, self.workers.group.state)
+        for value in outcomes.values():
+            if isinstance(value, BaseException):
+                raise value
+        return [outcomes[rank] for rank in sorted(outcomes)]
+
     @staticmethod
     def _name(failed: dict[int, BaseException]) -> str:
         return ", ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
@@ -135,7 +189,8 @@ class ParallelPool:
 
     def inject_failure(self, rank: int, op: str, message: str) -> None:
         """Make rank's next `op` (sleep, wake) raise PoolError(message) before it touches memory, as a
-        real out-of-memory would: the fault-injection hook of the all-or-nothing tests."""
+        real out-of-memory would; comm_recreate raises once that rank's new communicator is up: the
+        fault-injection hook of the all-or-nothing tests."""
         if rank == 0:
             raise ValueError("inject failures on a worker rank (1..N-1)")
         self.workers.send_one(rank, "inject_failure", (op, message))

@@ -92,6 +92,9 @@ class Worker:
         self.runner = self.parts.runner
         self.pool = self.parts.pool
         self.fail_next: dict[str, str] = {}  # op -> message: a failure armed by a test (inject_failure)
+        # comm_recreate is a collective: its armed failure is raised inside it, once this rank's new
+        # communicator is up (comm_cycle.recreate), not before it (the other ranks would wait in it)
+        self.fail_recreate: str | None = None
         self.receiver = None  # weight_transfer.receiver.WeightReceiver, made by the first wt_init
         self.lag = StepLag()
         self.spin = spin_seconds(device)
@@ -171,6 +174,20 @@ class Worker:
     def op_wake(self, tags: list[str] | None):
         return self.pool.wake_up(tags)
 
+    def op_comm_release(self, _: Any) -> float:
+        from server.engine.parallel.comm_cycle import release
+
+        return release(self.runner, self.group)
+
+    def op_comm_recreate(self, _: Any) -> float:
+        from server.engine.parallel.comm_cycle import recreate
+
+        fail, self.fail_recreate = self.fail_recreate, None
+        return recreate(self.runner, self.group, fail)
+
+    def op_comm_state(self, _: Any) -> dict:
+        return self.group.state()
+
     def op_load_files(self, files) -> int:
         return len(self.runner.load_files(files))
 
@@ -239,7 +256,10 @@ class Worker:
 
     def op_inject_failure(self, arg: tuple[str, str]) -> None:
         op, message = arg
-        self.fail_next[op] = message
+        if op == "comm_recreate":
+            self.fail_recreate = message
+        else:
+            self.fail_next[op] = message
 
     def close(self) -> None:
         if self.receiver is not None:
