@@ -17,7 +17,9 @@ communicator, then the ranks agree; then every rank re-captures, then they agree
 failed makes every rank drop what it made, so the pool can put every rank back to sleep with no
 communicator, as before the wake. A rank that fails inside the collective itself (ncclCommInitRank, a
 warm-up's all-reduce) before the others reach the agreement cannot be rolled back that way on CUDA: its
-peers wait in NCCL (the worker monitor ends that wait if the failed rank's process exits).
+peers may wait in NCCL without a limit (the worker monitor ends that wait only if the failed rank's
+process exits; a bounded, non-blocking ncclCommInitRankConfig would need NCCL's versioned config struct
+built through ctypes, not done).
 """
 from __future__ import annotations
 
