@@ -62,7 +62,8 @@ def run_setting(folder: Path, release: bool, world: int, idle: list[int], args) 
                    "capture_ms": [c["capture_ms"] for c in comm],
                    "release_ms": slept.timings.get("pool", {}).get("comm_ms") or []}
             rows.append(row)
-            print(f"{label} L{level} cycle {cycle + 1}: sleep {row['sleep_s'] * 1e3:.0f} ms, wake {wake_s * 1e3:.0f} ms"
+            print(f"{label} L{level} cycle {cycle + 1}: sleep {row['sleep_s'] * 1e3:.0f} ms (communicator release "
+                  f"{_ms(row['release_ms'])} per rank), wake {wake_s * 1e3:.0f} ms"
                   f" (communicator init {_ms(row['init_ms'])}, graphs {_ms(row['capture_ms'])} per rank), asleep "
                   f"{' / '.join(f'{u / MiB:.0f}' for u in asleep)} MiB, greedy identical {same}, eager steps {eager}",
                   flush=True)
@@ -92,7 +93,7 @@ def main() -> None:
 
     import torch
 
-    from bench.common import hardware, now_iso, table, write_json
+    from bench.common import hardware, now_iso, write_json
     from server.engine.parallel.comm_cycle import suspend_support
     from tests.models import model_folder
 
@@ -107,7 +108,14 @@ def main() -> None:
     result = {"date": now_iso(), "hardware": hardware(torch.device("cuda")), "nccl": suspend_support(),
               "model": args.model, "references_used": refs, "runs": runs}
     write_json(args.out, f"tp-release-{world}", result)
+    report(result, args)
 
+
+def report(result: dict, args) -> None:
+    """The table and the summary lines (make gpu-check's summary greps them); exits 1 on a failed check."""
+    from bench.common import table
+
+    refs, runs, world = result["references_used"], result["runs"], args.world
     once, cuda = refs["nccl-destroyed"], refs["cuda"]
     print(f"\ntp release ({result['hardware']}, {result['nccl']}, {result['date']}; {args.model} dummy weights, "
           f"TP={world} NCCL, {args.cycles} cycles per level; references per GPU: NCCL-once "
@@ -120,13 +128,15 @@ def main() -> None:
             init = [statistics.median(c["init_ms"][i] for c in lv["cycles"]) for i in range(len(lv["cycles"][0]["init_ms"]))]
             cap = [statistics.median(c["capture_ms"][i] for c in lv["cycles"])
                    for i in range(len(lv["cycles"][0]["capture_ms"]))]
-            rows.append([r["label"], f"L{level}", f"{lv['sleep_s'] * 1e3:.0f} ms", f"{lv['wake_s'] * 1e3:.0f} ms",
+            rel = [statistics.median(c["release_ms"][i] for c in lv["cycles"])
+                   for i in range(len(lv["cycles"][0]["release_ms"]))]
+            rows.append([r["label"], f"L{level}", f"{lv['sleep_s'] * 1e3:.0f} ms", _ms(rel), f"{lv['wake_s'] * 1e3:.0f} ms",
                          _ms(init), _ms(cap),
                          " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(last, once)),
                          " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(last, cuda)),
                          " / ".join(f"{(b - a) / MiB:+.0f}" for a, b in zip(first, last)),
                          "yes" if lv["identical"] else "NO", lv["eager_steps"]])
-    print(table(rows, ["flag", "level", "sleep", "wake", "comm init per rank", "graph capture per rank",
+    print(table(rows, ["flag", "level", "sleep", "of which comm release per rank", "wake", "comm init per rank", "graph capture per rank",
                        "asleep - NCCL-once ref (MiB/rank)", "asleep - CUDA ref (MiB/rank)",
                        "growth cycle 1 -> last (MiB/rank)", "greedy identical", "eager steps after wakes"]))
     off, on = runs

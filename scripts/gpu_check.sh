@@ -92,9 +92,10 @@ for stage in $stages; do
                 run tp-async $PY bench/tensor_parallel.py --world 2 --all-reduce nccl --async-scheduling off,on \
                   --no-spin-run --no-cycles --no-references --out "$RESULTS/tp-async" ;;
     tp-release) # --tp-release-comm-on-sleep: its GPU test, then asleep memory and sleep/wake times with the flag off and on
-                run tp-release-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_tensor_parallel_gpu.py \
+                # (bounded: a re-creation stuck in NCCL must not eat the run)
+                run tp-release-test $PY -m pytest -m gpu -q -x --timeout=150 tests/gpu/test_tensor_parallel_gpu.py \
                   -k release -p no:cacheprovider
-                run tp-release $PY bench/tp_release.py --world 2 --out "$RESULTS/tp-release" ;;
+                run tp-release timeout 240 $PY bench/tp_release.py --world 2 --out "$RESULTS/tp-release" ;;
     tp-torchrun) run tp-torchrun $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_torchrun_gpu.py -p no:cacheprovider ;;
     tp-profile) run tp-profile $PY bench/tensor_parallel.py --world 2 --profile ;;
     tp-noreg)   # NCCL without CUDA-graph buffer registration, every rank (a suspect of TP=2's slow batch 64)
@@ -127,7 +128,7 @@ grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|
 grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
 grep -h -E "^async scheduling on / off" "$LOG" || true
 grep -h -A8 -E "^tp release \(" "$LOG" || true
-grep -h -E "^tp release L[12]:" "$LOG" || true
+grep -h -E "^tp release L[12]:|^release (off|on)( L[12] cycle [0-9]+|: (started|closed) in)" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
 grep -h -E "^TP=[0-9].* (batch [0-9]+: decode step|started in|closed in)" "$LOG" || true
 grep -h -A18 -E "^profile TP=" "$LOG" || true
