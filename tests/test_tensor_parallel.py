@@ -1,6 +1,8 @@
 """Tensor parallelism in process (LLM(tensor_parallel_size=2), gloo on CPU): the same greedy tokens as one
-rank, and sleep, wake and weight updates applied on every rank, all or nothing. One TP=2 engine (two
-processes) serves the whole module; each test leaves it awake with the served weights."""
+rank, and sleep, wake and weight updates applied on every rank, all or nothing, with the device communicator
+kept through a sleep (the default) or released and re-created on wake (--tp-release-comm-on-sleep, switched on
+the engine's ParallelPool). One TP=2 engine (two processes) serves the whole module; each test leaves it awake
+with the served weights."""
 from __future__ import annotations
 
 import pytest
