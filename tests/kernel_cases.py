@@ -43,3 +43,53 @@ def relative_error(kernel, case, scale: float) -> float:
     out = kernel(q, k, v, tables, lens, scale)
     assert not torch.isnan(out).any(), "the kernel left rows unwritten or produced NaN"
     return float((out.double() - ref).norm() / ref.norm())
+
+
+def random_prefill_case(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype, device: str, seed: int, decodes: int = 3):
+    """A step's prefill spans, given as (new tokens, cached prefix tokens), behind `decodes` decode rows
+    (the kernel must leave those alone): q [T, H, D], the new K/V already written into scattered pages
+    of a block-major cache (as write_kv does before attention), the spans with their block tables."""
+    from server.model.attention import AttentionContext, PrefillSpan, write_kv
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-(n + prefix) // block_size) for n, prefix in spans]
+    num_blocks = sum(pages) + 4
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    kv = torch.randn((num_blocks, LAYERS, 2, block_size, kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    k_cache, v_cache = layer_views(kv, LAYERS // 2)
+    T = decodes + sum(n for n, _ in spans)
+    q = torch.randn(T, heads, head_dim, generator=gen).to(dtype).to(device)
+    k = torch.randn(T, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    v = torch.randn(T, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    prefills, slots, offset = [], [], decodes
+    for (n, prefix), count in zip(spans, pages):
+        table = [free.pop() for _ in range(count)]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(prefix, prefix + n)]
+        prefills.append(PrefillSpan(offset, n, prefix + n, torch.tensor(table, dtype=torch.int64, device=device)))
+        offset += n
+    write_kv(k_cache, v_cache, k[decodes:], v[decodes:], torch.tensor(slots, device=device))
+    ctx = AttentionContext(slot_mapping=torch.tensor(slots, device=device), num_decode_tokens=decodes,
+                           block_tables=torch.zeros((decodes, 1), dtype=torch.int64, device=device),
+                           context_lens=torch.ones(decodes, dtype=torch.int32, device=device),
+                           max_decode_context=1, prefills=prefills)
+    return q, k, v, k_cache, v_cache, ctx
+
+
+def prefill_error(kernel, case, scale: float) -> float:
+    """Relative error of kernel's prefill rows against the PyTorch path in float64; the decode rows
+    (NaN before the call) must stay untouched."""
+    from server.model.attention import prefill_spans_torch
+
+    q, k, v, k_cache, v_cache, ctx = case
+    nd = ctx.num_decode_tokens
+    ref = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    prefill_spans_torch(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(), ctx, scale, ref)
+    out = torch.full_like(q, float("nan"))
+    kernel(q, k, v, k_cache, v_cache, ctx, scale, out)
+    assert torch.isnan(out[:nd]).all(), "the kernel wrote rows that are not prefill rows"
+    got = out[nd:]
+    assert not torch.isnan(got).any(), "the kernel left prefill rows unwritten or produced NaN"
+    return float((got.double() - ref[nd:]).norm() / ref[nd:].norm())

@@ -25,7 +25,7 @@ from server.engine.sampler import DeviceSample, SamplingMeta, prompt_logprobs, r
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Request, Sequence
 from server.engine.tags import CUDA_GRAPH, KV_CACHE
-from server.model.attention import AttentionContext, PrefillSpan
+from server.model.attention import AttentionContext, PrefillPlan, PrefillSpan, prefill_tile_tokens, prefill_tiles
 from server.model.kv_layout import attach, kv_cache_shape
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import copy_weights, init_dummy_weights, iter_checkpoint, parameter_names
@@ -131,6 +131,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         c = self.cfg
+        # Query tokens per tile of the prefill plan (to_device): the GQA group's heads share a tile's rows.
+        self.tile_tokens = prefill_tile_tokens(c.num_heads // c.num_kv_heads)
         # One block-major tensor for the whole cache (model/kv_layout.py), seen by each layer through
         # strided K and V views. With chunk bounds its memory comes in chunks of blocks (dim 0), each
         # one contiguous range = one pool piece, which a wake maps back one after the other.
@@ -271,26 +273,35 @@ class ModelRunner:
 
     def to_device(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """(input ids, positions, attention context, sample rows) on the device, from ONE host-to-
-        device copy: small copies each cost a round of driver overhead, and a step has many."""
+        device copy: small copies each cost a round of driver overhead, and a step has many. The copy
+        carries the prefill spans' tile plan too (attention.PrefillPlan: what the one-launch prefill
+        kernel reads, for every layer; the PyTorch path ignores it)."""
         T, nd = len(hb.ids), len(hb.decode_tables)
         width = max(map(len, hb.decode_tables), default=1)
         head = hb.ids + hb.positions + hb.slots + hb.decode_lens + hb.sample_rows
         spans = [b for _, _, _, t in hb.spans for b in t]
-        flat = np.empty(len(head) + nd * width + len(spans), dtype=np.int64)
-        flat[:len(head)] = head
+        tiles = prefill_tiles(hb.spans, self.tile_tokens) if hb.spans else np.empty((0, 4), dtype=np.int64)
+        o = len(head)
+        at_spans = o + nd * width
+        at_tiles = at_spans + len(spans)
+        flat = np.empty(at_tiles + tiles.size, dtype=np.int64)
+        flat[:o] = head
         if nd:
-            flat[len(head):len(head) + nd * width].reshape(nd, width)[...] = self.decode_tables.padded(hb.decode_tables, width)
-        flat[len(head) + nd * width:] = spans
+            flat[o:at_spans].reshape(nd, width)[...] = self.decode_tables.padded(hb.decode_tables, width)
+        flat[at_spans:at_tiles] = spans
+        flat[at_tiles:] = tiles.ravel()
         d = torch.from_numpy(flat).to(self.device, non_blocking=True)
-        o = 3 * T + nd + len(hb.sample_rows)
-        spans, cursor = [], o + nd * width
+        prefills, cursor = [], at_spans
         for offset, n, ctx_len, t in hb.spans:
-            spans.append(PrefillSpan(offset, n, ctx_len, d[cursor:cursor + len(t)]))
+            prefills.append(PrefillSpan(offset, n, ctx_len, d[cursor:cursor + len(t)]))
             cursor += len(t)
+        plan = None
+        if prefills:
+            plan = PrefillPlan(d[at_tiles:].view(-1, 4), d[at_spans:at_tiles], self.tile_tokens)
         ctx = AttentionContext(
             slot_mapping=d[2 * T:3 * T], num_decode_tokens=nd,
-            block_tables=d[o:o + nd * width].view(nd, width), context_lens=d[3 * T:3 * T + nd],
-            max_decode_context=max(hb.decode_lens, default=0), prefills=spans)
+            block_tables=d[o:at_spans].view(nd, width), context_lens=d[3 * T:3 * T + nd],
+            max_decode_context=max(hb.decode_lens, default=0), prefills=prefills, prefill_plan=plan)
         return d[:T], d[T:2 * T], ctx, d[3 * T + nd:o]
 
     # -- execution -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from server.model.decode_kernel import triton_decode_attention
+from server.model.prefill_kernel import triton_prefill_attention
 
 
 @triton.jit
@@ -138,3 +139,4 @@ class TritonOps:
         return out
 
     decode_attention = staticmethod(triton_decode_attention)
+    prefill_attention = staticmethod(triton_prefill_attention)  # every span of the step in one launch

@@ -63,7 +63,7 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, D), None, ops)[0].view(T, self.num_heads, D)
             k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
         q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention)
+        out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention, ops.prefill_attention)
         return self.tp.row_parallel(self.o_proj, out.reshape(T, self.num_heads * D))
 
 

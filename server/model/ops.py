@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model.attention import decode_attention_torch, write_kv
+from server.model.attention import decode_attention_torch, prefill_spans_torch, write_kv
 from server.model.rope import apply_rotary
 
 
@@ -54,6 +54,7 @@ class TorchOps:
         return F.silu(gate) * up
 
     decode_attention = staticmethod(decode_attention_torch)
+    prefill_attention = staticmethod(prefill_spans_torch)  # one SDPA per span (attention.attend's prefill_fn)
 
 
 def ops_for(device: torch.device):

@@ -1,0 +1,104 @@
+"""The one-launch Triton prefill kernel, run by Triton's CPU interpreter against the PyTorch path
+(one SDPA per span) in float64. (The interpreter mishandles bf16 matmuls: bf16 is checked on the GPU,
+tests/gpu/test_prefill_kernel_gpu.py.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.model.attention import prefill_tile_tokens, prefill_tiles
+from tests.interpreter import run_interpreted
+
+pytest.importorskip("triton")
+
+# Spans are (new tokens, cached prefix tokens). Per case: a prompt of one token, spans longer than a
+# tile (64 rows: 64 // group tokens) and than a key tile (64 keys), prefixes shorter and longer than a
+# key tile (the kernel reads those unmasked), prefixes that end inside a block, a span exactly one
+# tile long, GQA groups of 1, 2, 3 and 4 (3: tile rows that are not a power of two), block sizes 8/16.
+CHECK = r"""
+import torch
+from server.model.prefill_kernel import triton_prefill_attention
+from tests.kernel_cases import prefill_error, random_prefill_case
+worst = {}
+cases = [
+    ([(1, 0), (5, 0), (70, 0), (64, 0)], 4, 4, 64, 16),           # group 1: tiles of 64 tokens
+    ([(1, 37), (70, 0), (33, 100), (2, 7), (32, 129)], 8, 2, 64, 16),  # group 2: 32 tokens
+    ([(20, 50), (9, 0), (22, 3)], 9, 3, 64, 8),                   # group 3: 21 tokens, 63 of 64 rows
+    ([(17, 0), (1, 130), (40, 64)], 16, 4, 64, 16),               # group 4: 16 tokens
+]
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+    for i, (spans, H, KVH, D, BS) in enumerate(cases):
+        err = prefill_error(triton_prefill_attention, random_prefill_case(spans, H, KVH, D, BS, dtype, "cpu", seed=i),
+                            D ** -0.5)
+        assert err < tol, f"{dtype} case {i}: relative error {err:.2e} over {tol:.0e}"
+        worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
+print(worst)
+"""
+
+
+def test_kernel_matches_reference_in_interpreter():
+    run_interpreted(CHECK)
+
+
+# The engine with only its prefill attention swapped for the kernel (the rest PyTorch, on CPU): prompts
+# sharing a 40-token prefix, chunked by a 40-token step budget (later chunks read earlier ones from the
+# cache), scored by prompt log-probs (every prompt position's logits) and decoded greedily; then the
+# same prompts again, their prefix now cached (prefix caching: spans that start after cached blocks).
+ENGINE_CHECK = r"""
+import tempfile
+from pathlib import Path
+from server import LLM, SamplingParams
+from server.model.ops import TorchOps
+from server.model.prefill_kernel import triton_prefill_attention
+from tests.models import model_folder
+
+planned = []
+
+def kernel(q, k, v, k_cache, v_cache, ctx, scale, out):
+    planned.append(ctx.prefill_plan is not None)  # the runner's plan, built before the first layer
+    triton_prefill_attention(q, k, v, k_cache, v_cache, ctx, scale, out)
+
+class KernelPrefill(TorchOps):
+    prefill_attention = staticmethod(kernel)
+
+llm = LLM(model=str(model_folder("llama-tiny", Path(tempfile.mkdtemp()))), device="cpu", load_format="dummy",
+          kv_cache_memory="32MiB", max_num_batched_tokens=40)
+shared = list(range(1000, 1040))
+prompts = [shared + [2000 + i] * (3 + 7 * i) for i in range(3)] + [[3000]]
+
+def run(ops, scored):
+    llm.engine.model.ops = ops
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0 if scored else None)
+    outs = llm.generate(prompts, params)
+    lps = [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, prompts)] if scored else None
+    return [o.outputs[0].token_ids for o in outs], lps, sum(o.num_cached_tokens for o in outs)
+
+ref, ref_lp, _ = run(TorchOps, True)
+got, got_lp, _ = run(KernelPrefill, True)
+assert planned and all(planned), planned
+err = max(abs(a - b) for x, y in zip(ref_lp, got_lp) for a, b in zip(x, y))
+assert err < 1e-4, f"prompt log-probs differ by {err:.2e}"
+assert got == ref, (got, ref)
+calls = len(planned)
+cached, _, hits = run(KernelPrefill, False)
+assert len(planned) > calls and hits >= 3 * 32, hits  # three prompts found 2 blocks of 16 cached
+assert cached == ref, (cached, ref)
+print(err, hits)
+"""
+
+
+def test_engine_with_the_kernel_matches_the_pytorch_path_in_interpreter():
+    run_interpreted(ENGINE_CHECK)
+
+
+def test_tile_plan_covers_every_token_once():
+    """The host's tile plan: each span's tokens cut into tiles of at most tile_tokens, in order, each
+    with its position and its span's table offset (tables laid end to end)."""
+    spans = [(3, 1, 1, [7]), (4, 70, 70, [1, 2, 3, 4, 5]), (74, 5, 45, [9, 8, 6])]
+    tt = prefill_tile_tokens(4)
+    assert tt == 16
+    tiles = prefill_tiles(spans, tt)
+    expected = [(3, 1, 0, 0)] + [(4 + 16 * j, min(16, 70 - 16 * j), 16 * j, 1) for j in range(5)] + [(74, 5, 40, 6)]
+    assert tiles.tolist() == [list(t) for t in expected]
+    assert tiles.dtype == np.int64
+    assert prefill_tiles([(0, 1, 1, [3])], prefill_tile_tokens(128)).tolist() == [[0, 1, 0, 0]]
