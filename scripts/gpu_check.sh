@@ -2,7 +2,7 @@
 # `make gpu-check`: everything that needs a CUDA GPU, in one command (the device machine runs this).
 # Builds the cuMem library, runs the -m gpu tests, then the GPU benchmarks; every log and result
 # goes under $OUT (default ./gpu-results). Stages: tests pool throughput profile hostcost sleepwake e2e weights rlloop
-# structured flows serve rollout (default: all of these), and by name on the 2-GPU host: weights-nccl, tp
+# structured flows serve rollout async prefill (default: all of these), and by name on the 2-GPU host: weights-nccl, tp
 # (tests/gpu/test_tensor_parallel_gpu.py: the symmetric-memory all-reduce against NCCL's, eager and in a graph,
 # TP=2 greedy tokens with both backends; then bench/tensor_parallel.py: TP=1, TP=2 nccl, TP=2 symm and TP=2
 # symm without the workers' spin-poll on an 8B shape: decode-only step ms and tok/s at batch 1/8/64 with each
@@ -24,6 +24,10 @@
 # async: async scheduling (--async-scheduling) off vs on, side by side in each run: its GPU test (the graphs
 # fed by the device's tokens), the decode step's wall time and the HTTP pass (bench/step_host_cost.py), the
 # 1B rollout (HTTP and in-process) and bench/serve.py's passes; hostcost prints the off/on step times too.
+# prefill: the one-launch prefill attention kernel: its GPU test (bf16/fp16 vs one SDPA per span at model shapes,
+# the fp32 engine's tokens with and without it), then bench/prefill.py: one layer's attention call for 256 x 32
+# and 64 x 512 prompts (head_dim 64 and 128), kernel vs span by span, and the in-process 1B engine's output
+# tok/s at 64 and 256 prompts at once with each path, with the 256 / 64 ratio (issue 15's target 2.5x).
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -47,7 +51,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-stages=${*:-tests pool throughput profile hostcost sleepwake e2e weights rlloop structured flows serve rollout async}
+stages=${*:-tests pool throughput profile hostcost sleepwake e2e weights rlloop structured flows serve rollout async prefill}
 failed=()
 
 run() {  # run NAME CMD...: log everything, print the tail, remember failures
@@ -81,6 +85,9 @@ for stage in $stages; do
                   --out "$RESULTS/async"
                 run async-serve $PY bench/serve.py --device cuda --model llama-1b --async-scheduling both \
                   --out "$RESULTS/async" ;;
+    prefill)    run prefill-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_prefill_kernel_gpu.py \
+                  -p no:cacheprovider
+                run prefill $PY bench/prefill.py --device cuda --out "$RESULTS" ;;
     e2e)        run e2e $PY bench/e2e_server.py --out "$RESULTS" ;;
     weights)    run weights-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py -k ipc \
                   -p no:cacheprovider
@@ -124,7 +131,7 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|wall time per decode step|host cost per decode step)" "$LOG" || true
+grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|wall time per decode step|host cost per decode step|prefill attention|prefill in the engine)" "$LOG" || true
 grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
 grep -h -E "^async scheduling on / off" "$LOG" || true
 grep -h -A8 -E "^tp release \(" "$LOG" || true

@@ -53,17 +53,19 @@ def random_prefill_case(spans: list[tuple[int, int]], heads: int, kv_heads: int,
     from server.model.attention import AttentionContext, PrefillSpan, write_kv
 
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # drawn where they live: GPU cases are large
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
+
     pages = [-(-(n + prefix) // block_size) for n, prefix in spans]
     num_blocks = sum(pages) + 4
     free = list(range(1, num_blocks))
     rng.shuffle(free)
-    kv = torch.randn((num_blocks, LAYERS, 2, block_size, kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    kv = rnd(num_blocks, LAYERS, 2, block_size, kv_heads, head_dim)
     k_cache, v_cache = layer_views(kv, LAYERS // 2)
     T = decodes + sum(n for n, _ in spans)
-    q = torch.randn(T, heads, head_dim, generator=gen).to(dtype).to(device)
-    k = torch.randn(T, kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    v = torch.randn(T, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    q, k, v = rnd(T, heads, head_dim), rnd(T, kv_heads, head_dim), rnd(T, kv_heads, head_dim)
     prefills, slots, offset = [], [], decodes
     for (n, prefix), count in zip(spans, pages):
         table = [free.pop() for _ in range(count)]
@@ -93,3 +95,34 @@ def prefill_error(kernel, case, scale: float) -> float:
     got = out[nd:]
     assert not torch.isnan(got).any(), "the kernel left prefill rows unwritten or produced NaN"
     return float((got.double() - ref[nd:]).norm() / ref[nd:].norm())
+
+
+ENGINE_PROMPTS = [list(range(1000, 1040)) + [2000 + i] * (3 + 7 * i) for i in range(3)] + [[3000]]
+
+
+def engine_prefill_check(llm, reference_ops, kernel_ops, tol: float) -> tuple[float, int]:
+    """An engine (built with max_num_batched_tokens=40) run with reference_ops, then with kernel_ops, which
+    differ only in their prefill attention: prompts sharing a 40-token prefix, chunked by the step budget
+    (later chunks read earlier ones from the cache), scored by prompt log-probs (every prompt position's
+    logits) and decoded greedily; then with kernel_ops again once their prefixes are cached (prefix
+    caching: spans that start after cached blocks). Asserts equal greedy tokens and log-probs within
+    tol; returns (largest log-prob difference, tokens found cached)."""
+    from server import SamplingParams
+
+    def run(ops, scored: bool):
+        llm.engine.model.ops = ops
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0 if scored else None)
+        outs = llm.generate(ENGINE_PROMPTS, params)
+        lps = [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, ENGINE_PROMPTS)
+               ] if scored else []
+        return [o.outputs[0].token_ids for o in outs], lps, sum(o.num_cached_tokens for o in outs)
+
+    ref, ref_lp, _ = run(reference_ops, True)
+    got, got_lp, _ = run(kernel_ops, True)
+    err = max(abs(a - b) for x, y in zip(ref_lp, got_lp) for a, b in zip(x, y))
+    assert err < tol, f"prompt log-probs differ by {err:.2e}"
+    assert got == ref, (got, ref)
+    cached, _, hits = run(kernel_ops, False)
+    assert hits >= 3 * 32, hits  # three prompts found (at least) their 2 shared blocks of 16 cached
+    assert cached == ref, (cached, ref)
+    return err, hits

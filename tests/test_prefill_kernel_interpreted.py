@@ -40,16 +40,15 @@ def test_kernel_matches_reference_in_interpreter():
     run_interpreted(CHECK)
 
 
-# The engine with only its prefill attention swapped for the kernel (the rest PyTorch, on CPU): prompts
-# sharing a 40-token prefix, chunked by a 40-token step budget (later chunks read earlier ones from the
-# cache), scored by prompt log-probs (every prompt position's logits) and decoded greedily; then the
-# same prompts again, their prefix now cached (prefix caching: spans that start after cached blocks).
+# The CPU engine with only its prefill attention swapped for the kernel (the rest PyTorch): chunked
+# prefills, prompt log-probs, greedy tokens, prefix-cached spans (tests/kernel_cases.py).
 ENGINE_CHECK = r"""
 import tempfile
 from pathlib import Path
-from server import LLM, SamplingParams
+from server import LLM
 from server.model.ops import TorchOps
 from server.model.prefill_kernel import triton_prefill_attention
+from tests.kernel_cases import engine_prefill_check
 from tests.models import model_folder
 
 planned = []
@@ -63,27 +62,8 @@ class KernelPrefill(TorchOps):
 
 llm = LLM(model=str(model_folder("llama-tiny", Path(tempfile.mkdtemp()))), device="cpu", load_format="dummy",
           kv_cache_memory="32MiB", max_num_batched_tokens=40)
-shared = list(range(1000, 1040))
-prompts = [shared + [2000 + i] * (3 + 7 * i) for i in range(3)] + [[3000]]
-
-def run(ops, scored):
-    llm.engine.model.ops = ops
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0 if scored else None)
-    outs = llm.generate(prompts, params)
-    lps = [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, prompts)] if scored else None
-    return [o.outputs[0].token_ids for o in outs], lps, sum(o.num_cached_tokens for o in outs)
-
-ref, ref_lp, _ = run(TorchOps, True)
-got, got_lp, _ = run(KernelPrefill, True)
+print(engine_prefill_check(llm, TorchOps, KernelPrefill, 1e-4))
 assert planned and all(planned), planned
-err = max(abs(a - b) for x, y in zip(ref_lp, got_lp) for a, b in zip(x, y))
-assert err < 1e-4, f"prompt log-probs differ by {err:.2e}"
-assert got == ref, (got, ref)
-calls = len(planned)
-cached, _, hits = run(KernelPrefill, False)
-assert len(planned) > calls and hits >= 3 * 32, hits  # three prompts found 2 blocks of 16 cached
-assert cached == ref, (cached, ref)
-print(err, hits)
 """
 
 

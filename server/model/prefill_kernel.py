@@ -35,8 +35,8 @@ def _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok, pos, MASKED: tl.cons
     if MASKED:
         s = tl.where(tok[None, :] <= pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
     l = l * alpha + tl.sum(p, 1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
