@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 from bench.common import hardware, in_thread, now_iso, sync, table, write_json  # noqa: E402
 
+TILE_ROWS = (32, 64, 128)  # the kernel's tile sizes timed beside the default (attention.PREFILL_TILE_ROWS)
+
 
 def variants(base) -> dict[str, type]:
     """The engine's ops set with each prefill path (everything else as the device has it)."""
@@ -46,7 +48,7 @@ def per_call_ms(fn, device: torch.device, calls: int) -> float:
 
 
 def attention_rows(device: torch.device, dtype: torch.dtype, shapes, heads: tuple[int, int], dims, calls: int) -> list[dict]:
-    from server.model.attention import prefill_spans_torch
+    from server.model.attention import plan_prefill, prefill_spans_torch
     from server.model.prefill_kernel import triton_prefill_attention
     from tests.kernel_cases import prefill_error, random_prefill_case
 
@@ -59,11 +61,18 @@ def attention_rows(device: torch.device, dtype: torch.dtype, shapes, heads: tupl
             out = torch.empty_like(q)
             ms = {name: per_call_ms(lambda: fn(q, k, v, kc, vc, ctx, head_dim ** -0.5, out), device, calls)
                   for name, fn in (("span by span", prefill_spans_torch), ("kernel", triton_prefill_attention))}
+            # The kernel with other tile sizes (rows = query tokens x the GQA group), for tuning PREFILL_TILE_ROWS.
+            by_rows = {}
+            for tile_rows in TILE_ROWS:
+                ctx.prefill_plan = plan_prefill(ctx.prefills, heads[0] // heads[1], q.device, tile_rows)
+                by_rows[tile_rows] = per_call_ms(lambda: triton_prefill_attention(q, k, v, kc, vc, ctx, head_dim ** -0.5,
+                                                                             out), device, calls)
             err = prefill_error(triton_prefill_attention, random_prefill_case(
                 [(tokens, 0)] * prompts, heads[0], heads[1], head_dim, 16, dtype, device.type, seed=1), head_dim ** -0.5)
             rows.append({"prompts": prompts, "tokens": tokens, "heads": heads[0], "kv_heads": heads[1],
                          "head_dim": head_dim, "span_ms": ms["span by span"], "kernel_ms": ms["kernel"],
-                         "speedup": ms["span by span"] / ms["kernel"], "relative_error": err})
+                         "speedup": ms["span by span"] / ms["kernel"], "relative_error": err,
+                         "kernel_ms_by_tile_rows": by_rows})
     return rows
 
 
@@ -112,10 +121,10 @@ def main() -> None:
     result["attention"] = attn
     print(f"\nprefill attention, one layer's call ({result['dtype']}, {result['hardware']}, {result['date']})")
     print(table([[f"{r['prompts']} x {r['tokens']}", f"{r['heads']}/{r['kv_heads']}/{r['head_dim']}",
-                  f"{r['span_ms']:.3f}", f"{r['kernel_ms']:.3f}", f"{r['speedup']:.1f}x", f"{r['relative_error']:.1e}"]
-                 for r in attn],
+                  f"{r['span_ms']:.3f}", f"{r['kernel_ms']:.3f}", f"{r['speedup']:.1f}x", f"{r['relative_error']:.1e}",
+                  " / ".join(f"{r['kernel_ms_by_tile_rows'][n]:.3f}" for n in TILE_ROWS)] for r in attn],
                 ["prompts x tokens", "heads/kv/dim", "span by span ms", "kernel ms", "kernel speed-up",
-                 "kernel rel. error"]))
+                 "kernel rel. error", f"kernel ms at {' / '.join(map(str, TILE_ROWS))} tile rows"]))
 
     if not args.no_engine:
         from server import LLM

@@ -82,3 +82,37 @@ def test_tile_plan_covers_every_token_once():
     assert tiles.tolist() == [list(t) for t in expected]
     assert tiles.dtype == np.int64
     assert prefill_tiles([(0, 1, 1, [3])], prefill_tile_tokens(128)).tolist() == [[0, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("dtype, group, head_dim, block_size", [
+    ("bf16", 4, 64, 16), ("bf16", 7, 128, 32), ("fp16", 1, 64, 16), ("fp32", 4, 64, 16)])
+def test_kernel_compiles_for_sm90_without_a_gpu(dtype, group, head_dim, block_size):
+    """The interpreter is lenient about types and shapes; the compiler is not. The kernel goes through
+    Triton's whole pipeline to an sm_90 cubin (ptxas ships with Triton) as the launch would make it:
+    the wrapper's block and warp choice, strides specialized as divisible by 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from server.model.prefill_kernel import BLOCK_N, _paged_prefill, launch_shape
+
+    tile_tokens = prefill_tile_tokens(group)
+    size = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    block_m, num_warps = launch_shape(tile_tokens, group, head_dim, size)
+    sig = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}, "tiles_ptr": "*i64",
+           "tables_ptr": "*i64", "qk_scale": "fp32",
+           **{s: "i32" for s in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks",
+                                 "stride_kh", "stride_tile")}}
+    aligned = [i for i, name in enumerate(sig) if name not in ("qk_scale", "stride_tile")]
+    const = dict(GROUP=group, TILE_TOKENS=tile_tokens, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
+                 BLOCK_SIZE=block_size, IEEE=dtype == "fp32")
+    sig.update({name: "constexpr" for name in const})
+    try:
+        src = ASTSource(fn=_paged_prefill, signature=sig, constexprs=const,
+                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 2})
+    except RuntimeError as e:
+        if "ptxas" in str(e) and "not found" in str(e).lower():
+            pytest.skip(f"no ptxas with this Triton: {e}")
+        raise
+    assert kernel.asm["cubin"] and kernel.metadata.num_warps == num_warps

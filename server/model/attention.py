@@ -38,10 +38,10 @@ class PrefillPlan:
 PREFILL_TILE_ROWS = 64
 
 
-def prefill_tile_tokens(group: int) -> int:
+def prefill_tile_tokens(group: int, rows: int = PREFILL_TILE_ROWS) -> int:
     """Query tokens per prefill tile, for `group` query heads per KV head (GQA): the group's heads
     share the tile's K/V loads, so a tile holds fewer tokens as the group grows."""
-    return max(1, PREFILL_TILE_ROWS // group)
+    return max(1, rows // group)
 
 
 def prefill_tiles(spans: Sequence[tuple[int, int, int, Sequence[int]]], tile_tokens: int) -> np.ndarray:
@@ -62,10 +62,11 @@ def prefill_tiles(spans: Sequence[tuple[int, int, int, Sequence[int]]], tile_tok
     return tiles
 
 
-def plan_prefill(spans: list[PrefillSpan], group: int, device: torch.device) -> PrefillPlan:
+def plan_prefill(spans: list[PrefillSpan], group: int, device: torch.device,
+                 rows: int = PREFILL_TILE_ROWS) -> PrefillPlan:
     """A plan for spans whose tables are already on the device (contexts not built by the runner,
     which packs the plan into its one copy of the step's inputs instead)."""
-    tile_tokens = prefill_tile_tokens(group)
+    tile_tokens = prefill_tile_tokens(group, rows)
     lens = [int(s.block_table.numel()) for s in spans]
     tiles = prefill_tiles([(s.q_start, s.q_len, s.context_len, range(n)) for s, n in zip(spans, lens)], tile_tokens)
     tables = torch.cat([s.block_table.reshape(-1).long() for s in spans])

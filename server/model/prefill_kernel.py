@@ -21,6 +21,7 @@ import triton.language as tl
 from server.model.attention import AttentionContext, plan_prefill
 
 LOG2E = 1.4426950408889634
+BLOCK_N = 64  # keys per step of the online softmax (4 blocks of 16)
 
 
 @triton.jit
@@ -124,13 +125,20 @@ def triton_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if plan is None:  # a context the runner did not build: plan it once for all layers
         plan = ctx.prefill_plan = plan_prefill(ctx.prefills, group, q.device)
     tiles = plan.tiles
-    # tl.dot needs at least 16 rows; rows past tile_tokens x group are masked out on load and store.
-    block_m = triton.next_power_of_2(max(16, plan.tile_tokens * group))
-    wide = block_m * D > 64 * 128
+    block_m, num_warps = launch_shape(plan.tile_tokens, group, D, q.element_size())
     _paged_prefill[(tiles.shape[0], kv_heads)](
         q, k_cache, v_cache, out, tiles, plan.tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tiles.stride(0),
-        GROUP=group, TILE_TOKENS=plan.tile_tokens, BLOCK_M=block_m, BLOCK_N=64, HEAD_DIM=D,
-        BLOCK_SIZE=block_size, IEEE=q.dtype == torch.float32, num_warps=8 if wide else 4, num_stages=2,
+        GROUP=group, TILE_TOKENS=plan.tile_tokens, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_DIM=D,
+        BLOCK_SIZE=block_size, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=2,
     )
+
+
+def launch_shape(tile_tokens: int, group: int, head_dim: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps). tl.dot needs at least 16 rows; rows past tile_tokens x group are masked out
+    on load and store. Registers per thread on sm_90 (compiled without a GPU, strides divisible by 16):
+    64 rows x head_dim 64 in bf16 take 124 with 4 warps; x 128 take 174 with 4, 134 with 8; fp32 spills
+    less with 8. So tiles of 64 x 128 bf16 values or more get 8 warps."""
+    block_m = triton.next_power_of_2(max(16, tile_tokens * group))
+    return block_m, 8 if block_m * head_dim * element_size >= 64 * 128 * 2 else 4
