@@ -20,6 +20,7 @@ def main() -> int:
                 ["bench/e2e_server.py", "--device", "cuda", "--out", out],
                 ["bench/structured_mask.py", "--device", "cuda", "--model", "llama-1b", "--out", out],
                 ["bench/serve.py", "--device", "cuda", "--model", "llama-1b", "--out", out],
+                ["bench/prefill.py", "--device", "cuda", "--out", out],
                 ["bench/rollout.py", "--device", "cuda", "--model", "llama-1b", "--out", out],
                 ["bench/rollout.py", "--device", "cuda", "--model", "llama-8b", "--out", out]]
     else:
