@@ -54,7 +54,9 @@ from tests.models import model_folder
 planned = []
 
 def kernel(q, k, v, k_cache, v_cache, ctx, scale, out):
-    planned.append(ctx.prefill_plan is not None)  # the runner's plan, built before the first layer
+    # The runner's plan, built before the first layer, its arrays 16-byte aligned (one compiled variant)
+    plan = ctx.prefill_plan
+    planned.append(plan is not None and plan.tiles.data_ptr() % 16 == 0 and plan.tables.data_ptr() % 16 == 0)
     triton_prefill_attention(q, k, v, k_cache, v_cache, ctx, scale, out)
 
 class KernelPrefill(TorchOps):

@@ -282,13 +282,17 @@ class ModelRunner:
         spans = [b for _, _, _, t in hb.spans for b in t]
         tiles = prefill_tiles(hb.spans, self.tile_tokens) if hb.spans else np.empty((0, 4), dtype=np.int64)
         o = len(head)
-        at_spans = o + nd * width
+        # The prefill kernel's two int64 arrays start 16-byte aligned (even offsets): Triton compiles a
+        # kernel per alignment of its pointers, so a shifting offset would compile (for ~1 s) mid-serving.
+        tables_end = o + nd * width
+        at_spans = tables_end + tables_end % 2
         at_tiles = at_spans + len(spans)
+        at_tiles += at_tiles % 2
         flat = np.empty(at_tiles + tiles.size, dtype=np.int64)
         flat[:o] = head
         if nd:
-            flat[o:at_spans].reshape(nd, width)[...] = self.decode_tables.padded(hb.decode_tables, width)
-        flat[at_spans:at_tiles] = spans
+            flat[o:tables_end].reshape(nd, width)[...] = self.decode_tables.padded(hb.decode_tables, width)
+        flat[at_spans:at_spans + len(spans)] = spans
         flat[at_tiles:] = tiles.ravel()
         d = torch.from_numpy(flat).to(self.device, non_blocking=True)
         prefills, cursor = [], at_spans
@@ -297,10 +301,10 @@ class ModelRunner:
             cursor += len(t)
         plan = None
         if prefills:
-            plan = PrefillPlan(d[at_tiles:].view(-1, 4), d[at_spans:at_tiles], self.tile_tokens)
+            plan = PrefillPlan(d[at_tiles:].view(-1, 4), d[at_spans:at_spans + len(spans)], self.tile_tokens)
         ctx = AttentionContext(
             slot_mapping=d[2 * T:3 * T], num_decode_tokens=nd,
-            block_tables=d[o:at_spans].view(nd, width), context_lens=d[3 * T:3 * T + nd],
+            block_tables=d[o:tables_end].view(nd, width), context_lens=d[3 * T:3 * T + nd],
             max_decode_context=max(hb.decode_lens, default=0), prefills=prefills, prefill_plan=plan)
         return d[:T], d[T:2 * T], ctx, d[3 * T + nd:o]
 
