@@ -90,6 +90,7 @@ def engine_rows(llm, concurrencies: list[int], input_len: int, output_len: int) 
         reqs = workload(c, input_len, output_len, 0.0, math.inf, vocab, 100 + c)
         for name, ops in paths.items():
             core.model.ops = ops
+            core.reset_prefix_cache()  # the same prompts for both paths, neither finding the other's blocks
             results, duration = in_thread(run_engine, core, reqs, 0.0, f"{name}-{c}")
             s = summarize(results, duration)
             assert s["failed"] == 0 and s["output_tokens"] == c * output_len, s
