@@ -15,7 +15,10 @@ every decode step after it replayed a graph. Exits 1 when tokens differ or a dec
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +81,20 @@ def run_setting(folder: Path, release: bool, world: int, idle: list[int], args) 
     return res
 
 
+_IDLE = "SLEEPSERVE_TP_RELEASE_IDLE"
+
+
+def _child(setting: str, idle: list[int]) -> dict:
+    """run_setting in a fresh process (this script with --setting); its progress lines pass through."""
+    out = subprocess.run([sys.executable, *sys.argv, "--setting", setting], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, _IDLE: json.dumps(idle)})
+    lines = out.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]), flush=True)
+    if out.returncode != 0 or not lines:
+        sys.exit(f"the release {setting} run failed (exit {out.returncode})")
+    return json.loads(lines[-1])
+
+
 def _ms(values: list[float]) -> str:
     return "/".join(f"{v:.0f}" for v in values) + " ms" if values else "-"
 
@@ -89,6 +106,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="16GiB")
     ap.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles per level and setting")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--setting", choices=["off", "on"], help=argparse.SUPPRESS)  # one setting, in a child process
     args = ap.parse_args()
 
     import torch
@@ -101,10 +119,15 @@ def main() -> None:
     if torch.cuda.device_count() < world:
         sys.exit(f"needs {world} GPUs, this host has {torch.cuda.device_count()}")
     folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
+    if args.setting is not None:
+        print(json.dumps(run_setting(folder, args.setting == "on", world, json.loads(os.environ[_IDLE]), args)))
+        return
     idle = gpu_used(world)
     refs = {kind: reference(kind, world) for kind in ("cuda", "nccl-destroyed")}
     print(f"references (bytes per GPU): {refs}", flush=True)
-    runs = [run_setting(folder, release, world, idle, args) for release in (False, True)]
+    # Each setting in its own process: NCCL reads its environment once per process (the flag turns
+    # NCCL_GRAPH_REGISTER off before the first communicator), so "on" must not inherit "off"'s NCCL.
+    runs = [_child(setting, idle) for setting in ("off", "on")]
     result = {"date": now_iso(), "hardware": hardware(torch.device("cuda")), "nccl": suspend_support(),
               "model": args.model, "references_used": refs, "runs": runs}
     write_json(args.out, f"tp-release-{world}", result)
