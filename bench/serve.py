@@ -24,9 +24,12 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
+from queue import Empty
+from typing import Awaitable, Callable
 
 import numpy as np
 
@@ -74,7 +77,14 @@ def workload(num: int, input_len: int, output_len: int, range_ratio: float, rate
 # -- HTTP --------------------------------------------------------------------------------------------
 
 async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: bool, temperature: float,
-                   timeout: float) -> tuple[list[Result], float]:
+                   timeout: float, started: list[float] | None = None, warm_up: bool = False,
+                   gate: Callable[[], Awaitable] | None = None) -> tuple[list[Result], float]:
+    """The requests through the official client. The span measured is the in-process run's: from the first
+    request's send (the client built already) to the last answer. warm_up: first one request of one token
+    streamed and one not, untimed, so that the client's first-call costs (its lazy imports, its response
+    models' validators: ~20 ms of CPU on the 2-core CI host, paid once per process) are not in the span.
+    gate: awaited once the client is ready, before the span starts (run_clients' start line).
+    started: receives the span's start (time.monotonic(), comparable across processes)."""
     import httpx
     from openai import AsyncOpenAI
 
@@ -82,6 +92,13 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
     http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=60))
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, http_client=http, max_retries=0)
     extra = {"ignore_eos": True, "return_token_ids": True}
+    if warm_up and reqs:
+        await client.completions.create(model=model, prompt=reqs[0].prompt, max_tokens=1, extra_body=extra)
+        async for _ in await client.completions.create(model=model, prompt=reqs[0].prompt, max_tokens=1, stream=True,
+                                                       stream_options={"include_usage": True}, extra_body=extra):
+            pass
+    if gate is not None:
+        await gate()
 
     async def one(req: Req, start: float) -> Result:
         await asyncio.sleep(max(0.0, start + req.at - time.perf_counter()))
@@ -118,6 +135,8 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
 
     try:
         start = time.perf_counter()
+        if started is not None:
+            started.append(time.monotonic())
         results = await asyncio.gather(*(one(r, start) for r in reqs))
         duration = time.perf_counter() - start
     finally:
@@ -126,45 +145,81 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
 
 
 def _client_worker(url: str, api_key: str, model: str, reqs: list[tuple], stream: bool, temperature: float,
-                   timeout: float, barrier, queue, slot: int) -> None:
-    """One client process of run_clients: imports first, then starts with the others (the barrier)."""
-    import openai  # noqa: F401  (imported before the start line: it takes a second or two)
-
+                   timeout: float, warmed, barrier, queue, slot: int) -> None:
+    """One client process of run_clients: imports and warms its client first (run_http's warm_up), then
+    starts with the others (the barrier); its span starts at its first send, as the in-process run's does."""
     mine = [Req(*r) for r in reqs]
     try:
-        barrier.wait(300)
-        t0, c0 = time.monotonic(), time.process_time()
-        results, _ = asyncio.run(run_http(url, api_key, model, mine, stream, temperature, timeout))
-        t1, c1 = time.monotonic(), time.process_time()
-        queue.put((slot, [astuple(r) for r in results], t0, t1, c1 - c0, None))
+        async def start_line() -> None:  # warm, then the parent's look at the server, then all at once
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, warmed.wait, 300)
+            await loop.run_in_executor(None, barrier.wait, 300)
+            cpu0.append(time.process_time())
+
+        started: list[float] = []
+        cpu0: list[float] = []
+        results, duration = asyncio.run(run_http(url, api_key, model, mine, stream, temperature, timeout, started,
+                                                 warm_up=True, gate=start_line))
+        cpu = time.process_time() - cpu0[0]
+        queue.put((slot, [astuple(r) for r in results], started[0], started[0] + duration, cpu, None))
     except BaseException as e:  # the parent reports it; a worker never hangs the run
+        warmed.abort()
+        barrier.abort()
         queue.put((slot, [], 0.0, 0.0, 0.0, f"{type(e).__name__}: {e}"))
 
 
 def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: bool, temperature: float,
-                timeout: float, procs: int) -> tuple[list[Result], float, dict]:
+                timeout: float, procs: int, at_start: Callable[[], None] | None = None
+                ) -> tuple[list[Result], float, dict]:
     """run_http over `procs` client processes (request i in process i mod procs, arrival times kept), and
     the clients' CPU time: the official client spends several times the server's CPU per streamed token
     (150-300 us on the 2-core CI host), so one client process caps what an H200 run can show.
     Returns (results in request order, wall seconds, {"client_procs", "client_cpu_s", "client_cores"});
-    client_cores near client_procs means the clients, not the server, set the pace."""
+    client_cores near client_procs means the clients, not the server, set the pace.
+    at_start: called once every client is warm, just before the first request is sent."""
     if procs <= 1:
-        c0 = time.process_time()
-        results, duration = asyncio.run(run_http(url, api_key, model, reqs, stream, temperature, timeout))
-        cpu = time.process_time() - c0
+        c0: list[float] = []
+
+        async def gate() -> None:
+            if at_start is not None:
+                await asyncio.to_thread(at_start)
+            c0.append(time.process_time())
+
+        results, duration = asyncio.run(run_http(url, api_key, model, reqs, stream, temperature, timeout,
+                                                 warm_up=True, gate=gate))
+        cpu = time.process_time() - c0[0]
         return results, duration, {"client_procs": 1, "client_cpu_s": cpu, "client_cores": cpu / duration}
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     procs = min(procs, len(reqs))
-    barrier, queue = ctx.Barrier(procs), ctx.Queue()
+    warmed, barrier, queue = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
     workers = [ctx.Process(target=_client_worker, daemon=True,
                            args=(url, api_key, model, [astuple(r) for r in reqs[k::procs]], stream, temperature,
-                                 timeout, barrier, queue, k)) for k in range(procs)]
+                                 timeout, warmed, barrier, queue, k)) for k in range(procs)]
     for w in workers:
         w.start()
+    got: list = []
     try:
-        got = [queue.get(timeout=timeout + 600) for _ in workers]
+        try:
+            warmed.wait(600)
+            if at_start is not None:
+                at_start()
+            barrier.wait(300)
+        except threading.BrokenBarrierError:  # a worker failed before the start: its error says why
+            try:
+                why = queue.get(timeout=60)[5]
+            except Empty:
+                why = "exit codes " + ", ".join(str(w.exitcode) for w in workers)
+            raise RuntimeError(f"a client process failed before the start: {why}") from None
+        deadline = time.monotonic() + timeout + 600
+        while len(got) < len(workers):
+            try:
+                got.append(queue.get(timeout=1.0))
+            except Empty:  # a worker that died without a word must not hang the run
+                if time.monotonic() > deadline or sum(w.exitcode not in (None, 0) for w in workers):
+                    raise RuntimeError("a client process died: " + ", ".join(
+                        f"pid {w.pid} exit {w.exitcode}" for w in workers if w.exitcode not in (None, 0))) from None
     finally:
         for w in workers:
             w.join(30)
@@ -184,9 +239,11 @@ def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: boo
 
 # -- in-process ------------------------------------------------------------------------------------
 
-def run_engine(core, reqs: list[Req], temperature: float, tag: str) -> tuple[list[Result], float]:
+def run_engine(core, reqs: list[Req], temperature: float, tag: str,
+               counts: dict | None = None) -> tuple[list[Result], float]:
     """The same arrivals through EngineCore directly: a request is added at the first step boundary
-    after its arrival time, and its latencies count from the arrival time (as a queue would)."""
+    after its arrival time, and its latencies count from the arrival time (as a queue would).
+    counts: receives "steps", the engine steps that ran tokens (as the server's iteration histogram counts)."""
     from server import SamplingParams
 
     results = [Result(sent=math.nan) for _ in reqs]
@@ -207,7 +264,7 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str) -> tuple[lis
         return record
 
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].at)
-    nxt = 0
+    nxt = steps = 0
     start = time.perf_counter()
     while nxt < len(order) or core.has_unfinished:
         now = time.perf_counter()
@@ -219,9 +276,27 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str) -> tuple[lis
             nxt += 1
         if core.has_unfinished:
             core.step()
+            steps += core.step_tokens > 0
         elif nxt < len(order):
             time.sleep(max(0.0, start + reqs[order[nxt]].at - time.perf_counter()))
-    return results, time.perf_counter() - start
+    duration = time.perf_counter() - start
+    if counts is not None:
+        counts["steps"] = steps
+    return results, duration
+
+
+def server_steps(url: str, api_key: str) -> int | None:
+    """Engine steps the server has run (vllm:iteration_tokens_total's count on /metrics; None without it)."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("vllm:iteration_tokens_total_count"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -233,7 +308,11 @@ def summarize(results: list[Result], duration: float) -> dict:
     dists = {"ttft_ms": ms([r.ttft for r in ok]), "tpot_ms": ms(tpot), "itl_ms": ms([x for r in ok for x in r.itl]),
              "e2el_ms": ms([r.latency for r in ok])}
     out_tokens = sum(r.output_tokens for r in ok)
+    # When the last request got its first token, from the first send: how long admission took (streamed; a
+    # request not streamed gets its first byte with its last).
+    firsts = [r.sent + r.ttft for r in ok if not math.isnan(r.ttft)]
     summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+               "all_first_token_ms": 1e3 * (max(firsts) - min(r.sent for r in ok)) if firsts else None,
                "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
                "request_throughput": len(ok) / duration}
     for name, xs in dists.items():
@@ -275,6 +354,8 @@ def resolve_model(args) -> tuple[str | None, str]:
 
 
 def parse_rates(text: str) -> list[float]:
+    if text.strip() == "none":  # the saturation pass alone
+        return []
     return [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",") if r.strip()]
 
 
@@ -297,7 +378,7 @@ def main() -> None:
     ap.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
     ap.add_argument("--api-key", default="EMPTY")
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--rates", default=None, help="requests/s, comma-separated; inf = all at once")
+    ap.add_argument("--rates", default=None, help="requests/s, comma-separated; inf = all at once; none: no rate pass")
     ap.add_argument("--saturation", default=None, help="concurrencies for the all-at-once pass (default 64,256)")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--input-len", type=int, default=None)
@@ -376,7 +457,13 @@ def main() -> None:
             served = served or httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
             def http(reqs: list[Req], stream: bool):
-                return run_clients(url, args.api_key, served, reqs, stream, args.temperature, args.timeout, procs)
+                before: list = []
+                results, duration, client = run_clients(url, args.api_key, served, reqs, stream, args.temperature,
+                                                        args.timeout, procs,
+                                                        lambda: before.append(server_steps(url, args.api_key)))
+                after = server_steps(url, args.api_key)
+                steps = after - before[0] if None not in (before[0], after) else None
+                return results, duration, {**client, "steps": steps}
 
             run_clients(url, args.api_key, served, by_conc[0][1][:2], True, args.temperature, args.timeout, 1)  # warm-up
             for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
@@ -395,7 +482,9 @@ def main() -> None:
         counter = iter(range(1 << 30))
 
         def engine(reqs: list[Req], stream: bool):
-            return in_thread(run_engine, core, reqs, args.temperature, f"r{next(counter)}")
+            counts: dict = {}
+            results, duration = in_thread(run_engine, core, reqs, args.temperature, f"r{next(counter)}", counts)
+            return results, duration, counts
 
         for on in modes:
             core.set_async_scheduling(on)
@@ -404,8 +493,9 @@ def main() -> None:
             for row in run_pass("rate", args, by_rate, engine):
                 rows.append({"path": path, **row})
             for c, reqs in by_conc:  # streaming is an HTTP notion: one in-process run per concurrency
-                res, duration = engine(reqs, True)
-                rows.append({"path": path, "pass": "saturation", "key": c, "stream": None, **summarize(res, duration)})
+                res, duration, counts = engine(reqs, True)
+                rows.append({"path": path, "pass": "saturation", "key": c, "stream": None, **summarize(res, duration),
+                             **counts})
         llm.close()
     ratios(result)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -451,8 +541,15 @@ def report(result: dict) -> None:
           f"{result['output_len']} output tokens each)")
     print(table([[r["key"], r["path"], {True: "stream", False: "no stream", None: "-"}[r["stream"]],
                   f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
-                  f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-", _client(r)] for r in sat],
-                ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)", "client cores/procs"]))
+                  f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-",
+                  r["steps"] if r.get("steps") is not None else "-",
+                  f"{r['all_first_token_ms']:.0f}" if r["stream"] is not False and r.get("all_first_token_ms") else "-",
+                  f"{1e3 * r['duration_s']:.0f}", _client(r)] for r in sat],
+                ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)", "engine steps",
+                 "all first tokens ms", "span ms", "client cores/procs"]))
+    print("engine steps: steps that ran tokens during the pass (the server's vllm:iteration_tokens_total count); "
+          "above the output length, the steps admission was spread over. all first tokens: from the first send "
+          "until every request had its first token (streamed). span: first send to last answer, both paths.")
     busy = [r for r in result["rows"] if "client_cores" in r and r["client_cores"] > 0.8 * r["client_procs"]]
     if busy:
         print(f"WARNING: the benchmark's client processes were >80% busy in {len(busy)} HTTP pass(es): their HTTP "

@@ -32,7 +32,8 @@
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
 # size and threads: bench/vmm_floor.py), tms (our pool beside torch_memory_saver: bench/tms_compare.py;
-# its wheel must be in .whl, see scripts/gpu_assets.sh).
+# its wheel must be in .whl, see scripts/gpu_assets.sh), serve64 (bench/serve.py's saturation pass alone, 64 and
+# 256 requests at once, HTTP streamed and not against in-process, with each pass's engine steps; < 2 min).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +122,8 @@ for stage in $stages; do
                 run vmm-aftermath $PY bench/vmm_floor.py --gib 100 --aftermath --out "$RESULTS" ;;
     tms)        run tms $PY bench/tms_compare.py --out "$RESULTS" ;;
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
+    serve64)    run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
+                  --out "$RESULTS/serve64" ;;
     rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"
                 run rollout-8b $PY bench/rollout.py --device cuda --model llama-8b --out "$RESULTS" ;;
     rollout-1b|rollout-8b)

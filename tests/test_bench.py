@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
 from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
-from bench.serve import run_clients, run_engine, run_http, summarize, workload  # noqa: E402
+from bench.serve import run_clients, run_engine, run_http, server_steps, summarize, workload  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,10 +35,15 @@ def test_serve_clients_over_processes_keep_request_order_and_count_cpu(llm):
     server = main_server()
     reqs = workload(5, 8, 4, 0.5, math.inf, llm.engine.model_config.vocab_size, seed=5)
     assert len({r.max_tokens for r in reqs}) > 1
-    results, duration, client = run_clients(server.url, MAIN_KEY, "smol", reqs, True, 0.0, 120, 2)
+    before: list = []
+    results, duration, client = run_clients(server.url, MAIN_KEY, "smol", reqs, True, 0.0, 120, 2,
+                                            lambda: before.append(server_steps(server.url, MAIN_KEY)))
     assert [r.error for r in results] == [None] * 5
     assert [r.output_tokens for r in results] == [r.max_tokens for r in reqs]
     assert client["client_procs"] == 2 and client["client_cpu_s"] > 0 and duration > 0
+    # The start line came after both clients' warm-ups: the steps since ran this pass's tokens, at least
+    # one step per token of its longest request (other tests may share the server, never fewer).
+    assert len(before) == 1 and server_steps(server.url, MAIN_KEY) - before[0] >= max(r.max_tokens for r in reqs)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -51,9 +56,12 @@ def test_serve_http_and_engine_paths_complete_every_request(stream, llm):
     assert s["ttft_ms"]["p50"] > 0 and s["output_tok_s"] > 0
     if stream:
         assert all(len(r.itl) >= 1 for r in results) and s["itl_ms"] is not None
-    eng, duration = run_engine(llm.engine, reqs, 0.0, f"bench-{stream}")
+    counts: dict = {}
+    eng, duration = run_engine(llm.engine, reqs, 0.0, f"bench-{stream}", counts)
     e = summarize(eng, duration)
     assert e["failed"] == 0 and e["output_tokens"] == 12 and all(len(r.itl) == 3 for r in eng), e
+    assert counts["steps"] == 4  # all three admitted at once: one step per token
+    assert e["all_first_token_ms"] > 0
     assert not llm.engine.has_unfinished
 
 
