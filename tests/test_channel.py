@@ -133,3 +133,46 @@ def test_the_published_sleep_state_crosses_whole():
     again = _wire(state)
     assert again == state and again.as_dict() == state.as_dict() and again.refusal == state.refusal
     assert isinstance(again.tag_states, MappingProxyType)
+
+
+def test_calls_of_one_event_loop_turn_cross_as_one_message_in_order():
+    """The API's calls made in one event-loop turn (a burst of requests, a batched prompt list) reach the
+    engine as one message, so the engine admits them together; FIFO order holds (an add, then its abort),
+    and the engine's reader takes a Call or a list of them alike."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from server.config import EngineConfig
+    from server.engine.channel import Call, SyncChannel
+    from server.engine.client import EngineClient
+
+    ours, theirs = socket.socketpair()
+    engine_end = SyncChannel(theirs)
+    ready = SimpleNamespace(info=None, status=SimpleNamespace(state=SleepState(), stats=None))
+
+    async def main() -> list:
+        client = EngineClient(EngineConfig(), None, ours, ready)  # type: ignore[arg-type]
+        await client.attach()
+        async def abort() -> None:
+            client.notify("abort", "r1")
+
+        # Four requests' tasks, as four connections' routes would run them in one turn.
+        calls = [asyncio.ensure_future(client.call("add", f"r{i}", None, [1, 2], None)) for i in range(3)]
+        calls.append(asyncio.ensure_future(abort()))
+        got = [await asyncio.to_thread(engine_end.recv)]
+        client.notify("abort", "r2")  # a later turn: a message of its own, a lone Call
+        got.append(await asyncio.to_thread(engine_end.recv))
+        assert client.frames_sent == 2
+        for c in calls:
+            c.cancel()
+        client._closing = True
+        client._writer.close()
+        return got
+
+    burst, single = asyncio.run(main())
+    theirs.close()
+    assert type(burst) is list and [(c.name, c.args[0]) for c in burst] == [
+        ("add", "r0"), ("add", "r1"), ("add", "r2"), ("abort", "r1")]
+    assert [c.call_id for c in burst] == [0, 1, 2, None]
+    assert isinstance(single, Call) and (single.name, single.args) == ("abort", ("r2",))

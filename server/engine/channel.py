@@ -1,7 +1,8 @@
 """The channel between the API process and the engine process: one Unix socket pair, one pickled
 message per frame (an 8-byte length, then pickle protocol 5).
 
-API -> engine: `Call` (a named command; `call_id` None for a one-way one such as abort).
+API -> engine: `Call` (a named command; `call_id` None for a one-way one such as abort), or a list of
+Calls: those the API made in one event-loop turn (a burst of requests arrives together), run in order.
 Engine -> API: `Start` answers (`Ready` with the static facts, or `StartFailed`), then `Frame`s:
 every delta, reply and step count since the last frame, in the order they happened, plus the
 engine's status (sleep state when it changed, stats, dead). The engine sends at most one frame per

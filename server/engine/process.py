@@ -111,16 +111,17 @@ class EngineServer:
 
     def read_commands(self) -> None:
         """The reader thread: until the API closes the channel or asks to shut down."""
-        while True:
+        while self.shutdown_call is None:
             try:
-                call: Call = self.chan.recv()
+                msg = self.chan.recv()  # a Call, or a list of them (the API's calls of one event-loop turn)
             except (EOFError, OSError):
                 log.info("the API process closed the channel; the engine stops")
                 break
-            if call.name == "shutdown":  # answered once the memory is released (main)
-                self.shutdown_call = call
-                break
-            self._dispatch(call)
+            for call in msg if type(msg) is list else (msg,):
+                if call.name == "shutdown":  # answered once the memory is released (main)
+                    self.shutdown_call = call
+                    break
+                self._dispatch(call)
         self._stop = True
         self._wake.set()
 
