@@ -6,6 +6,8 @@ from __future__ import annotations
 import pickle
 from dataclasses import asdict
 
+import pytest
+
 from server.engine.channel import WireError, encode_delta, pack
 from server.engine.client import OutputStream
 from server.engine.errors import EngineUnavailableError, InvalidRequestError
@@ -135,17 +137,22 @@ def test_the_published_sleep_state_crosses_whole():
     assert isinstance(again.tag_states, MappingProxyType)
 
 
-def test_calls_of_one_event_loop_turn_cross_as_one_message_in_order():
+@pytest.mark.parametrize("long_turn", [False, True])
+def test_calls_of_one_event_loop_turn_cross_as_one_message_in_order(long_turn, monkeypatch):
     """The API's calls made in one event-loop turn (a burst of requests, a batched prompt list) reach the
     engine as one message, so the engine admits them together; FIFO order holds (an add, then its abort),
-    and the engine's reader takes a Call or a list of them alike."""
+    and the engine's reader takes a Call or a list of them alike. A turn that runs long (OUTBOX_HOLD_S; made
+    to here) sends what it has so far at once: two messages of two calls, the same order."""
     import asyncio
     import socket
     from types import SimpleNamespace
 
     from server.config import EngineConfig
+    from server.engine import client as client_module
     from server.engine.channel import Call, SyncChannel
     from server.engine.client import EngineClient
+
+    monkeypatch.setattr(client_module, "OUTBOX_HOLD_S", -1.0 if long_turn else 3600.0)
 
     ours, theirs = socket.socketpair()
     engine_end = SyncChannel(theirs)
@@ -161,9 +168,11 @@ def test_calls_of_one_event_loop_turn_cross_as_one_message_in_order():
         calls = [asyncio.ensure_future(client.call("add", f"r{i}", None, [1, 2], None)) for i in range(3)]
         calls.append(asyncio.ensure_future(abort()))
         got = [await asyncio.to_thread(engine_end.recv)]
+        if long_turn:
+            got[0] = got[0] + await asyncio.to_thread(engine_end.recv)
         client.notify("abort", "r2")  # a later turn: a message of its own, a lone Call
         got.append(await asyncio.to_thread(engine_end.recv))
-        assert client.frames_sent == 2
+        assert client.frames_sent == (3 if long_turn else 2)
         for c in calls:
             c.cancel()
         client._closing = True

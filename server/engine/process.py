@@ -39,6 +39,13 @@ from server.heap import freeze_startup_heap
 log = logging.getLogger("sleepserve.engine")
 
 MAX_CONSECUTIVE_FAILURES = 3
+# The admission window: when requests reach an idle engine (nothing running), it waits while more keep
+# arriving (a gap under ADMIT_QUIET_S) before its first step, at most ADMIT_WINDOW_S, and never once the
+# waiting prompts fill a step. A burst (64 clients at once, parsed by the API over a few ms) is then
+# prefilled in one step, as a caller that adds them all at once gets, rather than the first few starting a
+# step that the others wait behind and then joining in later steps. A lone request waits ADMIT_QUIET_S.
+ADMIT_QUIET_S = 0.003
+ADMIT_WINDOW_S = 0.05
 COMMAND_THREADS = 8  # THREAD commands at once (a transfer waiting on a trainer, a slow disk read, compiles)
 
 
@@ -48,6 +55,7 @@ class EngineServer:
         self.chan = chan
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._last_message = 0.0  # time.monotonic() when the reader got the API's last message
         self._stop = False
         self._engine_thread: threading.Thread | None = None
         self.dead: str | None = None
@@ -117,6 +125,7 @@ class EngineServer:
             except (EOFError, OSError):
                 log.info("the API process closed the channel; the engine stops")
                 break
+            self._last_message = time.monotonic()
             for call in msg if type(msg) is list else (msg,):
                 if call.name == "shutdown":  # answered once the memory is released (main)
                     self.shutdown_call = call
@@ -222,6 +231,10 @@ class EngineServer:
                     log.exception("sleep failed")
                 self._stats = core.stats()
             if core.can_step and self.dead is None:
+                if not core.scheduler.running:
+                    self._gather_arrivals()
+                    if not core.can_step or self._stop:
+                        continue
                 try:
                     core.step()
                     failures = 0
@@ -244,6 +257,22 @@ class EngineServer:
                 self._wake.clear()
         self._drain()  # the shutdown's reply
         self.flush()
+
+    def _gather_arrivals(self) -> None:
+        """The admission window (ADMIT_QUIET_S): requests reached an idle engine; take in those still
+        arriving, running every command in order as usual (a sleep or an abort among them applies)."""
+        sched = self.core.scheduler
+        deadline = time.monotonic() + ADMIT_WINDOW_S
+        while not self._stop and sched.waiting and not sched.running and self.core.sleep_state.can_run:
+            if (len(sched.waiting) >= sched.max_num_seqs
+                    or sum(s.num_tokens for s in sched.waiting) >= sched.max_num_batched_tokens):
+                return  # the first step is full already
+            wait = min(self._last_message + ADMIT_QUIET_S, deadline) - time.monotonic()
+            if wait <= 0:
+                return
+            self._wake.wait(wait)
+            self._wake.clear()
+            self._drain()
 
     def _drain(self) -> None:
         ran = False
