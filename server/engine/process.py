@@ -39,11 +39,13 @@ from server.heap import freeze_startup_heap
 log = logging.getLogger("sleepserve.engine")
 
 MAX_CONSECUTIVE_FAILURES = 3
-# The admission window: when requests reach an idle engine (nothing running), it waits while more keep
-# arriving (a gap under ADMIT_QUIET_S) before its first step, at most ADMIT_WINDOW_S, and never once the
-# waiting prompts fill a step. A burst (64 clients at once, parsed by the API over a few ms) is then
-# prefilled in one step, as a caller that adds them all at once gets, rather than the first few starting a
-# step that the others wait behind and then joining in later steps. A lone request waits ADMIT_QUIET_S.
+# The admission window: when requests reach an idle engine (nothing running, no step in the last
+# ADMIT_QUIET_S), it waits while more keep arriving (a gap under ADMIT_QUIET_S) before its first step, at most
+# ADMIT_WINDOW_S, and never once the waiting prompts fill a step. A burst (64 clients at once, parsed by the
+# API over a few ms) is then prefilled in one step, as a caller that adds them all at once gets, rather than
+# the first few starting a step that the others wait behind and then joining in later steps. A lone request
+# waits ADMIT_QUIET_S. A steady flow of short requests (max_tokens 1: each step empties the engine) is not
+# held: a step ran just before, so its arrivals go straight into the next one.
 ADMIT_QUIET_S = 0.003
 ADMIT_WINDOW_S = 0.05
 COMMAND_THREADS = 8  # THREAD commands at once (a transfer waiting on a trainer, a slow disk read, compiles)
@@ -56,6 +58,7 @@ class EngineServer:
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._last_message = 0.0  # time.monotonic() when the reader got the API's last message
+        self._last_step = 0.0     # time.monotonic() when the engine thread's last step ended
         self._stop = False
         self._engine_thread: threading.Thread | None = None
         self.dead: str | None = None
@@ -231,7 +234,7 @@ class EngineServer:
                     log.exception("sleep failed")
                 self._stats = core.stats()
             if core.can_step and self.dead is None:
-                if not core.scheduler.running:
+                if not core.scheduler.running and time.monotonic() - self._last_step > ADMIT_QUIET_S:
                     self._gather_arrivals()
                     if not core.can_step or self._stop:
                         continue
@@ -251,6 +254,7 @@ class EngineServer:
                         self.dead = str(e)
                 self._stats = core.stats()
                 self.flush()
+                self._last_step = time.monotonic()
             else:
                 self.flush()
                 self._wake.wait(0.5)
