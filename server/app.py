@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -127,7 +128,10 @@ class GracefulServer:
         import uvicorn
 
         class Server(uvicorn.Server):
+            exit_signal: int | None = None
+
             def handle_exit(self, sig: int, frame) -> None:
+                self.exit_signal = sig
                 super().handle_exit(sig, frame)
                 if sig == signal.SIGTERM:
                     self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
@@ -188,4 +192,8 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
     if died:
         log.error("exiting: %s", died[0])
         return ENGINE_DIED
+    if server.exit_signal == signal.SIGINT:
+        # uvicorn's re-raised Ctrl-C does nothing in a process that started with SIGINT ignored (a
+        # background job of a non-interactive shell): the exit status is the same all the same.
+        return 130
     return 0 if server.started else 1
