@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.model.attention import prefill_tile_tokens, prefill_tiles
+from server.model.attention import prefill_tile_rows, prefill_tile_tokens, prefill_tiles
 from tests.interpreter import run_interpreted
 
 pytest.importorskip("triton")
@@ -25,6 +25,7 @@ cases = [
     ([(1, 37), (70, 0), (33, 100), (2, 7), (32, 129)], 8, 2, 64, 16),  # group 2: 32 tokens
     ([(20, 50), (9, 0), (22, 3)], 9, 3, 64, 8),                   # group 3: 21 tokens, 63 of 64 rows
     ([(17, 0), (1, 130), (40, 64)], 16, 4, 64, 16),               # group 4: 16 tokens
+    ([(40, 0), (3, 70)], 8, 2, 128, 16),                          # head_dim 128: 128 rows, 32 tokens
 ]
 for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
     for i, (spans, H, KVH, D, BS) in enumerate(cases):
@@ -98,7 +99,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu(dtype, group, head_dim, block_si
 
     from server.model.prefill_kernel import BLOCK_N, _paged_prefill, launch_shape
 
-    tile_tokens = prefill_tile_tokens(group)
+    tile_tokens = prefill_tile_tokens(group, prefill_tile_rows(head_dim))
     size = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     block_m, num_warps = launch_shape(tile_tokens, group, head_dim, size)
     sig = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}, "tiles_ptr": "*i64",

@@ -25,7 +25,8 @@ from server.engine.sampler import DeviceSample, SamplingMeta, prompt_logprobs, r
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Request, Sequence
 from server.engine.tags import CUDA_GRAPH, KV_CACHE
-from server.model.attention import AttentionContext, PrefillPlan, PrefillSpan, prefill_tile_tokens, prefill_tiles
+from server.model.attention import (AttentionContext, PrefillPlan, PrefillSpan, prefill_tile_rows, prefill_tile_tokens,
+                                    prefill_tiles)
 from server.model.kv_layout import attach, kv_cache_shape
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import copy_weights, init_dummy_weights, iter_checkpoint, parameter_names
@@ -132,7 +133,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         c = self.cfg
         # Query tokens per tile of the prefill plan (to_device): the GQA group's heads share a tile's rows.
-        self.tile_tokens = prefill_tile_tokens(c.num_heads // c.num_kv_heads)
+        self.tile_tokens = prefill_tile_tokens(c.num_heads // c.num_kv_heads, prefill_tile_rows(c.head_dim))
         # One block-major tensor for the whole cache (model/kv_layout.py), seen by each layer through
         # strided K and V views. With chunk bounds its memory comes in chunks of blocks (dim 0), each
         # one contiguous range = one pool piece, which a wake maps back one after the other.

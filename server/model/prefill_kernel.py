@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.model.attention import AttentionContext, plan_prefill
+from server.model.attention import AttentionContext, plan_prefill, prefill_tile_rows
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step of the online softmax (4 blocks of 16)
@@ -123,7 +123,7 @@ def triton_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     group = H // kv_heads
     plan = ctx.prefill_plan
     if plan is None:  # a context the runner did not build: plan it once for all layers
-        plan = ctx.prefill_plan = plan_prefill(ctx.prefills, group, q.device)
+        plan = ctx.prefill_plan = plan_prefill(ctx.prefills, group, q.device, prefill_tile_rows(D))
     tiles = plan.tiles
     block_m, num_warps = launch_shape(plan.tile_tokens, group, D, q.element_size())
     _paged_prefill[(tiles.shape[0], kv_heads)](
