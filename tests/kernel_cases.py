@@ -11,6 +11,22 @@ from server.model.kv_layout import layer_views
 LAYERS = 3
 
 
+# The interpreter runs fp32 and fp16 only (it mishandles bf16 matmuls; bf16 is checked on the GPU).
+INTERPRETER_TOLERANCES = ((torch.float32, 1e-5), (torch.float16, 2e-3))
+
+
+def worst_interpreted_errors(error_of, cases: list) -> dict[str, float]:
+    """error_of(case, dtype, seed) for every case in each interpreter dtype, each under that dtype's
+    tolerance (AssertionError naming the case otherwise); returns the worst error per dtype."""
+    worst: dict[str, float] = {}
+    for dtype, tol in INTERPRETER_TOLERANCES:
+        for i, case in enumerate(cases):
+            err = error_of(case, dtype, i)
+            assert err < tol, f"{dtype} case {i}: relative error {err:.2e} over {tol:.0e}"
+            worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
+    return worst
+
+
 def random_case(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_len: int,
                 dtype: torch.dtype, device: str, seed: int):
     """Caches with scattered pages (strided views of a block-major cache), block tables in random order, lengths that are often not a
