@@ -269,7 +269,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
                   f"{second_s * 1e3:.1f} ms ({second_s / before_s:.2f}x)", flush=True)
             # The same request right after a wake that came 1 s after its sleep (a trainer's step sits
             # between them in RL): tells the wake's own cost from what the driver still does with the
-            # memory the sleep released (measured: it keeps the GPU busy for ~100 ms after a release).
+            # memory the sleep released (measured: a copy runs 11% slower for 200-300 ms after a release).
             c.post("/reset_prefix_cache")
             timed_post(c, "/sleep?level=1")
             time.sleep(1.0)

@@ -1,7 +1,7 @@
 """--tp-release-comm-on-sleep on a multi-GPU host: what destroying NCCL's communicator for a sleep gives
 back, and what re-creating it (and re-capturing the decode graphs) costs the wake.
 
-One TP=N engine per setting of the flag (off, then on): NCCL all-reduce, decode CUDA graphs, an 8B shape
+One TP=N engine per setting of the flag (off, then on), each in its own process: NCCL all-reduce, decode CUDA graphs, an 8B shape
 with random bf16 weights. Per level (1, then 2 with update_weights after the wake), 3 sleep/wake cycles:
 sleep and wake wall time, the wake's communicator part per rank (init: a new NCCL communicator and the
 ranks' agreement; capture: the decode graphs again), each GPU's memory in use while asleep (nvidia-smi,
@@ -118,8 +118,8 @@ def main() -> None:
     world = args.world
     if torch.cuda.device_count() < world:
         sys.exit(f"needs {world} GPUs, this host has {torch.cuda.device_count()}")
-    folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
     if args.setting is not None:
+        folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
         print(json.dumps(run_setting(folder, args.setting == "on", world, json.loads(os.environ[_IDLE]), args)))
         return
     idle = gpu_used(world)

@@ -57,7 +57,7 @@ class Group:
             if released_on_sleep:
                 # Buffers NCCL registers while graphs capture its collectives outlive the communicator's
                 # destruction: with registration each release/re-create cycle grew every rank by
-                # 136 MiB and gave back 76-212 MiB; without it, 484 MiB back and no growth (2xH200,
+                # 136 MiB and gave back 76-212 MiB; without it, 620 MiB back and no growth (2xH200,
                 # NCCL 2.28.9, 8B TP=2, 2026-11-30). Read by NCCL at its first communicator.
                 os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
         elif all_reduce == "symm" and self.rank == 0:
