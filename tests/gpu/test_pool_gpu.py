@@ -280,6 +280,9 @@ def test_fifty_cycles_leak_nothing_on_device_or_host(pool):
     weights.copy_(torch.randint(0, 256, weights.shape, device="cuda", dtype=torch.uint8))
     expected = raw(weights).cpu()
     kv = pool.empty((GiB,), torch.uint8, "kv_cache")
+    # Alive through every cycle, outside the pool (as an engine's small eager tensors are): sleep must
+    # not count it as torch's cache to give back on wake, or each wake grows torch's cache by its size.
+    outside = torch.ones(4 * MiB, dtype=torch.uint8, device="cuda")
 
     def cycle() -> None:
         pool.sleep(offload_tags=["weights"], discard_tags=["kv_cache"])
@@ -303,6 +306,8 @@ def test_fifty_cycles_leak_nothing_on_device_or_host(pool):
     where = (f"MiB lost after 10..50 cycles {lost}; torch reserved {reserved0 // MiB} -> "
              f"{torch.cuda.memory_reserved() // MiB} MiB; pool tags before {pool0} after {pool.stats().tags}")
     assert device0 - free_bytes() < 8 * MiB, f"device memory leaked over 50 cycles: {where}"
+    assert torch.cuda.memory_reserved() - reserved0 < 8 * MiB, f"torch's cache grew: {where}"
+    assert int(outside.sum()) == 4 * MiB
     assert host_rss() - host0 < 64 * MiB, "host memory leaked over 50 cycles"
     assert torch.equal(raw(weights).cpu(), expected)
 
