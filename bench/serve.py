@@ -329,6 +329,9 @@ def summarize(results: list[Result], duration: float) -> dict:
     summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
                "all_first_token_ms": 1e3 * (max(firsts) - min(r.sent for r in ok)) if firsts else None,
                "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
+               # Streamed: output tokens per content chunk (above 1: the server merged steps a client was behind on).
+               "tokens_per_chunk": (out_tokens / sum(len(r.itl) + 1 for r in ok if not math.isnan(r.ttft))
+                                    if firsts and any(r.itl for r in ok) else None),
                "request_throughput": len(ok) / duration}
     for name, xs in dists.items():
         summary[name] = ({"mean": float(np.mean(xs)), **{f"p{q}": float(np.percentile(xs, q)) for q in (50, 90, 99)}}
@@ -559,12 +562,13 @@ def report(result: dict) -> None:
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-",
                   r["steps"] if r.get("steps") is not None else "-",
                   f"{r['all_first_token_ms']:.0f}" if r["stream"] is not False and r.get("all_first_token_ms") else "-",
+                  f"{r['tokens_per_chunk']:.2f}" if r.get("tokens_per_chunk") else "-",
                   f"{1e3 * r['duration_s']:.0f}", _client(r)] for r in sat],
                 ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)", "engine steps",
-                 "all first tokens ms", "span ms", "client cores/procs"]))
+                 "all first tokens ms", "tokens/chunk", "span ms", "client cores/procs"]))
     print("engine steps: steps that ran tokens during the pass (the server's vllm:iteration_tokens_total count); "
           "above the output length, the steps admission was spread over. all first tokens: from the first send "
-          "until every request had its first token (streamed). span: first send to last answer, both paths.")
+          "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. span: first send to last answer, both paths.")
     busy = [r for r in result["rows"] if "client_cores" in r and r["client_cores"] > 0.8 * r["client_procs"]]
     if busy:
         print(f"WARNING: the benchmark's client processes were >80% busy in {len(busy)} HTTP pass(es): their HTTP "
