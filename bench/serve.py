@@ -13,6 +13,10 @@ With --async-scheduling both, the server runs twice (without and with --async-sc
 in-process engine runs every pass twice (switched between passes); the paths are then http / http+async
 and engine / engine+async, with a table of on/off output tok/s side by side.
 
+With --spy DIR (py-spy on PATH), each HTTP pass also records the server's API and engine processes: how many
+cores each kept busy, and each thread's hottest frames (the engine's idle waits included), so a pass that falls
+short of the in-process engine says which process set its pace.
+
 Results: serve-<device>.json and serve-<device>.png in --out. ITL is measured per streamed chunk, as
 vLLM's benchmark does; a chunk may carry more than one token when the server batches a step's output.
 """
@@ -36,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import hardware, in_thread, now_iso, table, write_json  # noqa: E402
+from bench.spy import Spy  # noqa: E402
 
 SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
 
@@ -414,6 +419,9 @@ def main() -> None:
                     help="client processes the HTTP requests are spread over (default: 1 on CPU; on CUDA half the "
                          "cores, at most 8: one `openai` client process cannot keep up with an H200's streams)")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
+    ap.add_argument("--spy", type=Path, default=None,
+                    help="record the started server's API and engine processes with py-spy during each HTTP pass "
+                         "(raw stacks in this folder; per-thread shares and hottest frames in the JSON and printed)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for development and CI")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0)
@@ -476,12 +484,23 @@ def main() -> None:
 
             def http(reqs: list[Req], stream: bool):
                 before: list = []
-                results, duration, client = run_clients(url, args.api_key, served, reqs, stream, args.temperature,
-                                                        args.timeout, procs,
-                                                        lambda: before.append(server_steps(url, args.api_key)))
+                spies: list = []
+
+                def at_start() -> None:
+                    before.append(server_steps(url, args.api_key))
+                    if args.spy is not None and server is not None:
+                        name = f"{'async' if on else 'sync'}-{len(reqs)}-{'stream' if stream else 'nostream'}"
+                        spies.append(Spy(args.spy, name, {"api": server.proc.pid, "engine": server.engine_pid},
+                                         idle={"engine"}))
+
+                try:
+                    results, duration, client = run_clients(url, args.api_key, served, reqs, stream, args.temperature,
+                                                            args.timeout, procs, at_start)
+                finally:
+                    profiles = spies[0].stop() if spies else None
                 after = server_steps(url, args.api_key)
                 steps = after - before[0] if None not in (before[0], after) else None
-                return results, duration, {**client, "steps": steps}
+                return results, duration, {**client, "steps": steps, **({"spy": profiles} if profiles else {})}
 
             run_clients(url, args.api_key, served, by_conc[0][1][:2], True, args.temperature, args.timeout, 1)  # warm-up
             for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
@@ -569,6 +588,14 @@ def report(result: dict) -> None:
     print("engine steps: steps that ran tokens during the pass (the server's vllm:iteration_tokens_total count); "
           "above the output length, the steps admission was spread over. all first tokens: from the first send "
           "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. span: first send to last answer, both paths.")
+    for r in result["rows"]:
+        for proc, prof in (r.get("spy") or {}).items():
+            mode = {True: "stream", False: "no stream", None: "-"}[r["stream"]]
+            print(f"py-spy, {r['path']} {r['pass']} {r['key']} {mode}, {proc} process: {prof['cpu_cores']} cores busy, "
+                  f"{prof['samples']} samples")
+            for thread, t in list(prof["threads"].items())[:3]:
+                print(f"  {thread} ({100 * t['share']:.0f}% of the samples): "
+                      + "; ".join(f"{100 * x:.0f}% {frame}" for frame, x in t["top"]))
     busy = [r for r in result["rows"] if "client_cores" in r and r["client_cores"] > 0.8 * r["client_procs"]]
     if busy:
         print(f"WARNING: the benchmark's client processes were >80% busy in {len(busy)} HTTP pass(es): their HTTP "

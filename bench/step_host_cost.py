@@ -38,7 +38,6 @@ import cProfile
 import gc
 import io
 import math
-import os
 import pickle
 import pstats
 import sys
@@ -51,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import in_thread, sync, table, write_json  # noqa: E402
+from bench.spy import cpu_seconds  # noqa: E402
 from tests.models import model_folder  # noqa: E402
 
 
@@ -270,12 +270,6 @@ def step_wall(llm, batch: int, kind: str, n: int, steps: int, temperature: float
             "tok_s": batch * steps / seconds, "steps_ahead": ahead / steps}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, temperature: float,
               kv: dict, async_on: bool = False) -> list[dict]:
     """The same decode through the real server: C requests at once (one prompt each, `tokens` new tokens,
@@ -304,15 +298,16 @@ def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, 
         for c in concurrencies:
             reqs = workload(c, 32, tokens, 0.0, math.inf, 1000, seed=c)
             for stream in (False, True):
-                a0, e0, t0 = _cpu_seconds(api_pid), _cpu_seconds(engine_pid), time.perf_counter()
+                a0, e0, t0 = cpu_seconds(api_pid), cpu_seconds(engine_pid), time.perf_counter()
                 results, _ = asyncio.run(run_http(server.url, "EMPTY", served, reqs, stream, temperature, 1800))
-                a1, e1, t1 = _cpu_seconds(api_pid), _cpu_seconds(engine_pid), time.perf_counter()
+                a1, e1, t1 = cpu_seconds(api_pid), cpu_seconds(engine_pid), time.perf_counter()
                 errors = [r.error for r in results if r.error]
                 if errors:
                     raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
                 n = sum(r.output_tokens for r in results)
+                chunks = sum(len(r.itl) + 1 for r in results) if stream else None  # content chunks received
                 rows.append({"concurrency": c, "stream": stream, "async": async_on, "tokens": n,
-                             "tok_s": n / (t1 - t0),
+                             "tok_s": n / (t1 - t0), "tokens_per_chunk": n / chunks if chunks else None,
                              "api_cpu_us_per_token": 1e6 * (a1 - a0) / n,
                              "engine_cpu_us_per_token": 1e6 * (e1 - e0) / n})
     finally:
@@ -398,10 +393,10 @@ def main() -> None:
         for on in async_modes:
             http_rows += http_cost(folder, args.device, [int(c) for c in args.http.split(",")], tokens,
                                    args.temperature, kv, on)
-        hkeys = ["tokens", "tok_s", "api_cpu_us_per_token", "engine_cpu_us_per_token"]
+        hkeys = ["tokens", "tok_s", "tokens_per_chunk", "api_cpu_us_per_token", "engine_cpu_us_per_token"]
         print(f"\nthrough the HTTP server ({tokens} new tokens per request, one prompt each, temperature "
               f"{args.temperature}): each process's CPU time per output token")
-        print(table([[r["concurrency"], r["stream"], "on" if r["async"] else "off"] + [f"{r[k]:.1f}" for k in hkeys]
+        print(table([[r["concurrency"], r["stream"], "on" if r["async"] else "off"] + [f"{r[k]:.1f}" if r[k] is not None else "-" for k in hkeys]
                      for r in http_rows], ["concurrency", "stream", "async"] + hkeys))
     if args.out is not None:
         write_json(args.out, "step_host_cost" + ("" if args.device == "cuda" else "-cpu"),

@@ -33,7 +33,8 @@
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
 # size and threads: bench/vmm_floor.py), tms (our pool beside torch_memory_saver: bench/tms_compare.py;
 # its wheel must be in .whl, see scripts/gpu_assets.sh), serve64 (bench/serve.py's saturation pass alone, 64 and
-# 256 requests at once, HTTP streamed and not against in-process, with each pass's engine steps; < 2 min).
+# 256 requests at once, HTTP streamed and not against in-process, with each pass's engine steps, and py-spy's view
+# of the server's API and engine processes where py-spy is carried; < 2 min).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ export SLEEPSERVE_CACHE=${SLEEPSERVE_CACHE:-/tmp/sleepserve-cache}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # bin: the wheels' programs (py-spy)
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
@@ -123,7 +124,7 @@ for stage in $stages; do
     tms)        run tms $PY bench/tms_compare.py --out "$RESULTS" ;;
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
     serve64)    run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
-                  --out "$RESULTS/serve64" ;;
+                  --out "$RESULTS/serve64" $(command -v py-spy > /dev/null && echo --spy "$RESULTS/serve64/spy") ;;
     rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"
                 run rollout-8b $PY bench/rollout.py --device cuda --model llama-8b --out "$RESULTS" ;;
     rollout-1b|rollout-8b)

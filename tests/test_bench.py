@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
 from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
 from bench.serve import run_clients, run_engine, run_http, server_steps, summarize, workload  # noqa: E402
+from bench.spy import summarize as summarize_spy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,6 +57,9 @@ def test_serve_http_and_engine_paths_complete_every_request(stream, llm):
     assert s["ttft_ms"]["p50"] > 0 and s["output_tok_s"] > 0
     if stream:
         assert all(len(r.itl) >= 1 for r in results) and s["itl_ms"] is not None
+        assert 1.0 <= s["tokens_per_chunk"] <= 4.0  # 12 tokens in 3 to 12 content chunks
+    else:
+        assert s["tokens_per_chunk"] is None
     counts: dict = {}
     eng, duration = run_engine(llm.engine, reqs, 0.0, f"bench-{stream}", counts)
     e = summarize(eng, duration)
@@ -63,6 +67,21 @@ def test_serve_http_and_engine_paths_complete_every_request(stream, llm):
     assert counts["steps"] == 4  # all three admitted at once: one step per token
     assert e["all_first_token_ms"] > 0
     assert not llm.engine.has_unfinished
+
+
+def test_spy_summary_gives_each_threads_share_and_hottest_frames(tmp_path):
+    # py-spy's raw format: one line per distinct stack, root first (with --threads, the thread), then a count.
+    raw = tmp_path / "api.txt"
+    raw.write_text("thread (1): MainThread;run (a.py:1);send (b.py:2) 30\n"
+                   "thread (1): MainThread;run (a.py:1);take (c.py:3) 10\n"
+                   "thread (1): MainThread;run (a.py:1);send (b.py:2) 20\n"
+                   "thread (2): reader;read (d.py:4) 40\n"
+                   "not a stack line\n")
+    s = summarize_spy(raw, top=1)
+    assert s["samples"] == 100
+    assert list(s["threads"]) == ["thread (1): MainThread", "thread (2): reader"]  # busiest first
+    assert s["threads"]["thread (1): MainThread"] == {"share": 0.6, "top": [["send (b.py:2)", round(50 / 60, 3)]]}
+    assert s["threads"]["thread (2): reader"] == {"share": 0.4, "top": [["read (d.py:4)", 1.0]]}
 
 
 def test_rollout_http_as_trl_and_in_process_with_roofline(llm):

@@ -1,0 +1,84 @@
+"""Sampling profiles of the server's processes while a benchmark pass runs (py-spy, from PyPI).
+
+Where a pass through HTTP falls short of the in-process engine, the question is which process sets the pace:
+the API (HTTP, SSE framing, socket writes), the engine (its steps, or waiting for work), or neither (then the
+clients). `Spy` records each given process with py-spy for the length of one pass — idle samples included, so a
+thread that waits shows where it waits, where asked — and summarizes each thread as its share of the samples and its
+hottest innermost frames. Non-blocking sampling: the processes are never paused, so the pass runs as without it.
+
+    spy = Spy(Path("out/spy"), "stream-64", {"api": api_pid, "engine": engine_pid}, idle={"engine"})
+    ... the pass ...
+    summary = spy.stop()   # {"api": {"cpu_cores": ..., "samples": ..., "threads": {...}, "top": [...]}, ...}
+"""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Collection
+
+
+def py_spy() -> str:
+    found = shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("--spy needs py-spy on PATH (pip install py-spy; on the GPU host, carry its wheel in .whl)")
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process (all its threads) so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Spy:
+    """idle: also sample waiting threads (where a thread waits). Without it the samples are the busy ones only:
+    for an event loop, whose wait and whose C work (uvloop, socket writes) both sit in one Python frame, that is
+    the way to see its work. Either way `cpu_cores` (CPU seconds ÷ wall seconds, every thread) says how busy."""
+
+    def __init__(self, folder: Path, name: str, pids: dict[str, int], idle: Collection[str] = (), rate: int = 250):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.files = {proc: folder / f"{name}-{proc}.txt" for proc in pids}
+        self.pids = dict(pids)
+        self._cpu0 = {proc: cpu_seconds(pid) for proc, pid in pids.items()}
+        self._t0 = time.monotonic()
+        self._procs = [subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
+                                         *(["--idle"] if proc in idle else []), "--threads", "--nonblocking",
+                                         "-o", str(self.files[proc])],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       for proc, pid in pids.items()]
+
+    def stop(self) -> dict:
+        wall = time.monotonic() - self._t0
+        cores = {proc: (cpu_seconds(pid) - self._cpu0[proc]) / wall for proc, pid in self.pids.items()}
+        for p in self._procs:
+            p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for p in self._procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        return {proc: {"cpu_cores": round(cores[proc], 2), **summarize(path)}
+                for proc, path in self.files.items() if path.exists()}
+
+
+def summarize(path: Path, top: int = 5) -> dict:
+    """Per thread (py-spy's root frame names it): its share of the samples and its `top` innermost frames, each
+    as a share of that thread's samples (with idle sampling, a thread's wait is one of them)."""
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            parts = stack.split(";")
+            threads[parts[0]][parts[-1]] += int(count)
+    total = sum(sum(c.values()) for c in threads.values())
+    out = {}
+    for name, frames in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
+        n = sum(frames.values())
+        out[name] = {"share": round(n / total, 3),
+                     "top": [[f, round(k / n, 3)] for f, k in frames.most_common(top)]}
+    return {"samples": total, "threads": out}
