@@ -30,6 +30,19 @@ def tp2(default_model_folder):
     assert [p.wait(30) for p in procs] == [0], "a worker did not exit cleanly on close"
 
 
+@pytest.fixture(autouse=True)
+def awake_after_each_test(request):
+    """A test that fails half-way (a full disk failed CI's sleeps once) must not leave the module's shared TP=2
+    engine asleep or paused: one failure, not every later test failing with "the server is paused"."""
+    yield
+    if "tp2" in request.fixturenames:
+        llm = request.getfixturevalue("tp2")
+        if llm.engine.sleep_state.asleep:
+            llm.wake_up()
+        if llm.engine.sleep_state.paused:
+            llm.resume()
+
+
 @pytest.fixture(scope="module")
 def reference(llm, default_model_folder, tmp_path_factory):
     """One rank's greedy tokens, with the served weights and with a 'trained' checkpoint."""
