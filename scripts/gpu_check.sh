@@ -34,7 +34,8 @@
 # size and threads: bench/vmm_floor.py), tms (our pool beside torch_memory_saver: bench/tms_compare.py;
 # its wheel must be in .whl, see scripts/gpu_assets.sh), serve64 (bench/serve.py's saturation pass alone, 64 and
 # 256 requests at once, HTTP streamed and not against in-process, with each pass's engine steps, and py-spy's view
-# of the server's API and engine processes where py-spy is carried; < 2 min).
+# of the server's API and engine processes where py-spy is carried; < 2 min), ssefloor (the API process's CPU per
+# streamed chunk against a bare ASGI app under the same uvicorn: bench/sse_floor.py; < 1 min).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,6 +124,7 @@ for stage in $stages; do
                 run vmm-aftermath $PY bench/vmm_floor.py --gib 100 --aftermath --out "$RESULTS" ;;
     tms)        run tms $PY bench/tms_compare.py --out "$RESULTS" ;;
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
+    ssefloor)   run ssefloor $PY bench/sse_floor.py --device cuda --model llama-1b --out "$RESULTS/ssefloor" ;;
     serve64)    run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
                   --out "$RESULTS/serve64" $(command -v py-spy > /dev/null && echo --spy "$RESULTS/serve64/spy") ;;
     rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"

@@ -17,6 +17,7 @@ from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
 from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
 from bench.serve import run_clients, run_engine, run_http, server_steps, summarize, workload  # noqa: E402
 from bench.spy import summarize as summarize_spy  # noqa: E402
+from bench.sse_floor import run as sse_floor  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,6 +83,14 @@ def test_spy_summary_gives_each_threads_share_and_hottest_frames(tmp_path):
     assert list(s["threads"]) == ["thread (1): MainThread", "thread (2): reader"]  # busiest first
     assert s["threads"]["thread (1): MainThread"] == {"share": 0.6, "top": [["send (b.py:2)", round(50 / 60, 3)]]}
     assert s["threads"]["thread (2): reader"] == {"share": 0.4, "top": [["read (d.py:4)", 1.0]]}
+
+
+def test_sse_floor_counts_the_same_chunks_through_the_server_and_the_bare_app():
+    r = sse_floor("cpu", "llama-micro", 2, 4, 1)
+    ours, floor = r["server"], r["floor"]
+    assert 2 <= ours["chunks"] <= 8  # 2 streams x 4 tokens, merged into fewer chunks only when a client lags
+    assert floor["chunks"] == 2 * round(ours["chunks"] / 2) and floor["chunk_bytes"] == ours["chunk_bytes"] > 100
+    assert ours["cpu_s"] > 0 and floor["cpu_s"] >= 0 and ours["engine_cpu_us_per_chunk"] > 0
 
 
 def test_rollout_http_as_trl_and_in_process_with_roofline(llm):
