@@ -90,7 +90,10 @@ def test_sse_floor_counts_the_same_chunks_through_the_server_and_the_bare_app():
     ours, floor = r["server"], r["floor"]
     assert 2 <= ours["chunks"] <= 8  # 2 streams x 4 tokens, merged into fewer chunks only when a client lags
     assert floor["chunks"] == 2 * round(ours["chunks"] / 2) and floor["chunk_bytes"] == ours["chunk_bytes"] > 100
-    assert ours["cpu_s"] > 0 and floor["cpu_s"] >= 0 and ours["engine_cpu_us_per_chunk"] > 0
+    # CPU seconds come from /proc in clock ticks (10 ms): a run this small may read 0, so only their use is checked.
+    for row in (ours, floor):
+        assert row["cpu_us_per_chunk"] == pytest.approx(1e6 * row["cpu_s"] / row["chunks"])
+    assert (r["server_over_floor"] is None) == (floor["cpu_s"] == 0)
 
 
 def test_rollout_http_as_trl_and_in_process_with_roofline(llm):
