@@ -122,8 +122,9 @@ class CudaBackend:
         self.backups: dict[str, PinnedBackup] = {}  # released by MemoryPool
         self._reservations: list[int] = []  # ranges of empty_chunked(), freed by close()
         self._reserved_bytes: dict[int, int] = {}  # their sizes: pieces inside are not torch's segments
-        # What torch's own caching allocator held outside the pool when the last sleep returned it to
-        # the driver (activations, cuBLAS workspaces): the last wake gives it back while its copies run.
+        # What the last sleep's release of torch's own cache gave back to the driver (cached activation
+        # blocks, cuBLAS workspaces; not segments live tensors keep): the last wake gives it back while its
+        # copies run.
         self._torch_cache_bytes = 0
         self._expandable = expandable_segments_requested()
         self._local = threading.local()
@@ -408,8 +409,8 @@ class CudaBackend:
         return max(0, reserved - ours)
 
     def _warm_torch_cache(self) -> int:
-        """Give torch's caching allocator back, as one cached segment, what it held before the sleep
-        returned it to the driver, so the first request after a wake finds its activation and cuBLAS
+        """Give torch's caching allocator back, as one cached segment, what the sleep's release of its
+        cache returned to the driver, so the first request after a wake finds its activation and cuBLAS
         workspace memory cached instead of paying a cudaMalloc for each (+13 to +31 ms measured on
         the first forward after a wake). Called by the wake that leaves nothing asleep, while its
         copies run; an optimization only: a failure (e.g. the memory is taken) changes nothing.

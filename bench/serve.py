@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import hardware, in_thread, now_iso, table, write_json  # noqa: E402
-from bench.spy import Spy  # noqa: E402
+from bench.spy import Spy, py_spy  # noqa: E402
 
 SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
 
@@ -335,6 +335,7 @@ def summarize(results: list[Result], duration: float) -> dict:
                "all_first_token_ms": 1e3 * (max(firsts) - min(r.sent for r in ok)) if firsts else None,
                "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
                # Streamed: output tokens per content chunk (above 1: the server merged steps a client was behind on).
+               # The in-process rows have it too (outputs per step): the report shows it for HTTP streams only.
                "tokens_per_chunk": (out_tokens / sum(len(r.itl) + 1 for r in ok if not math.isnan(r.ttft))
                                     if firsts and any(r.itl for r in ok) else None),
                "request_throughput": len(ok) / duration}
@@ -463,6 +464,11 @@ def main() -> None:
 
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     procs = args.client_procs or (min(8, max(1, (os.cpu_count() or 2) // 2)) if cuda else 1)
+    passes: list[int] = []  # HTTP passes profiled so far (--spy's file names)
+    if args.spy is not None:
+        if args.url is not None:
+            raise SystemExit("--spy records the server this starts; with --url, run py-spy on that server yourself")
+        py_spy()  # its absence said now, not after the server started
     result["client_procs"] = procs
     # HTTP first: on CUDA the server process must have the device to itself while it sizes its cache.
     for on in modes:
@@ -489,7 +495,9 @@ def main() -> None:
                 def at_start() -> None:
                     before.append(server_steps(url, args.api_key))
                     if args.spy is not None and server is not None:
-                        name = f"{'async' if on else 'sync'}-{len(reqs)}-{'stream' if stream else 'nostream'}"
+                        passes.append(len(passes))  # a pass's number: every rate pass has as many requests
+                        name = (f"{passes[-1]:02d}-{'async' if on else 'sync'}-{len(reqs)}-"
+                                f"{'stream' if stream else 'nostream'}")
                         spies.append(Spy(args.spy, name, {"api": server.proc.pid, "engine": server.engine_pid},
                                          idle={"engine"}))
 
@@ -581,7 +589,7 @@ def report(result: dict) -> None:
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-",
                   r["steps"] if r.get("steps") is not None else "-",
                   f"{r['all_first_token_ms']:.0f}" if r["stream"] is not False and r.get("all_first_token_ms") else "-",
-                  f"{r['tokens_per_chunk']:.2f}" if r.get("tokens_per_chunk") else "-",
+                  f"{r['tokens_per_chunk']:.2f}" if r.get("tokens_per_chunk") and r["stream"] else "-",
                   f"{1e3 * r['duration_s']:.0f}", _client(r)] for r in sat],
                 ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)", "engine steps",
                  "all first tokens ms", "tokens/chunk", "span ms", "client cores/procs"]))
@@ -591,9 +599,12 @@ def report(result: dict) -> None:
     for r in result["rows"]:
         for proc, prof in (r.get("spy") or {}).items():
             mode = {True: "stream", False: "no stream", None: "-"}[r["stream"]]
-            print(f"py-spy, {r['path']} {r['pass']} {r['key']} {mode}, {proc} process: {prof['cpu_cores']} cores busy, "
-                  f"{prof['samples']} samples")
-            for thread, t in list(prof["threads"].items())[:3]:
+            head = f"py-spy, {r['path']} {r['pass']} {r['key']} {mode}, {proc} process: {prof['cpu_cores']} cores busy"
+            if "error" in prof:
+                print(f"{head}; not recorded: {prof['error']}")
+                continue
+            print(f"{head}, {prof['samples']} samples")
+            for thread, t in prof["threads"].items():
                 print(f"  {thread} ({100 * t['share']:.0f}% of the samples): "
                       + "; ".join(f"{100 * x:.0f}% {frame}" for frame, x in t["top"]))
     busy = [r for r in result["rows"] if "client_cores" in r and r["client_cores"] > 0.8 * r["client_procs"]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,18 +44,28 @@ class Spy:
     def __init__(self, folder: Path, name: str, pids: dict[str, int], idle: Collection[str] = (), rate: int = 250):
         folder.mkdir(parents=True, exist_ok=True)
         self.files = {proc: folder / f"{name}-{proc}.txt" for proc in pids}
+        self.logs = {proc: folder / f"{name}-{proc}.log" for proc in pids}  # py-spy's own messages
         self.pids = dict(pids)
         self._cpu0 = {proc: cpu_seconds(pid) for proc, pid in pids.items()}
         self._t0 = time.monotonic()
-        self._procs = [subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
-                                         *(["--idle"] if proc in idle else []), "--threads", "--nonblocking",
-                                         "-o", str(self.files[proc])],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                       for proc, pid in pids.items()]
+        self._procs = []
+        for proc, pid in pids.items():
+            with open(self.logs[proc], "wb") as log:
+                self._procs.append(subprocess.Popen(
+                    [py_spy(), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
+                     *(["--idle"] if proc in idle else []), "--threads", "--nonblocking", "-o", str(self.files[proc])],
+                    stdout=log, stderr=subprocess.STDOUT))
 
     def stop(self) -> dict:
+        """Each process's profile; {"error": py-spy's last words} for one it could not record (no ptrace
+        permission, the process gone)."""
         wall = time.monotonic() - self._t0
-        cores = {proc: (cpu_seconds(pid) - self._cpu0[proc]) / wall for proc, pid in self.pids.items()}
+        cpu1 = {}
+        for proc, pid in self.pids.items():
+            try:
+                cpu1[proc] = cpu_seconds(pid)
+            except (OSError, IndexError, ValueError):  # the process is gone: no figure, and no error of ours
+                pass
         for p in self._procs:
             p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         for p in self._procs:
@@ -62,23 +73,39 @@ class Spy:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
-        return {proc: {"cpu_cores": round(cores[proc], 2), **summarize(path)}
-                for proc, path in self.files.items() if path.exists()}
+        out = {}
+        for proc, path in self.files.items():
+            cores = round((cpu1[proc] - self._cpu0[proc]) / wall, 2) if proc in cpu1 else None
+            if path.exists():
+                out[proc] = {"cpu_cores": cores, **summarize(path)}
+            else:
+                said = self.logs[proc].read_text(errors="replace").strip().splitlines()
+                out[proc] = {"cpu_cores": cores, "error": " ".join(said[-3:]) or "py-spy wrote no profile"}
+        return out
+
+
+ROOT = re.compile(r"(thread \(\d+\))(?::\s*(.*))?")
 
 
 def summarize(path: Path, top: int = 5) -> dict:
-    """Per thread (py-spy's root frame names it): its share of the samples and its `top` innermost frames, each
-    as a share of that thread's samples (with idle sampling, a thread's wait is one of them)."""
+    """Per thread (py-spy's root frame: `thread (id): name`, or the id alone before the name is known): its
+    share of the samples and its `top` innermost frames, each as a share of that thread's samples (with idle
+    sampling, a thread's wait is one of them)."""
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    names: dict[str, str] = {}
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if stack and count.isdigit():
             parts = stack.split(";")
-            threads[parts[0]][parts[-1]] += int(count)
+            m = ROOT.fullmatch(parts[0])
+            key = m.group(1) if m else parts[0]
+            if m and m.group(2):
+                names[key] = m.group(2)
+            threads[key][parts[-1]] += int(count)
     total = sum(sum(c.values()) for c in threads.values())
     out = {}
-    for name, frames in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
+    for key, frames in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
         n = sum(frames.values())
-        out[name] = {"share": round(n / total, 3),
-                     "top": [[f, round(k / n, 3)] for f, k in frames.most_common(top)]}
+        out[f"{key}: {names[key]}" if key in names else key] = {
+            "share": round(n / total, 3), "top": [[f, round(k / n, 3)] for f, k in frames.most_common(top)]}
     return {"samples": total, "threads": out}

@@ -38,35 +38,48 @@ from bench.spy import cpu_seconds  # noqa: E402
 DONE = b"data: [DONE]\n\n"
 
 
+TIMEOUT_S = 600.0  # a stalled server fails the run instead of hanging it
+
+
 def stream_one(port: int, body: bytes, out: list) -> None:
-    """POST body, read the SSE stream to its end; append (content chunks, bytes of the first one)."""
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        data = bytearray()
-        while not data.endswith(b"0\r\n\r\n"):  # the chunked body's end
-            got = s.recv(1 << 16)
-            if not got:
-                break
-            data += got
-            if not data.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in data:
-                raise RuntimeError(f"the server refused the request: {bytes(data)[:300]!r}")
-    data = bytes(data)
-    start = data.find(b"data: {")
-    size = data.index(b"\n\n", start) + 2 - start if start >= 0 else 0
-    out.append((data.count(b"data: {") - data.count(b'"text":""'), size))  # chunks with content; one's bytes
+    """POST body, read the SSE stream to its end; append (content chunks, bytes of the first one), or the
+    exception that stopped it (burst raises it)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            data = bytearray()
+            while not data.endswith(b"0\r\n\r\n"):  # the chunked body's end
+                got = s.recv(1 << 16)
+                if not got:
+                    raise RuntimeError(f"the connection closed before the stream ended: {bytes(data)[-200:]!r}")
+                data += got
+                if not data.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in data:
+                    raise RuntimeError(f"the server refused the request: {bytes(data)[:300]!r}")
+        text = bytes(data)
+        start = text.find(b"data: {")
+        size = text.index(b"\n\n", start) + 2 - start if start >= 0 else 0
+        out.append((text.count(b"data: {") - text.count(b'"text":""'), size))  # chunks with content; one's bytes
+    except Exception as e:  # noqa: BLE001 - a thread's exception would only be printed: burst raises it
+        out.append(e)
 
 
 def burst(port: int, body: bytes, c: int) -> tuple[int, int, float]:
     """C streams at once; (content chunks, bytes of a chunk, wall seconds)."""
     out: list = []
-    threads = [threading.Thread(target=stream_one, args=(port, body, out)) for _ in range(c)]
+    threads = [threading.Thread(target=stream_one, args=(port, body, out), daemon=True) for _ in range(c)]
     t = time.perf_counter()
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
-    return sum(n for n, _ in out), max(b for _, b in out), time.perf_counter() - t
+        th.join(TIMEOUT_S)
+    wall = time.perf_counter() - t
+    errors = [e for e in out if isinstance(e, BaseException)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {c} streams failed: {errors[0]}") from errors[0]
+    if len(out) < c:
+        raise RuntimeError(f"{c - len(out)} of {c} streams did not end within {TIMEOUT_S:.0f} s")
+    return sum(n for n, _ in out), max(b for _, b in out), wall
 
 
 # The floor's app: served by `uvicorn bench.sse_floor:floor_app` in its own process; FLOOR_* set its stream.
@@ -116,6 +129,8 @@ def measure(port: int, pid: int, body: bytes, c: int, rounds: int, extra_pid: in
         n, size, w = burst(port, body, c)
         chunks, wall = chunks + n, wall + w
     cpu = cpu_seconds(pid) - c0
+    if not chunks:
+        raise RuntimeError("no stream carried a content chunk: nothing to measure per chunk")
     row = {"chunks": chunks, "chunk_bytes": size, "wall_s": wall, "cpu_s": cpu, "cpu_us_per_chunk": 1e6 * cpu / chunks}
     if extra_pid:
         row["engine_cpu_us_per_chunk"] = 1e6 * (cpu_seconds(extra_pid) - e0) / chunks
@@ -124,10 +139,15 @@ def measure(port: int, pid: int, body: bytes, c: int, rounds: int, extra_pid: in
 
 def run(device: str, model: str, c: int, t: int, rounds: int) -> dict:
     """Both measurements (see the module's docstring); the result as written to JSON."""
+    with tempfile.TemporaryDirectory(prefix="sse-floor-") as tmp:
+        return _run(Path(tmp), device, model, c, t, rounds)
+
+
+def _run(tmp: Path, device: str, model: str, c: int, t: int, rounds: int) -> dict:
     from tests.http_server import ServerProcess
     from tests.models import model_folder
 
-    folder = model_folder(model, Path(tempfile.mkdtemp()), max_position_embeddings=4096)
+    folder = model_folder(model, tmp / "model", max_position_embeddings=4096)
     body = json.dumps({"prompt": list(range(100, 132)), "max_tokens": t, "ignore_eos": True, "stream": True,
                        "temperature": 1.0}).encode()
     server = ServerProcess([str(folder), "--device", device, "--load-format", "dummy", "--max-num-seqs", str(c),
@@ -137,9 +157,10 @@ def run(device: str, model: str, c: int, t: int, rounds: int) -> dict:
     finally:
         server.stop()
     # The floor streams as many chunks per request, as big, at the server's average pace per chunk.
-    per_stream = round(ours["chunks"] / (c * rounds))
+    per_stream = max(1, round(ours["chunks"] / (c * rounds)))
     step_s = ours["wall_s"] / (rounds * per_stream)
-    app_dir = Path(tempfile.mkdtemp())
+    app_dir = tmp / "floor"
+    app_dir.mkdir()
     (app_dir / "floor_app.py").write_text(FLOOR_APP)
     port = free_port()
     env = {"FLOOR_CHUNKS": str(per_stream), "FLOOR_STEP_S": f"{step_s:.6f}", "FLOOR_CHUNK_BYTES": str(ours["chunk_bytes"])}
@@ -158,7 +179,11 @@ def run(device: str, model: str, c: int, t: int, rounds: int) -> dict:
         floor = measure(port, floor_proc.pid, body, c, rounds)
     finally:
         floor_proc.terminate()
-        floor_proc.wait(30)
+        try:
+            floor_proc.wait(30)
+        except subprocess.TimeoutExpired:
+            floor_proc.kill()
+            floor_proc.wait(10)
     return {"date": now_iso(), "model": model, "device": device, "streams": c, "tokens": t, "rounds": rounds,
             "step_ms": 1e3 * step_s, "server": ours, "floor": floor,
             # None when the floor's CPU time is below the clock's tick (a tiny run)

@@ -125,8 +125,9 @@ for stage in $stages; do
     tms)        run tms $PY bench/tms_compare.py --out "$RESULTS" ;;
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
     ssefloor)   run ssefloor $PY bench/sse_floor.py --device cuda --model llama-1b --out "$RESULTS/ssefloor" ;;
-    serve64)    run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
-                  --out "$RESULTS/serve64" $(command -v py-spy > /dev/null && echo --spy "$RESULTS/serve64/spy") ;;
+    serve64)    spy=(); command -v py-spy > /dev/null && spy=(--spy "$RESULTS/serve64/spy")
+                run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
+                  --out "$RESULTS/serve64" ${spy[@]+"${spy[@]}"} ;;
     rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"
                 run rollout-8b $PY bench/rollout.py --device cuda --model llama-8b --out "$RESULTS" ;;
     rollout-1b|rollout-8b)
@@ -137,7 +138,7 @@ done
 # The device tool returns few files: pack the results into one archive beside the log.
 tar czf "$OUT/results.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
 echo "=== tables"
-grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|wall time per decode step|host cost per decode step|prefill attention|prefill in the engine)" "$LOG" || true
+grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|weight transfer|where the time goes|structured outputs|structured mask step split|serve:|rollout \\(|sleep limits|sleepserve vs torch_memory_saver|wall time per decode step|host cost per decode step|prefill attention|prefill in the engine|SSE streaming cost)" "$LOG" || true
 grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
 grep -h -E "^async scheduling on / off" "$LOG" || true
 grep -h -A8 -E "^tp release \(" "$LOG" || true

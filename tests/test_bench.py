@@ -58,7 +58,7 @@ def test_serve_http_and_engine_paths_complete_every_request(stream, llm):
     assert s["ttft_ms"]["p50"] > 0 and s["output_tok_s"] > 0
     if stream:
         assert all(len(r.itl) >= 1 for r in results) and s["itl_ms"] is not None
-        assert 1.0 <= s["tokens_per_chunk"] <= 4.0  # 12 tokens in 3 to 12 content chunks
+        assert 1.0 <= s["tokens_per_chunk"] <= 2.0  # 12 tokens in 6 (each request's ITL has one gap) to 12 chunks
     else:
         assert s["tokens_per_chunk"] is None
     counts: dict = {}
@@ -90,10 +90,7 @@ def test_sse_floor_counts_the_same_chunks_through_the_server_and_the_bare_app():
     ours, floor = r["server"], r["floor"]
     assert 2 <= ours["chunks"] <= 8  # 2 streams x 4 tokens, merged into fewer chunks only when a client lags
     assert floor["chunks"] == 2 * round(ours["chunks"] / 2) and floor["chunk_bytes"] == ours["chunk_bytes"] > 100
-    # CPU seconds come from /proc in clock ticks (10 ms): a run this small may read 0, so only their use is checked.
-    for row in (ours, floor):
-        assert row["cpu_us_per_chunk"] == pytest.approx(1e6 * row["cpu_s"] / row["chunks"])
-    assert (r["server_over_floor"] is None) == (floor["cpu_s"] == 0)
+    # No CPU figure is asserted: /proc counts it in 10 ms ticks, and a run this small may read 0.
 
 
 def test_rollout_http_as_trl_and_in_process_with_roofline(llm):

@@ -30,17 +30,26 @@ def tp2(default_model_folder):
     assert [p.wait(30) for p in procs] == [0], "a worker did not exit cleanly on close"
 
 
+def wake_and_resume(llm) -> None:
+    if llm.engine.sleep_state.asleep:
+        llm.wake_up()
+    if llm.engine.sleep_state.paused:
+        llm.resume()
+
+
 @pytest.fixture(autouse=True)
-def awake_after_each_test(request):
+def as_found_after_each_test(request):
     """A test that fails half-way (a full disk failed CI's sleeps once) must not leave the module's shared TP=2
-    engine asleep or paused: one failure, not every later test failing with "the server is paused"."""
+    engine asleep, paused or serving other weights: one failure, not every later test failing with "the
+    server is paused" or other tokens."""
+    llm = request.getfixturevalue("tp2") if "tp2" in request.fixturenames else None
+    version = llm.engine.sleep_state.weight_version if llm is not None else None
     yield
-    if "tp2" in request.fixturenames:
-        llm = request.getfixturevalue("tp2")
-        if llm.engine.sleep_state.asleep:
-            llm.wake_up()
-        if llm.engine.sleep_state.paused:
-            llm.resume()
+    if llm is not None:
+        wake_and_resume(llm)
+        state = llm.engine.sleep_state
+        if not state.weights_valid or state.weight_version != version:
+            llm.update_weights()  # the served checkpoint again
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +152,7 @@ def released(tp2):
     pool = tp2.engine.pool
     pool.release_comm = True
     yield tp2
+    wake_and_resume(tp2)  # a test that failed asleep: the wake re-creates the communicator
     pool.release_comm = False
     assert [s["all_reduce"] for s in pool.comm_states()] == ["gloo", "gloo"], "a test left the communicator down"
 

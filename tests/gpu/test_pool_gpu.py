@@ -281,7 +281,8 @@ def test_fifty_cycles_leak_nothing_on_device_or_host(pool):
     expected = raw(weights).cpu()
     kv = pool.empty((GiB,), torch.uint8, "kv_cache")
     # Alive through every cycle, outside the pool (as an engine's small eager tensors are): sleep must
-    # not count it as torch's cache to give back on wake, or each wake grows torch's cache by its size.
+    # not count the segment it keeps as torch's cache to give back on wake, or each wake grows torch's
+    # cache by that segment's size (with the old accounting: 20 MiB or more a cycle).
     outside = torch.ones(4 * MiB, dtype=torch.uint8, device="cuda")
 
     def cycle() -> None:
