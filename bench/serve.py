@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import os
 import sys
@@ -464,7 +465,7 @@ def main() -> None:
 
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     procs = args.client_procs or (min(8, max(1, (os.cpu_count() or 2) // 2)) if cuda else 1)
-    passes: list[int] = []  # HTTP passes profiled so far (--spy's file names)
+    spy_passes = itertools.count()  # numbers --spy's files: every rate pass has as many requests
     if args.spy is not None:
         if args.url is not None:
             raise SystemExit("--spy records the server this starts; with --url, run py-spy on that server yourself")
@@ -495,8 +496,7 @@ def main() -> None:
                 def at_start() -> None:
                     before.append(server_steps(url, args.api_key))
                     if args.spy is not None and server is not None:
-                        passes.append(len(passes))  # a pass's number: every rate pass has as many requests
-                        name = (f"{passes[-1]:02d}-{'async' if on else 'sync'}-{len(reqs)}-"
+                        name = (f"{next(spy_passes):02d}-{'async' if on else 'sync'}-{len(reqs)}-"
                                 f"{'stream' if stream else 'nostream'}")
                         spies.append(Spy(args.spy, name, {"api": server.proc.pid, "engine": server.engine_pid},
                                          idle={"engine"}))
@@ -567,6 +567,10 @@ def _client(row: dict) -> str:
     return f"{row['client_cores']:.2f}/{row['client_procs']}" if "client_cores" in row else "-"
 
 
+def _mode(row: dict) -> str:
+    return {True: "stream", False: "no stream", None: "-"}[row["stream"]]
+
+
 def report(result: dict) -> None:
     def p(d, q):
         return f"{d[q]:.1f}" if d else "-"
@@ -584,7 +588,7 @@ def report(result: dict) -> None:
     sat = [r for r in result["rows"] if r["pass"] == "saturation"]
     print(f"\nserve: saturation ({result['model']}, {result['device']}, C requests at once, "
           f"{result['output_len']} output tokens each)")
-    print(table([[r["key"], r["path"], {True: "stream", False: "no stream", None: "-"}[r["stream"]],
+    print(table([[r["key"], r["path"], _mode(r),
                   f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-",
                   r["steps"] if r.get("steps") is not None else "-",
@@ -598,7 +602,7 @@ def report(result: dict) -> None:
           "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. span: first send to last answer, both paths.")
     for r in result["rows"]:
         for proc, prof in (r.get("spy") or {}).items():
-            mode = {True: "stream", False: "no stream", None: "-"}[r["stream"]]
+            mode = _mode(r)
             head = f"py-spy, {r['path']} {r['pass']} {r['key']} {mode}, {proc} process: {prof['cpu_cores']} cores busy"
             if "error" in prof:
                 print(f"{head}; not recorded: {prof['error']}")
@@ -624,7 +628,7 @@ def report(result: dict) -> None:
     if pairs:
         print("\nserve: async scheduling off vs on (output tok/s; TPOT p50 ms)")
         print(table([[a["path"], a["pass"], _rate(a["key"]) if a["pass"] == "rate" else a["key"],
-                      {True: "stream", False: "no stream", None: "-"}[a["stream"]],
+                      _mode(a),
                       f"{a['output_tok_s']:.0f}", f"{b['output_tok_s']:.0f}", f"{b['output_tok_s'] / a['output_tok_s']:.2f}x",
                       p(a["tpot_ms"], "p50"), p(b["tpot_ms"], "p50")] for a, b in pairs],
                     ["path", "pass", "rate / C", "mode", "off tok/s", "on tok/s", "on / off", "off TPOT", "on TPOT"]))

@@ -8,7 +8,7 @@ hottest innermost frames. Non-blocking sampling: the processes are never paused,
 
     spy = Spy(Path("out/spy"), "stream-64", {"api": api_pid, "engine": engine_pid}, idle={"engine"})
     ... the pass ...
-    summary = spy.stop()   # {"api": {"cpu_cores": ..., "samples": ..., "threads": {...}, "top": [...]}, ...}
+    summary = spy.stop()   # {"api": {"cpu_cores": ..., "samples": ..., "threads": {thread: {"share", "top"}}}, ...}
 """
 from __future__ import annotations
 

@@ -35,9 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import now_iso, table, write_json  # noqa: E402
 from bench.spy import cpu_seconds  # noqa: E402
 
-DONE = b"data: [DONE]\n\n"
-
-
 TIMEOUT_S = 600.0  # a stalled server fails the run instead of hanging it
 
 
@@ -82,7 +79,8 @@ def burst(port: int, body: bytes, c: int) -> tuple[int, int, float]:
     return sum(n for n, _ in out), max(b for _, b in out), wall
 
 
-# The floor's app: served by `uvicorn bench.sse_floor:floor_app` in its own process; FLOOR_* set its stream.
+# The floor's app: written to floor_app.py and served by `uvicorn floor_app:app` in its own process; FLOOR_*
+# set its stream.
 FLOOR_APP = '''
 import asyncio, os
 CHUNKS, STEP = int(os.environ["FLOOR_CHUNKS"]), float(os.environ["FLOOR_STEP_S"])
@@ -113,12 +111,6 @@ async def app(scope, receive, send):
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(port: int, pid: int, body: bytes, c: int, rounds: int, extra_pid: int | None = None) -> dict:
     burst(port, body, c)  # warm: connections, first-call costs
     chunks = size = 0
@@ -144,7 +136,7 @@ def run(device: str, model: str, c: int, t: int, rounds: int) -> dict:
 
 
 def _run(tmp: Path, device: str, model: str, c: int, t: int, rounds: int) -> dict:
-    from tests.http_server import ServerProcess
+    from tests.http_server import ServerProcess, free_port
     from tests.models import model_folder
 
     folder = model_folder(model, tmp / "model", max_position_embeddings=4096)
