@@ -45,10 +45,13 @@ class DecodeGraphs:
         pool, dev = runner.pool, runner.device
         B = self.largest = buckets[-1]
         self.width = -(-runner.model.max_positions // runner.block_size)
-        # The staging area: the first 4*B entries are the graph's own ids/positions/slots/lengths.
-        self.stage = pool.empty((4 * B + B * self.width,), torch.long, CUDA_GRAPH)
+        # The staging area: the first 4*S entries are the graph's own ids/positions/slots/lengths, each S
+        # apart: S is B rounded up to even, so each starts 16-byte aligned, as the eager path's do
+        # (runner.to_device): the kernels compiled for the graphs then serve eager steps too.
+        S = self.segment = B + B % 2
+        self.stage = pool.empty((4 * S + B * self.width,), torch.long, CUDA_GRAPH)
         self.tables = pool.empty((B, self.width), torch.long, CUDA_GRAPH)
-        self.input_ids, self.positions, self.slots, self.lens = (self.stage[i * B:(i + 1) * B] for i in range(4))
+        self.input_ids, self.positions, self.slots, self.lens = (self.stage[i * S:i * S + B] for i in range(4))
         # What a padding row of each of ids, positions, slots, lengths holds.
         self.padding = (0, 0, NULL_BLOCK * runner.block_size, 1)
         self._reset_inputs()
@@ -138,7 +141,7 @@ class DecodeGraphs:
 
     def run(self, hb: "HostBatch") -> torch.Tensor:
         """Stage a decode batch, replay the graph of its bucket, return the sampled rows' logits."""
-        n, B = len(hb.ids), self.largest
+        n, S = len(hb.ids), self.segment
         turn = self.turn = 1 - self.turn
         host, copied = self.hosts[turn], self.copied[turn]
         if copied is not None:
@@ -147,9 +150,9 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= n)
         w = max(len(t) for t in hb.decode_tables)
         for i, values in enumerate((hb.ids, hb.positions, hb.slots, hb.decode_lens)):
-            h[i * B:i * B + n] = values
-            h[i * B + n:i * B + bucket] = self.padding[i]
-        base = 4 * B
+            h[i * S:i * S + n] = values
+            h[i * S + n:i * S + bucket] = self.padding[i]
+        base = 4 * S
         # The tables, padded to width w (padding rows all NULL_BLOCK): one conversion, no copy per row.
         h[base:base + n * w].reshape(n, w)[...] = self.runner.decode_tables.padded(hb.decode_tables, w)
         h[base + n * w:base + bucket * w] = NULL_BLOCK

@@ -167,12 +167,29 @@ class ModelRunner:
         CUDA graphs for decode batches (captured once, their memory in the pool)."""
         self.model.ops = ops_for(self.device)
         self.max_num_seqs = max_num_seqs
+        self._warm_up()
         if self.device.type != "cuda":
             return
         if not enforce_eager:
             from server.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self, max_num_seqs)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One eager step over padding, a decode row beside a two-block prefill, every K/V written into and
+        read from NULL_BLOCK: on CUDA, Triton compiles the eager path's kernels now rather than at the first
+        request (~1 s with the engine stalled); the graphs' capture compiles the decode ones. (On the CPU it
+        costs one tiny forward, and CI runs the code.) The plain forward, on every rank in step: a tensor-
+        parallel rank 0 must not send its workers a step, they are building too."""
+        bs, n = self.block_size, 2 * self.block_size
+        null = NULL_BLOCK * bs
+        hb = HostBatch(ids=[0] * (1 + n), positions=[0, *range(n)], slots=[null] + [null + p % bs for p in range(n)],
+                       decode_tables=[[NULL_BLOCK]], decode_lens=[1], spans=[(1, n, n, [NULL_BLOCK, NULL_BLOCK])],
+                       sample_rows=[0, n], sample_seqs=[])
+        ModelRunner.forward(self, hb)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------
 
@@ -277,22 +294,26 @@ class ModelRunner:
         device copy: small copies each cost a round of driver overhead, and a step has many. The copy
         carries the prefill spans' tile plan too (attention.PrefillPlan: what the one-launch prefill
         kernel reads, for every layer; the PyTorch path ignores it)."""
-        T, nd = len(hb.ids), len(hb.decode_tables)
+        nd = len(hb.decode_tables)
         width = max(map(len, hb.decode_tables), default=1)
-        head = hb.ids + hb.positions + hb.slots + hb.decode_lens + hb.sample_rows
         spans = [b for _, _, _, t in hb.spans for b in t]
         tiles = prefill_tiles(hb.spans, self.tile_tokens) if hb.spans else np.empty((0, 4), dtype=np.int64)
-        o = len(head)
-        # The prefill kernel's two int64 arrays start 16-byte aligned (even offsets): Triton compiles a
-        # kernel per alignment of its pointers, so a shifting offset would compile (for ~1 s) mid-serving.
-        tables_end = o + nd * width
+        # Every segment starts 16-byte aligned (an even int64 offset): Triton compiles a kernel per
+        # alignment of its pointer arguments (the slots for rotary + cache write, the lengths and tables for
+        # decode attention, the prefill plan), so an offset that shifts with the batch's size would compile
+        # (~1 s, the whole engine stalled) in the middle of serving. The graphs' staging is aligned likewise.
+        segments = (hb.ids, hb.positions, hb.slots, hb.decode_lens, hb.sample_rows)
+        at = list(itertools.accumulate((len(v) + len(v) % 2 for v in segments), initial=0))
+        at_tables = at[-1]
+        tables_end = at_tables + nd * width
         at_spans = tables_end + tables_end % 2
         at_tiles = at_spans + len(spans)
         at_tiles += at_tiles % 2
         flat = np.empty(at_tiles + tiles.size, dtype=np.int64)
-        flat[:o] = head
+        for start, values in zip(at, segments):
+            flat[start:start + len(values)] = values
         if nd:
-            flat[o:tables_end].reshape(nd, width)[...] = self.decode_tables.padded(hb.decode_tables, width)
+            flat[at_tables:tables_end].reshape(nd, width)[...] = self.decode_tables.padded(hb.decode_tables, width)
         flat[at_spans:at_spans + len(spans)] = spans
         flat[at_tiles:] = tiles.ravel()
         d = torch.from_numpy(flat).to(self.device, non_blocking=True)
@@ -303,11 +324,12 @@ class ModelRunner:
         plan = None
         if prefills:
             plan = PrefillPlan(d[at_tiles:].view(-1, 4), d[at_spans:at_spans + len(spans)], self.tile_tokens)
+        ids, positions, slots, lens, rows = (d[start:start + len(v)] for start, v in zip(at, segments))
         ctx = AttentionContext(
-            slot_mapping=d[2 * T:3 * T], num_decode_tokens=nd,
-            block_tables=d[o:tables_end].view(nd, width), context_lens=d[3 * T:3 * T + nd],
+            slot_mapping=slots, num_decode_tokens=nd,
+            block_tables=d[at_tables:tables_end].view(nd, width), context_lens=lens,
             max_decode_context=max(hb.decode_lens, default=0), prefills=prefills, prefill_plan=plan)
-        return d[:T], d[T:2 * T], ctx, d[3 * T + nd:o]
+        return ids, positions, ctx, rows
 
     # -- execution -----------------------------------------------------------------------------
 

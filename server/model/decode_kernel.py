@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The block tables' row stride (the batch's longest table) changes from step to step: specialised
+# (Triton's default for integers: == 1, divisible by 16) it would compile new variants mid-serving.
+@triton.jit(do_not_specialize=["stride_tb"])
 def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                   stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
                   GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,

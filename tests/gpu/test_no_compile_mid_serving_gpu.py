@@ -1,0 +1,53 @@
+"""No Triton kernel compiles after start-up, whatever the batches look like.
+
+Triton compiles one variant of a kernel per specialisation of its arguments: an integer's being 1 or
+divisible by 16, a pointer's 16-byte alignment. A compile takes ~0.5-1 s with the engine's one thread
+stalled, so a variant first met mid-serving stalls every stream (seen on the H200: 256 streamed requests
+at once compiled decode attention during admission, and the first tokens took 0.97 s instead of 0.16).
+The start-up (memory profile, graph capture) must meet every variant serving can need: this test serves
+batches of every parity, mixed prefill + decode steps and eager decodes, and counts the variants.
+"""
+from __future__ import annotations
+
+import pytest
+import triton
+
+from server import LLM, SamplingParams
+from server.model import decode_kernel, fused_ops, prefill_kernel
+from tests.models import model_folder
+
+pytestmark = pytest.mark.gpu
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many variants of each of our Triton kernels are compiled, every device together."""
+    kernels = {name: fn for module in (decode_kernel, fused_ops, prefill_kernel)
+               for name, fn in vars(module).items() if isinstance(fn, triton.runtime.JITFunction)}
+    assert len(kernels) >= 5, f"found only {sorted(kernels)}"
+    return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in kernels.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return model_folder("llama-tiny", tmp_path_factory.mktemp("models"))
+
+
+def test_serving_compiles_nothing_new(tiny):
+    # 7 sequences at most: an odd largest graph, whose staging must still give aligned segments; a small
+    # token budget splits long prompts into chunks that share steps with decodes (mixed, eager steps).
+    llm = LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="256MiB", max_num_seqs=7,
+              max_num_batched_tokens=64)
+    try:
+        assert llm.engine.runner.graphs is not None
+        at_start = compiled_variants()
+        words = "one two three four five six seven eight nine ten eleven twelve".split()
+        for batch in range(1, 10):
+            prompts = [" ".join(words[:1 + (batch * 5 + i * 7) % 12] * (1 + i % 9)) for i in range(batch)]
+            params = [SamplingParams(temperature=0.0, max_tokens=3 + (i * 11) % 40, ignore_eos=True,
+                                     prompt_logprobs=1 if i == 2 else None) for i in range(batch)]
+            outs = llm.generate(prompts, params)
+            assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+        grew = {k: (at_start[k], n) for k, n in compiled_variants().items() if n != at_start[k]}
+        assert not grew, f"kernels compiled after start-up (variants at start, after): {grew}"
+    finally:
+        llm.close()
