@@ -25,6 +25,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.errors import WorkerLostError
 from server.engine.parallel.group import TIMEOUT, Group, comm_options
+from server.engine.parallel.steps import no_delay
 from server.model.config import ModelConfig
 from server.model.loader import ModelSource
 from server.model.shard import TensorParallel
@@ -223,7 +224,7 @@ class Workers:
                 raise ValueError(f"{missing} tensor-parallel connection(s) never came in "
                                  f"{TIMEOUT.total_seconds():.0f} s")
             try:
-                return listener.accept()
+                return no_delay(listener.accept())
             except (TimeoutError, socket.timeout):
                 continue
             except mp.AuthenticationError as e:  # a stray client, or a worker with another key

@@ -12,11 +12,25 @@ time.perf_counter is the host's monotonic clock, the same in every process. A wo
 later than rank 0 makes rank 0's GPU wait at the step's first all-reduce."""
 from __future__ import annotations
 
+import os
+import socket
 import statistics
 import time
 from collections import deque
+from multiprocessing.connection import Connection
 
 from server.engine.runner import HostBatch
+
+
+def no_delay(conn: Connection) -> Connection:
+    """TCP_NODELAY on a rank-0 <-> worker connection (TCP, whether spawned or under torchrun). Steps flow one
+    way, with nothing sent back between them, so Nagle's algorithm holds a step's last partial segment until
+    the worker's delayed ACK of the one before (40 ms on Linux): on 2xH200 (8B, TP=2, async, batch 64) the
+    workers received steps up to 39 ms late (p90), and a decode step took 13 ms instead of ~4."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket, another descriptor
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
 
 
 def pack_step(hb: HostBatch, share: bool) -> tuple:

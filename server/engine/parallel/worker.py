@@ -21,7 +21,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.build import build_rank, rank_device
 from server.engine.parallel.group import Group, comm_options
-from server.engine.parallel.steps import StepLag, unpack_step
+from server.engine.parallel.steps import StepLag, no_delay, unpack_step
 from server.engine.runner import continuing
 from server.engine.sampler import PROMPT_ROWS_PER_PASS
 from server.heap import freeze_startup_heap
@@ -293,7 +293,7 @@ def _connect(host: str, port: int, key: bytes, patience: float) -> Connection:
     deadline = time.monotonic() + patience
     while True:
         try:
-            return Client((host, port), authkey=key)
+            return no_delay(Client((host, port), authkey=key))
         except (ConnectionRefusedError, ConnectionResetError, OSError) as e:
             if isinstance(e, (ConnectionRefusedError, ConnectionResetError)) and time.monotonic() < deadline:
                 time.sleep(0.5)  # rank 0 is still starting (imports, its engine process)
