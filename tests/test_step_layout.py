@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server import LLM
+from server import LLM, SamplingParams
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.runner import HostBatch
 from tests.models import model_folder
@@ -70,3 +70,16 @@ def test_every_segment_holds_its_values_and_starts_aligned(runner, decodes, prom
         assert (span.q_start, span.q_len, span.context_len) == (offset, n, ctx_len)
         assert span.block_table.tolist() == table
     assert ids.dtype == torch.long
+
+
+@pytest.mark.parametrize("max_model_len,block_size", [(16, 16), (24, 16), (128, 128)])
+def test_start_up_warm_up_fits_a_short_context(tmp_path, max_model_len, block_size):
+    """The start-up's warm-up step (ModelRunner._warm_up, two blocks of prefill) stays inside the rotary tables
+    of a context shorter than two blocks, and the engine then serves."""
+    llm = LLM(model=str(model_folder("llama-micro", tmp_path)), device="cpu", load_format="dummy",
+              kv_cache_memory="16MiB", max_model_len=max_model_len, block_size=block_size)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()

@@ -177,15 +177,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """One eager step over padding, a decode row beside a two-block prefill, every K/V written into and
+        """One eager step over padding, a decode row beside a prefill of up to two blocks, every K/V written into and
         read from NULL_BLOCK: on CUDA, Triton compiles the eager path's kernels now rather than at the first
         request (~1 s with the engine stalled); the graphs' capture compiles the decode ones. (On the CPU it
         costs one tiny forward, and CI runs the code.) The plain forward, on every rank in step: a tensor-
         parallel rank 0 must not send its workers a step, they are building too."""
-        bs, n = self.block_size, 2 * self.block_size
+        bs = self.block_size
+        n = min(2 * bs, self.model.max_positions)  # positions index the rotary tables: a short context is shorter
         null = NULL_BLOCK * bs
         hb = HostBatch(ids=[0] * (1 + n), positions=[0, *range(n)], slots=[null] + [null + p % bs for p in range(n)],
-                       decode_tables=[[NULL_BLOCK]], decode_lens=[1], spans=[(1, n, n, [NULL_BLOCK, NULL_BLOCK])],
+                       decode_tables=[[NULL_BLOCK]], decode_lens=[1], spans=[(1, n, n, [NULL_BLOCK] * -(-n // bs))],
                        sample_rows=[0, n], sample_seqs=[])
         ModelRunner.forward(self, hb)
         if self.device.type == "cuda":

@@ -30,6 +30,7 @@ def no_delay(conn: Connection) -> Connection:
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket, another descriptor
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(True)  # a process-wide default timeout made the shared socket non-blocking above
     return conn
 
 
