@@ -362,6 +362,8 @@ def engine_flags(args, folder: str | None) -> tuple[list[str], dict]:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.enforce_eager:
         kw["enforce_eager"] = True
+    if args.stream_interval:
+        kw["stream_interval"] = args.stream_interval
     flags = [folder] if folder else []
     for k, v in kw.items():
         flags += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
@@ -415,6 +417,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--stream-interval", type=int, default=None,
+                    help="the server's --stream-interval (and the in-process engine's): a chunk every N steps")
     ap.add_argument("--async-scheduling", default="on", choices=["off", "on", "both"],
                     help="the server and the in-process engine with async scheduling off, on, or both (side by side)")
     ap.add_argument("--client-procs", type=int, default=None,

@@ -35,7 +35,8 @@
 # its wheel must be in .whl, see scripts/gpu_assets.sh), serve64 (bench/serve.py's saturation pass alone, 64 and
 # 256 requests at once, HTTP streamed and not against in-process, with each pass's engine steps, and py-spy's view
 # of the server's API and engine processes where py-spy is carried; < 2 min), ssefloor (the API process's CPU per
-# streamed chunk against a bare ASGI app under the same uvicorn: bench/sse_floor.py; < 1 min).
+# streamed chunk against a bare ASGI app under the same uvicorn: bench/sse_floor.py; < 1 min), serve64-interval
+# (serve64 with --stream-interval 4 on the server and the in-process engine: a streamed chunk every 4 steps).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -128,6 +129,8 @@ for stage in $stages; do
     serve64)    spy=(); command -v py-spy > /dev/null && spy=(--spy "$RESULTS/serve64/spy")
                 run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
                   --out "$RESULTS/serve64" ${spy[@]+"${spy[@]}"} ;;
+    serve64-interval) run serve64-interval $PY bench/serve.py --device cuda --model llama-1b --rates none \
+                  --saturation 64,256 --stream-interval 4 --out "$RESULTS/serve64-interval" ;;
     rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"
                 run rollout-8b $PY bench/rollout.py --device cuda --model llama-8b --out "$RESULTS" ;;
     rollout-1b|rollout-8b)

@@ -125,6 +125,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--async-scheduling", "schedule and launch the next step while the device runs this one, and finish "
            "this one's outputs meanwhile (at tensor parallelism too: rank 0 broadcasts the sampled tokens)", True, boolean,
            negation="--no-async-scheduling"),
+    Option("--stream-interval", "a streamed request gets a chunk every N engine steps (N tokens a choice; its first "
+           "tokens and its end at once): fewer chunks for the API process and the clients to handle at high "
+           "concurrency, at N steps of latency between chunks", 1, positive_int, metavar="N"),
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),
     Option("--offload-dir", "CPU device: folder for offloaded weights while asleep (default: the temp folder)",
@@ -247,7 +250,7 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "kv_cache_memory": values["kv_cache_memory"], "gpu_memory_utilization": values["gpu_memory_utilization"],
         "load_format": values["load_format"], "served_model_name": values["served_model_name"],
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
-        "async_scheduling": values["async_scheduling"],
+        "async_scheduling": values["async_scheduling"], "stream_interval": values["stream_interval"],
         "seed": values["seed"], "tensor_parallel_size": values["tensor_parallel_size"],
         "tp_all_reduce": values["tp_all_reduce"], "tp_launch": values["tp_launch"],
         "tp_release_comm_on_sleep": values["tp_release_comm_on_sleep"],

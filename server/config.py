@@ -44,6 +44,10 @@ class EngineConfig:
     # (server/engine/core.py); on by default: batch 1 1.24x and batch 64 1.36-1.55x faster on an H200, the
     # same tokens. At TP > 1 rank 0 broadcasts each step's sampled tokens to the workers (parallel/runner.py).
     async_scheduling: bool = True
+    # A streaming request's outputs every N steps (its first tokens and its end at once), not every step: N
+    # tokens a chunk, so the API process frames, writes and wakes for N times fewer chunks; its own cost per
+    # chunk is mostly the socket write (README, "What misses"). SGLang's --stream-interval; 1: every token.
+    stream_interval: int = 1
     seed: int = 0
     # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes
     # it starts (server/engine/parallel/), one GPU each (gloo on CPU).
@@ -102,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"tp_launch must be spawn or torchrun, got {self.tp_launch!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

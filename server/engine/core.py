@@ -352,11 +352,17 @@ class EngineCore:
             self.scheduler.finish(seq)
             done.add(seq.request.request_id)
         outputs = []
+        interval = self.config.stream_interval
         for rid, req in touched.items():
             if rid in done and req.finished:
                 self.requests.pop(rid, None)
-            elif req.params.output_kind is RequestOutputKind.FINAL_ONLY and rid not in first:
-                continue  # only its first tokens (admission, time to first token) and its end are handed out
+            elif rid not in first:  # its first tokens (admission, time to first token) and its end go at once
+                if req.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                    continue
+                req.steps_unsent += 1
+                if req.steps_unsent < interval:
+                    continue  # the next output carries this step's tokens too
+            req.steps_unsent = 0
             out = self._emit(req)
             if out is not None:
                 outputs.append(out)

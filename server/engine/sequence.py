@@ -200,6 +200,8 @@ class Request:
     # What the engine process sent the API already (channel.encode_delta): the first delta, the prompt log-probs.
     started_sent: bool = False
     prompt_logprobs_sent: bool = False
+    # Steps with news since the last output handed out (config.stream_interval: every N steps, not every one).
+    steps_unsent: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
