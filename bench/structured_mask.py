@@ -14,6 +14,8 @@ them, timed alone).
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import sys
 import tempfile
@@ -120,7 +122,9 @@ def main() -> int:
         kw["kv_cache_memory"] = "512MiB"
     model = None
     if args.model:
-        model = str(model_folder(args.model, Path(tempfile.mkdtemp(prefix="sleepserve-bench-"))))
+        folder = tempfile.mkdtemp(prefix="sleepserve-bench-")
+        atexit.register(shutil.rmtree, folder, True)  # the model copy is the run's scratch
+        model = str(model_folder(args.model, Path(folder)))
         kw["load_format"] = "dummy"
     llm = LLM(model=model, **kw)
     spec = StructuredOutputs(json=SCHEMA)
