@@ -335,7 +335,8 @@ def summarize(results: list[Result], duration: float) -> dict:
     summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
                "all_first_token_ms": 1e3 * (max(firsts) - min(r.sent for r in ok)) if firsts else None,
                "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
-               # Streamed: output tokens per content chunk (above 1: the server merged steps a client was behind on).
+               # Streamed: output tokens per content chunk (above 1: the server merged steps a client was behind on,
+               # or --stream-interval grouped them; ITL is then per chunk, not comparable across intervals).
                # The in-process rows have it too (outputs per step): the report shows it for HTTP streams only.
                "tokens_per_chunk": (out_tokens / sum(len(r.itl) + 1 for r in ok if not math.isnan(r.ttft))
                                     if firsts and any(r.itl for r in ok) else None),
@@ -362,7 +363,7 @@ def engine_flags(args, folder: str | None) -> tuple[list[str], dict]:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.enforce_eager:
         kw["enforce_eager"] = True
-    if args.stream_interval:
+    if args.stream_interval is not None:  # 0 or less: the engine refuses it
         kw["stream_interval"] = args.stream_interval
     flags = [folder] if folder else []
     for k, v in kw.items():

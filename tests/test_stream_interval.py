@@ -72,3 +72,28 @@ def test_a_streamed_completion_through_the_server(default_model_folder):
         assert text == whole["text"]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("how", ["pause", "sleep"])
+def test_a_pause_or_sleep_hands_out_what_the_interval_held(interval_llm, how):
+    """Tokens sampled before a pause or sleep (mode keep) reach the stream before it, not after the resume:
+    an RL trainer pauses, pushes weights and resumes, and must not get old weights' tokens in one chunk with
+    the new ones'."""
+    eng, got = interval_llm.engine, []
+    eng.add_request("held", PROMPTS[0], params=SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                    on_output=got.append)
+    for _ in range(4):
+        eng.step()
+    if how == "pause":
+        interval_llm.pause(mode="keep")
+    else:
+        interval_llm.sleep(level=1, mode="keep")
+    sampled = len(eng.requests["held"].seqs[0].output_token_ids)  # the pause recorded the step in flight
+    assert sampled >= 3
+    assert sum(len(o.outputs[0].delta_token_ids) for o in got) == sampled
+    interval_llm.resume() if how == "pause" else interval_llm.wake_up()
+    while eng.has_unfinished:
+        eng.step()
+    eng.drain()
+    assert got[-1].finished and len(got[-1].outputs[0].token_ids) == 30
+    assert sum(len(o.outputs[0].delta_token_ids) for o in got) == 30

@@ -286,9 +286,18 @@ class EngineCore:
 
     def drain(self) -> list[RequestOutput]:
         """Record the step in flight, if any (async scheduling): afterwards nothing runs on the device for
-        this engine and every sequence's state is the host's. Returns the outputs it made."""
+        this engine and every sequence's state is the host's. Then hand out what --stream-interval held
+        back: a pause, sleep or weight update (each drains first) must not keep a stream's tokens through
+        it, nor send old weights' tokens in one chunk with the new ones'. Returns the outputs it made."""
         prev, self._inflight = self._inflight, None
-        return self._record(prev) if prev is not None else []
+        outputs = self._record(prev) if prev is not None else []
+        for req in list(self.requests.values()):
+            if req.steps_unsent:
+                req.steps_unsent = 0
+                out = self._emit(req)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sampled],
                     scored: Iterable[tuple[Request, list]] = ()) -> list[RequestOutput]:
