@@ -304,13 +304,11 @@ class ModelRunner:
         # decode attention, the prefill plan), so an offset that shifts with the batch's size would compile
         # (~1 s, the whole engine stalled) in the middle of serving. The graphs' staging is aligned likewise.
         segments = (hb.ids, hb.positions, hb.slots, hb.decode_lens, hb.sample_rows)
-        at = list(itertools.accumulate((len(v) + len(v) % 2 for v in segments), initial=0))
-        at_tables = at[-1]
+        sizes = [len(v) for v in segments] + [nd * width, len(spans), tiles.size]
+        at = list(itertools.accumulate((n + n % 2 for n in sizes), initial=0))
+        at_tables, at_spans, at_tiles = at[len(segments):len(segments) + 3]
         tables_end = at_tables + nd * width
-        at_spans = tables_end + tables_end % 2
-        at_tiles = at_spans + len(spans)
-        at_tiles += at_tiles % 2
-        flat = np.empty(at_tiles + tiles.size, dtype=np.int64)
+        flat = np.empty(at[-1], dtype=np.int64)
         for start, values in zip(at, segments):
             flat[start:start + len(values)] = values
         if nd:
