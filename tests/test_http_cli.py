@@ -71,6 +71,8 @@ def test_command_line_wins_over_the_environment():
     ([], {"SLEEPSERVE_KV_CACHE_MEMORY": "1GiB", "SLEEPSERVE_GPU_MEMORY_UTILIZATION": "0.5"}, "keep one"),
     (["--port", "70000"], {}, "port number"),
     (["--max-num-seqs", "0"], {}, "at least 1"),
+    (["--stream-interval", "0"], {}, "at least 1"),
+    ([], {"SLEEPSERVE_STREAM_INTERVAL": "-2"}, "at least 1"),
     (["--kv-cache-memory", "1GiB", "--gpu-memory-utilization", "0.5"], {}, "not allowed with"),
 ])
 def test_bad_values_exit_2_with_a_message(capsys, argv, env, words):

@@ -97,3 +97,11 @@ def test_a_pause_or_sleep_hands_out_what_the_interval_held(interval_llm, how):
     eng.drain()
     assert got[-1].finished and len(got[-1].outputs[0].token_ids) == 30
     assert sum(len(o.outputs[0].delta_token_ids) for o in got) == 30
+
+
+def test_an_interval_below_one_is_refused():
+    from server.config import EngineConfig
+
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="stream_interval must be at least 1"):
+            EngineConfig(stream_interval=bad)
