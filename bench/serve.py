@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import math
 import os
 import sys
@@ -34,7 +35,7 @@ import time
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from queue import Empty
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
@@ -82,15 +83,41 @@ def workload(num: int, input_len: int, output_len: int, range_ratio: float, rate
 
 # -- HTTP --------------------------------------------------------------------------------------------
 
+async def _typed_chunks(client, args: dict) -> AsyncIterator[tuple[tuple | None, int | None]]:
+    """A stream through the client's typed models: ((token ids, text) of the first choice, usage tokens)."""
+    async for chunk in await client.completions.create(**args):
+        c = chunk.choices[0] if chunk.choices else None
+        yield ((getattr(c, "token_ids", None), c.text) if c else None,
+               chunk.usage.completion_tokens if chunk.usage is not None else None)
+
+
+async def _raw_chunks(client, args: dict) -> AsyncIterator[tuple[tuple | None, int | None]]:
+    """The same stream read as server-sent lines, each JSON-parsed (what _typed_chunks yields)."""
+    async with client.completions.with_streaming_response.create(**args) as response:
+        async for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            c = chunk["choices"][0] if chunk.get("choices") else None
+            usage = chunk.get("usage")
+            yield ((c.get("token_ids"), c.get("text")) if c else None,
+                   usage["completion_tokens"] if usage else None)
+
+
 async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: bool, temperature: float,
                    timeout: float, started: list[float] | None = None, warm_up: bool = False,
-                   gate: Callable[[], Awaitable] | None = None) -> tuple[list[Result], float]:
+                   gate: Callable[[], Awaitable] | None = None, raw: bool = False) -> tuple[list[Result], float]:
     """The requests through the official client. The span measured is the in-process run's: from the first
     request's send (the client built already) to the last answer. warm_up: first one request of one token
     streamed and one not, untimed, so that the client's first-call costs (its lazy imports, its response
     models' validators: ~20 ms of CPU on the 2-core CI host, paid once per process) are not in the span.
     gate: awaited once the client is ready, before the span starts (run_clients' start line).
-    started: receives the span's start (time.monotonic(), comparable across processes)."""
+    started: receives the span's start (time.monotonic(), comparable across processes).
+    raw: the same client and connections, but its cost per request no longer sets the pace of a burst: the
+    prompt's token ids go in extra_body (the client's parameter transform walks a list[int] prompt element by
+    element, ~1.5 ms of the ~3.5 ms of client CPU per 128-id request on the CI host), and answers are read
+    through with_raw_response / with_streaming_response and json.loads instead of its typed models (~190 us
+    per streamed chunk on the H200 host). The server receives the same JSON body either way."""
     import httpx
     from openai import AsyncOpenAI
 
@@ -98,10 +125,20 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
     http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=60))
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, http_client=http, max_retries=0)
     extra = {"ignore_eos": True, "return_token_ids": True}
+
+    def body(req: Req) -> dict:  # the arguments of one request; raw: the prompt travels in extra_body
+        if not raw:
+            return {"prompt": req.prompt, "extra_body": extra}
+        return {"prompt": "", "extra_body": {**extra, "prompt": req.prompt}}
+
     if warm_up and reqs:
-        await client.completions.create(model=model, prompt=reqs[0].prompt, max_tokens=1, extra_body=extra)
-        async for _ in await client.completions.create(model=model, prompt=reqs[0].prompt, max_tokens=1, stream=True,
-                                                       stream_options={"include_usage": True}, extra_body=extra):
+        one_token = dict(model=model, max_tokens=1, **body(reqs[0]))
+        if raw:
+            await client.completions.with_raw_response.create(**one_token)
+        else:
+            await client.completions.create(**one_token)
+        async for _ in (_raw_chunks if raw else _typed_chunks)(
+                client, {**one_token, "stream": True, "stream_options": {"include_usage": True}}):
             pass
     if gate is not None:
         await gate()
@@ -112,29 +149,29 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
         try:
             if stream:
                 last = None
-                chunks = await client.completions.create(
-                    model=model, prompt=req.prompt, max_tokens=req.max_tokens, temperature=temperature,
-                    stream=True, stream_options={"include_usage": True}, extra_body=extra)
-                async for chunk in chunks:
+                args = dict(model=model, max_tokens=req.max_tokens, temperature=temperature, stream=True,
+                            stream_options={"include_usage": True}, **body(req))
+                async for choice, usage in (_raw_chunks(client, args) if raw else _typed_chunks(client, args)):
                     now = time.perf_counter()
-                    if chunk.choices:
-                        c = chunk.choices[0]
-                        ids = getattr(c, "token_ids", None)
-                        if ids or c.text:
-                            if last is None:
-                                res.ttft = now - res.sent
-                            else:
-                                res.itl.append(now - last)
-                            last = now
-                    if chunk.usage is not None:
-                        res.output_tokens = chunk.usage.completion_tokens
+                    if choice is not None and (choice[0] or choice[1]):  # token ids or text
+                        if last is None:
+                            res.ttft = now - res.sent
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                    if usage is not None:
+                        res.output_tokens = usage
                 res.latency = time.perf_counter() - res.sent
             else:
-                r = await client.completions.create(model=model, prompt=req.prompt, max_tokens=req.max_tokens,
-                                                    temperature=temperature, extra_body=extra)
+                args = dict(model=model, max_tokens=req.max_tokens, temperature=temperature, **body(req))
+                if raw:
+                    r = await client.completions.with_raw_response.create(**args)
+                    tokens = json.loads(r.content)["usage"]["completion_tokens"]
+                else:
+                    tokens = (await client.completions.create(**args)).usage.completion_tokens
                 res.latency = time.perf_counter() - res.sent
                 res.ttft = res.latency  # the whole answer is the first byte
-                res.output_tokens = r.usage.completion_tokens
+                res.output_tokens = tokens
         except Exception as e:  # a failed request is counted and reported, never hidden
             res.error = f"{type(e).__name__}: {e}"[:300]
         return res
@@ -151,7 +188,7 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
 
 
 def _client_worker(url: str, api_key: str, model: str, reqs: list[tuple], stream: bool, temperature: float,
-                   timeout: float, warmed, barrier, queue, slot: int) -> None:
+                   timeout: float, warmed, barrier, queue, slot: int, raw: bool) -> None:
     """One client process of run_clients: imports and warms its client first (run_http's warm_up), then
     starts with the others (the barrier); its span starts at its first send, as the in-process run's does."""
     mine = [Req(*r) for r in reqs]
@@ -165,7 +202,7 @@ def _client_worker(url: str, api_key: str, model: str, reqs: list[tuple], stream
         started: list[float] = []
         cpu0: list[float] = []
         results, duration = asyncio.run(run_http(url, api_key, model, mine, stream, temperature, timeout, started,
-                                                 warm_up=True, gate=start_line))
+                                                 warm_up=True, gate=start_line, raw=raw))
         cpu = time.process_time() - cpu0[0]
         queue.put((slot, [astuple(r) for r in results], started[0], started[0] + duration, cpu, None))
     except BaseException as e:  # the parent reports it; a worker never hangs the run
@@ -175,7 +212,7 @@ def _client_worker(url: str, api_key: str, model: str, reqs: list[tuple], stream
 
 
 def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: bool, temperature: float,
-                timeout: float, procs: int, at_start: Callable[[], None] | None = None
+                timeout: float, procs: int, at_start: Callable[[], None] | None = None, raw: bool = False
                 ) -> tuple[list[Result], float, dict]:
     """run_http over `procs` client processes (request i in process i mod procs, arrival times kept), and
     the clients' CPU time: the official client spends several times the server's CPU per streamed token
@@ -192,7 +229,7 @@ def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: boo
             c0.append(time.process_time())
 
         results, duration = asyncio.run(run_http(url, api_key, model, reqs, stream, temperature, timeout,
-                                                 warm_up=True, gate=gate))
+                                                 warm_up=True, gate=gate, raw=raw))
         cpu = time.process_time() - c0[0]
         return results, duration, {"client_procs": 1, "client_cpu_s": cpu, "client_cores": cpu / duration}
     import multiprocessing as mp
@@ -202,7 +239,7 @@ def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: boo
     warmed, barrier, queue = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
     workers = [ctx.Process(target=_client_worker, daemon=True,
                            args=(url, api_key, model, [astuple(r) for r in reqs[k::procs]], stream, temperature,
-                                 timeout, warmed, barrier, queue, k)) for k in range(procs)]
+                                 timeout, warmed, barrier, queue, k, raw)) for k in range(procs)]
     for w in workers:
         w.start()
     got: list = []
@@ -425,6 +462,11 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=None,
                     help="client processes the HTTP requests are spread over (default: 1 on CPU; on CUDA half the "
                          "cores, at most 8: one `openai` client process cannot keep up with an H200's streams)")
+    ap.add_argument("--client", default="raw", choices=["raw", "typed"],
+                    help="raw (default): the `openai` client with the prompt's ids in extra_body and answers read "
+                         "raw (its with_raw_response / with_streaming_response), so the load generator's own CPU per "
+                         "request and per chunk does not set the pace; typed: its typed path (prompt=ids, parsed "
+                         "models), the figures before 2026-12-01")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
     ap.add_argument("--spy", type=Path, default=None,
                     help="record the started server's API and engine processes with py-spy during each HTTP pass "
@@ -476,6 +518,8 @@ def main() -> None:
             raise SystemExit("--spy records the server this starts; with --url, run py-spy on that server yourself")
         py_spy()  # its absence said now, not after the server started
     result["client_procs"] = procs
+    raw = args.client == "raw"
+    result["client"] = args.client
     # HTTP first: on CUDA the server process must have the device to itself while it sizes its cache.
     for on in modes:
         server = None
@@ -508,14 +552,15 @@ def main() -> None:
 
                 try:
                     results, duration, client = run_clients(url, args.api_key, served, reqs, stream, args.temperature,
-                                                            args.timeout, procs, at_start)
+                                                            args.timeout, procs, at_start, raw)
                 finally:
                     profiles = spies[0].stop() if spies else None
                 after = server_steps(url, args.api_key)
                 steps = after - before[0] if None not in (before[0], after) else None
                 return results, duration, {**client, "steps": steps, **({"spy": profiles} if profiles else {})}
 
-            run_clients(url, args.api_key, served, by_conc[0][1][:2], True, args.temperature, args.timeout, 1)  # warm-up
+            run_clients(url, args.api_key, served, by_conc[0][1][:2], True, args.temperature, args.timeout, 1,
+                        raw=raw)  # warm-up
             for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
                 rows.append({"path": "http+async" if on else "http", **row})
         finally:
@@ -592,7 +637,7 @@ def report(result: dict) -> None:
                  "out tok/s", "req/s done", "HTTP/engine", "client cores/procs"]))
     sat = [r for r in result["rows"] if r["pass"] == "saturation"]
     print(f"\nserve: saturation ({result['model']}, {result['device']}, C requests at once, "
-          f"{result['output_len']} output tokens each)")
+          f"{result['output_len']} output tokens each, {result.get('client', 'typed')} client)")
     print(table([[r["key"], r["path"], _mode(r),
                   f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-",

@@ -70,6 +70,23 @@ def test_serve_http_and_engine_paths_complete_every_request(stream, llm):
     assert not llm.engine.has_unfinished
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_serve_raw_client_reads_what_the_typed_client_reads(stream, llm):
+    """--client raw (ids in extra_body, answers json-parsed) sends the server the same request and counts the
+    same tokens and chunks as the typed path; an ignored extra_body would leave an empty prompt (a 400)."""
+    server = main_server()
+    reqs = workload(3, 8, 4, 0.5, math.inf, llm.engine.model_config.vocab_size, seed=7)
+    got = {raw: asyncio.run(run_http(server.url, MAIN_KEY, "smol", reqs, stream, 0.0, 120, warm_up=True, raw=raw))[0]
+           for raw in (False, True)}
+    for raw, results in got.items():
+        assert [r.error for r in results] == [None] * 3, raw
+        assert [r.output_tokens for r in results] == [r.max_tokens for r in reqs], raw
+        assert all(r.ttft > 0 and r.latency >= r.ttft for r in results), raw
+        if stream:  # a content chunk per token, or fewer when the server merged steps for a lagging client
+            assert all(0 <= len(r.itl) <= q.max_tokens - 1 for r, q in zip(results, reqs)), raw
+            assert sum(len(r.itl) for r in results) >= 1, raw
+
+
 def test_spy_summary_gives_each_threads_share_and_hottest_frames(tmp_path):
     # py-spy's raw format: one line per distinct stack, root first (with --threads, the thread), then a count.
     raw = tmp_path / "api.txt"
