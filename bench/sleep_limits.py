@@ -166,8 +166,11 @@ def describe(http_s: float, answer: dict) -> str:
     rank0 = pool.get("rank0") or {}  # tensor parallelism: the pool facade's phases, then rank 0's
     inner = rank0 or pool
     gc = t.get("gc") or {}
-    parts = [f"HTTP {http_s * 1e3:.1f} ms = engine {t.get('total_ms', 0):.1f}"
-             f" + API/channel {http_s * 1e3 - t.get('total_ms', 0):.1f}",
+    ch = t.get("channel") or {}
+    to_engine, to_api = ch.get("to_engine_ms", 0.0), ch.get("to_api_ms", 0.0)
+    engine = t.get("total_ms", 0) + t.get("pending_ms", 0)
+    parts = [f"HTTP {http_s * 1e3:.1f} ms = engine {engine:.1f} + to engine {to_engine:.1f} + back {to_api:.1f}"
+             f" + HTTP/API {http_s * 1e3 - engine - to_engine - to_api:.1f}",
              f"engine [{_ms(t.get('phases_ms', {}))}]"]
     if rank0:
         parts.append(f"ranks [{_ms(pool.get('phases_ms', {}))}]")
@@ -183,7 +186,7 @@ def describe(http_s: float, answer: dict) -> str:
                      + (" still mapping" if m["mapping"] else "")
                      + (f", chunks ready at {m['chunk_ready_ms']} ms" if m["chunk_ready_ms"] else ""))
     if t.get("pending_ms", 0) >= 0.5:
-        parts.append(f"pending {t['pending_ms']:.1f} ms")
+        parts.append(f"of which pending {t['pending_ms']:.1f} ms")
     return "; ".join(parts)
 
 

@@ -130,9 +130,21 @@ def assert_timed(timings: dict, engine_phases: set[str], pool_phases: set[str]) 
 
 
 
+def assert_channel(timings: dict, http_ms: float) -> None:
+    """The trips between the API process and the engine thread (EngineClient._with_channel): measured on one
+    clock across the two processes, each inside what the HTTP client waited, the engine's own time beside."""
+    assert "at" not in timings  # the engine's raw readings became the channel's figures
+    ch = timings["channel"]
+    assert 0 <= ch["to_engine_ms"] and 0 <= ch["to_api_ms"], ch
+    assert ch["to_engine_ms"] + timings.get("pending_ms", 0) + timings["total_ms"] + ch["to_api_ms"] <= http_ms, \
+        (ch, timings["total_ms"], http_ms)
+
+
 def test_level1_cycle_refuses_then_serves_the_same_output(server, client, reference):
     rss_awake = rss_bytes(server)
+    t0 = time.perf_counter()
     r = admin(server, "POST", "/sleep?level=1")
+    elapsed = (time.perf_counter() - t0) * 1e3
     assert r.status_code == 200, r.text
     assert r.json()["bytes_offloaded"] > 100e6 and r.json()["state"]["is_sleeping"] is True
     # Where the sleep's time went: the engine's steps, then the CPU backend's (backup files written,
@@ -140,6 +152,7 @@ def test_level1_cycle_refuses_then_serves_the_same_output(server, client, refere
     assert_timed(r.json()["timings"], {"abort", "prefix_cache", "pool", "publish"},
                  {"wait_prepare", "stop_kv_mapper", "check", "write_backups", "release", "state"})
     assert r.json()["timings"]["pending_ms"] >= 0
+    assert_channel(r.json()["timings"], elapsed)
     s = state(server)
     assert s["is_sleeping"] and s["level"] == 1 and set(s["sleeping_tags"]) == {"weights", "kv_cache"}
     assert s["tag_states"]["weights"] == "offloaded" and s["tag_states"]["kv_cache"] == "discarded"
@@ -151,9 +164,12 @@ def test_level1_cycle_refuses_then_serves_the_same_output(server, client, refere
     assert server.metric("sleepserve_tag_asleep", '{tag="weights"}') == 1
     assert_refused(client, "sleeping", "wake it with POST /wake_up")
 
+    t0 = time.perf_counter()
     r = admin(server, "POST", "/wake_up")
+    elapsed = (time.perf_counter() - t0) * 1e3
     assert r.status_code == 200, r.text
     assert set(r.json()["woke"]) == {"weights", "kv_cache"} and r.json()["bytes_restored"] > 100e6
+    assert_channel(r.json()["timings"], elapsed)
     assert_timed(r.json()["timings"], {"pool", "publish"}, {"check", "read_backups", "map", "start_kv_mapper"})
     assert not state(server)["is_sleeping"]
     first = generate(client)

@@ -111,6 +111,29 @@ def test_pending_sleep_drains_then_refuses_a_second(engine):
     assert engine.drains == 1  # the step in flight (async scheduling) ended before the memory went
 
 
+def test_a_failure_after_the_pool_slept_still_answers_the_caller(engine, monkeypatch):
+    """The server's sleep call waits on on_done: an error anywhere in finish_sleep (here assembling the
+    report, after the pool slept) must reach it, not leave the HTTP request hanging."""
+    ctl = SleepController(engine)
+    heard: list = []
+    assert ctl.begin_sleep(1, on_done=lambda report, error: heard.append((report, error))) is None
+
+    def broken(*a, **k):
+        raise TypeError("report assembly failed")
+    monkeypatch.setattr(ctl, "_timings", broken)
+    with pytest.raises(TypeError, match="report assembly failed"):
+        ctl.finish_sleep()
+    assert len(heard) == 1 and heard[0][0] is None and isinstance(heard[0][1], TypeError)
+    assert ctl.state.level == 1 and not ctl.pending  # the state published says what the pool did
+
+
+def test_report_carries_the_engine_clock_for_the_channel_timings(engine):
+    ctl = SleepController(engine)
+    for report in (ctl.sleep(1), ctl.wake_up()):
+        at = report.timings["at"]
+        assert at["called_s"] <= at["done_s"] and at["done_s"] - at["called_s"] >= report.timings["total_ms"] / 1e3
+
+
 def test_keep_preempts_only_when_memory_goes(engine):
     ctl = SleepController(engine)
     engine.unfinished = 1

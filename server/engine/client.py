@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from server.config import EngineConfig
@@ -398,6 +398,12 @@ class EngineClient:
         engine process, off its engine thread, so the add that follows does not wait for it."""
         await self.call("compile_grammar", spec, param)
 
+    async def _timed(self, name: str, *args: Any) -> SleepReport:
+        """A sleep, wake or resume, its report's timings completed with the channel's share (_with_channel)."""
+        sent = time.perf_counter()
+        report = await self.call(name, *args)
+        return self._notify(_with_channel(report, sent, time.perf_counter()))
+
     def _notify(self, report: SleepReport) -> SleepReport:
         if report.changed:
             for fn in self.on_transition:
@@ -411,13 +417,13 @@ class EngineClient:
                     clear_cache: bool = False) -> SleepReport:
         """Sleep (level 1, 2) or pause (level 0). abort and keep apply between two steps; wait first
         lets the requests in flight finish (refusing or holding new ones)."""
-        return self._notify(await self.call("sleep", level, tags, mode, clear_cache))
+        return await self._timed("sleep", level, tags, mode, clear_cache)
 
     async def wake_up(self, tags: list[str] | None = None) -> SleepReport:
-        return self._notify(await self.call("wake_up", tags))
+        return await self._timed("wake_up", tags)
 
     async def resume(self) -> SleepReport:
-        return self._notify(await self.call("resume"))
+        return await self._timed("resume")
 
     async def reset_prefix_cache(self) -> None:
         await self.call("reset_prefix_cache")
@@ -469,6 +475,20 @@ class EngineClient:
         with contextlib.suppress(OSError):
             self._sock.close()
         _stop_process(self._proc)
+
+
+def _with_channel(report: SleepReport, sent: float, got: float) -> SleepReport:
+    """timings["channel"]: to_engine_ms from this process's send to the engine thread taking the call (the
+    channel, the reader thread, the wait for the step in flight), to_api_ms from the engine's report to its
+    arrival here. With the engine's own total they explain a slow call seen through HTTP. The engine's raw
+    clock readings (timings["at"]) are consumed here."""
+    timings = dict(report.timings)
+    stamps = timings.pop("at", None)
+    if not stamps:
+        return report
+    timings["channel"] = {"to_engine_ms": (stamps["called_s"] - sent) * 1e3,
+                          "to_api_ms": (got - stamps["done_s"]) * 1e3}
+    return replace(report, timings=timings)
 
 
 def _without_grammar(params: SamplingParams) -> SamplingParams:

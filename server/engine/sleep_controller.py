@@ -150,18 +150,21 @@ class SleepController:
         assert pending is not None, "finish_sleep without a pending sleep"
         self._pending = None
         clock = Clock()
-        try:
+        try:  # whatever fails, the caller hears it (a server's sleep call would otherwise wait forever)
             report, pool_timings = self._apply(pending, clock)
-        except BaseException as e:
             self.publish()
-            if pending.on_done is not None:
-                pending.on_done(None, e)
+            clock.mark("publish")
+            # pending_ms: from the call to the sleep's start (the drain of mode=wait, or the step in flight).
+            report = replace(report, timings=self._timings(clock, pool=pool_timings,
+                                                           pending_ms=(clock.start - pending.since) * 1e3,
+                                                           at=_stamps(pending.since)))
+        except BaseException as e:
+            try:
+                self.publish()
+            finally:
+                if pending.on_done is not None:
+                    pending.on_done(None, e)
             raise
-        self.publish()
-        clock.mark("publish")
-        # pending_ms: from the call to the sleep's start (the drain of mode=wait, or the step in flight).
-        report = replace(report, timings=self._timings(clock, pool=pool_timings,
-                                                       pending_ms=(clock.start - pending.since) * 1e3))
         if pending.on_done is not None:
             pending.on_done(report, None)
         return report
@@ -244,7 +247,8 @@ class SleepController:
                            woke=tuple(t for t in targets if t in USER_TAGS),
                            bytes_restored=pool_report.bytes_restored if pool_report else 0,
                            seconds=clock.elapsed,
-                           timings=self._timings(clock, pool=pool_report.timings if pool_report else {}))
+                           timings=self._timings(clock, pool=pool_report.timings if pool_report else {},
+                                                 at=_stamps(clock.start)))
 
     @staticmethod
     def _timings(clock: Clock, **extra: object) -> dict:
@@ -296,3 +300,10 @@ class SleepController:
 
 
 __all__ = ["SleepController", "SleepTarget", "SleepState", "SleepReport"]
+
+
+def _stamps(called: float) -> dict[str, float]:
+    """When the call reached the engine thread and when its report was done, as perf_counter() reads them
+    (CLOCK_MONOTONIC on Linux: one clock for every process), for the API process's channel timings
+    (EngineClient._with_channel)."""
+    return {"called_s": called, "done_s": time.perf_counter()}

@@ -124,7 +124,10 @@ class SleepReport:
     # engine's steps: abort, prefix_cache, pool, publish; they add up to total_ms), "gc" (the Python
     # collector's pauses inside the call), "pending_ms" (sleep: from the call to its start, the drain
     # of mode=wait included), "pool" (the pool's own phases, driver calls and, for a sleep, how far the
-    # last wake's background KV mapping had got)}. Empty for a call that changed nothing.
+    # last wake's background KV mapping had got), "at" (called_s, done_s: the engine's perf_counter() when
+    # the call reached its thread and when the report was done; through the server these become "channel":
+    # to_engine_ms and to_api_ms, the trips between the API process and the engine thread)}. Empty for a
+    # call that changed nothing.
     timings: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
