@@ -7,6 +7,7 @@ a failed call leaves every tag in a state that matches its memory.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -114,6 +115,28 @@ class _Chunks:
                     "ran_ms": ran, "error": str(self.error) if self.error else None}
 
 
+def _foreground(method: Callable) -> Callable:
+    """A pool call that reads or changes the backend from the foreground (the engine's sleep, wake and
+    stats): while one runs, the background mapper starts no new piece (_yield_to_foreground). Mapping a
+    piece holds the C registry's lock and the driver for its create, map and set-access (a few ms), and a
+    mutex does not queue its waiters: on the H200 (2026-12-01) a mapper starting piece after piece kept a
+    level-2 sleep from its first pool read for 14-20 ms (the sleep's channel timings). The mapper still maps
+    one piece after each foreground call ends, so calls back to back (a client polling /memory) cannot
+    starve it: a foreground call waits for one piece at most."""
+    @functools.wraps(method)
+    def call(self: "MemoryPool", *args: Any, **kwargs: Any) -> Any:
+        with self._front_cond:
+            self._front += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with self._front_cond:
+                self._front -= 1
+                self._front_ended += 1
+                self._front_cond.notify_all()
+    return call
+
+
 class MemoryPool:
     """A pool of tensors whose memory sleeps and wakes per tag while their addresses stay put.
 
@@ -132,6 +155,9 @@ class MemoryPool:
         self._chunks: dict[str, _Chunks] = {}  # by tag: the tag's chunked tensor (empty_chunked)
         self._preparing: threading.Thread | None = None  # prepare_backups() at work
         self._busy: Callable[[], bool] | None = None       # yield_mapping_while()
+        self._front = 0                                     # foreground calls running (_foreground)
+        self._front_ended = 0                               # and how many have ended
+        self._front_cond = threading.Condition()
         self.prepare_error: PoolError | None = None  # why the last background preparation failed
 
     # ------------------------------------------------------------------ allocation
@@ -285,10 +311,18 @@ class MemoryPool:
         self._busy = busy
 
     def _yield_to_foreground(self, chunks: _Chunks) -> None:
+        """Before each background piece: wait while a foreground call runs (until it or another ends), and
+        while busy() unless someone waits for chunks."""
+        def stopped() -> bool:
+            return chunks.cancel.is_set() or self._closed
+        with self._front_cond:
+            seen = self._front_ended
+            while self._front and self._front_ended == seen and not stopped():
+                self._front_cond.wait(0.001)
         busy = self._busy
         if busy is None:
             return
-        while busy() and chunks.waiters == 0 and not chunks.cancel.is_set() and not self._closed:
+        while busy() and chunks.waiters == 0 and not stopped():
             chunks.cancel.wait(0.001)
 
     def _stop_mapping(self, tags: Iterable[str] | None = None) -> None:
@@ -392,6 +426,7 @@ class MemoryPool:
 
     # ------------------------------------------------------------------ sleep and wake
 
+    @_foreground
     def sleep(
         self,
         offload_tags: str | Iterable[str] = (),
@@ -473,6 +508,7 @@ class MemoryPool:
         timings.pop("gc", None)  # the pool's clock counts the collections of the whole call
         return timings
 
+    @_foreground
     def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
         """Re-create the memory of sleeping tags (all of them when tags is None) and restore
         offloaded content. All or nothing: on failure (e.g. out of memory) everything this call
@@ -534,6 +570,7 @@ class MemoryPool:
 
     # ------------------------------------------------------------------ inspection
 
+    @_foreground
     def tag_of(self, tensor: torch.Tensor) -> str | None:
         """The tag whose memory holds the tensor's first byte, or None when it is not pool memory.
         For tests and invariant checks: memory outside the pool is memory sleep cannot free."""
@@ -543,6 +580,7 @@ class MemoryPool:
             self._check_open()
             return self._backend.tag_of(tensor.data_ptr())
 
+    @_foreground
     def check_backup_space(self, tags: str | Iterable[str]) -> None:
         """PoolError now when the backups of these tags (as allocated today) would not fit, so a
         server fails at start-up instead of at its first sleep."""
@@ -565,6 +603,7 @@ class MemoryPool:
         """One pool per rank; a tensor-parallel engine's pool facade lists every rank's."""
         return [self.stats()]
 
+    @_foreground
     def stats(self) -> PoolStats:
         with self._lock:
             self._check_open()

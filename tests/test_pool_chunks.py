@@ -188,3 +188,49 @@ def test_a_chunk_above_the_largest_piece_is_several_pieces_mapped_in_order(tmp_p
         assert torch.all(t == 2.0)
     finally:
         pool.close()
+
+
+class RecordingBackend(HostBackend):
+    """The real CPU backend, recording when each background piece starts and making usage() (what stats()
+    reads) take 50 ms, as a foreground call that waits on the registry while the mapper holds it would."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.piece_starts: list[float] = []
+        self.usage_spans: list[tuple[float, float]] = []
+
+    def map_pieces(self, addresses):
+        self.piece_starts.append(time.perf_counter())
+        time.sleep(0.005)
+        return super().map_pieces(addresses)
+
+    def usage(self):
+        start = time.perf_counter()
+        time.sleep(0.05)
+        try:
+            return super().usage()
+        finally:
+            self.usage_spans.append((start, time.perf_counter()))
+
+
+def test_the_mapper_starts_no_piece_while_a_foreground_call_runs(tmp_path, monkeypatch):
+    """A foreground pool call (stats, sleep, wake) does not share the backend with a stream of background
+    pieces: the mapper finishes the piece at hand and starts the next once the call returned. Calls back to
+    back do not starve it either: it maps a piece after each, so a call waits for one piece at most."""
+    monkeypatch.setattr(pool_module, "MAX_PIECE_BYTES", PAGE)  # chunks 1 and 2: 9 pieces each
+    backend = RecordingBackend(tmp_path)
+    pool = MemoryPool(backend)
+    try:
+        t = chunked(pool)
+        pool.sleep(discard_tags=["kv_cache"])
+        pool.wake_up()
+        backend.usage_spans.clear()
+        while pool._chunks["kv_cache"].active:  # foreground reads for as long as the mapper runs
+            pool.stats()
+        assert pool.chunks_ready("kv_cache") == 3 and len(backend.usage_spans) >= 2
+        most = max(sum(a < p < b for p in backend.piece_starts) for a, b in backend.usage_spans)
+        assert most <= 1, f"{most} pieces started during one foreground call"
+        t.fill_(3.0)
+        assert torch.all(t == 3.0)
+    finally:
+        pool.close()

@@ -47,7 +47,7 @@ class _Pending:
     offload: tuple[str, ...]
     discard: tuple[str, ...]
     on_done: Done | None
-    since: float = field(default_factory=time.perf_counter)  # begin_sleep: the drain is timed from here
+    since: float = field(default_factory=time.perf_counter)  # begin_sleep's start: pending_ms counts from here
 
 
 class SleepController:
@@ -92,6 +92,7 @@ class SleepController:
         """Start a sleep (level 1, 2) or a pause (level 0). Returns a report at once for a repeat that
         changes nothing; otherwise the sleep is pending until `ready` and `finish_sleep()` (mode=wait
         drains the requests in flight meanwhile, refusing new ones), and None is returned."""
+        called = time.perf_counter()  # the plan's pool reads below count as the engine's (pending_ms)
         if not self.enabled:
             raise ConflictError("sleep mode is disabled for this engine (enable_sleep_mode=False)")
         plan = SleepPlan.make(level, list(tags) if tags is not None and not isinstance(tags, str) else tags,
@@ -104,12 +105,12 @@ class SleepController:
         if plan.level == 0:
             if self._paused:
                 return SleepReport(action, changed=False, level=0)
-            self._pending = _Pending(plan, (), (), on_done)
+            self._pending = _Pending(plan, (), (), on_done, called)
         else:
             offload, discard = self._diff(plan)
             if not offload and not discard:
                 return SleepReport(action, changed=False, level=plan.level)
-            self._pending = _Pending(plan, offload, discard, on_done)
+            self._pending = _Pending(plan, offload, discard, on_done, called)
         if plan.mode == "wait":
             self.publish()  # draining: new requests are refused (or held) from now on
         return None
