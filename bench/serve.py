@@ -428,10 +428,25 @@ def run_pass(name: str, args, reqs_of, run) -> list[dict]:
     rows = []
     for key, reqs in reqs_of:
         for stream in ([True, False] if name == "saturation" else [True]):
-            results, duration, *extra = run(reqs, stream)
-            rows.append({"pass": name, "key": key, "stream": stream, **summarize(results, duration),
-                         **(extra[0] if extra else {})})
+            times = args.repeat if name == "saturation" else 1
+            rows.append({"pass": name, "key": key, "stream": stream, **median_run(run, reqs, stream, times)})
     return rows
+
+
+def median_run(run, reqs: list, stream: bool | None, times: int) -> dict:
+    """The summary of `times` runs of the same requests whose output tok/s is the median, with every run's
+    tok/s (repeats_tok_s) and the failures of all of them: a saturation pass lasts ~0.4-1.5 s on the H200,
+    and one pass moved by 10-25% from one run to the next (2026-12-01), more than the 0.9 target's margin."""
+    runs = []
+    for _ in range(times):
+        results, duration, *extra = run(reqs, stream)
+        runs.append({**summarize(results, duration), **(extra[0] if extra else {})})
+    ordered = sorted(runs, key=lambda r: r["output_tok_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["failed"] = sum(r["failed"] for r in runs)
+    if times > 1:
+        row["repeats_tok_s"] = [r["output_tok_s"] for r in runs]
+    return row
 
 
 def main() -> None:
@@ -467,6 +482,9 @@ def main() -> None:
                          "raw (its with_raw_response / with_streaming_response), so the load generator's own CPU per "
                          "request and per chunk does not set the pace; typed: its typed path (prompt=ids, parsed "
                          "models), the figures before 2026-12-01")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="run each saturation pass this many times, HTTP and in-process alike, and keep the one with "
+                         "the median output tok/s (default 3 on CUDA, 1 on CPU; every run's tok/s is in the JSON)")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
     ap.add_argument("--spy", type=Path, default=None,
                     help="record the started server's API and engine processes with py-spy during each HTTP pass "
@@ -483,6 +501,7 @@ def main() -> None:
                          "(on the GPU host, scripts/gpu_assets.sh carries its wheels)") from e
 
     cuda = args.device == "cuda"
+    args.repeat = args.repeat or (3 if cuda else 1)
     if args.model is None:
         args.model = "llama-1b" if cuda else None
     smoke = args.smoke
@@ -520,6 +539,7 @@ def main() -> None:
     result["client_procs"] = procs
     raw = args.client == "raw"
     result["client"] = args.client
+    result["repeat"] = args.repeat
     # HTTP first: on CUDA the server process must have the device to itself while it sizes its cache.
     for on in modes:
         server = None
@@ -588,9 +608,8 @@ def main() -> None:
             for row in run_pass("rate", args, by_rate, engine):
                 rows.append({"path": path, **row})
             for c, reqs in by_conc:  # streaming is an HTTP notion: one in-process run per concurrency
-                res, duration, counts = engine(reqs, True)
-                rows.append({"path": path, "pass": "saturation", "key": c, "stream": None, **summarize(res, duration),
-                             **counts})
+                rows.append({"path": path, "pass": "saturation", "key": c, "stream": None,
+                             **median_run(engine, reqs, True, args.repeat)})
         llm.close()
     ratios(result)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -637,7 +656,8 @@ def report(result: dict) -> None:
                  "out tok/s", "req/s done", "HTTP/engine", "client cores/procs"]))
     sat = [r for r in result["rows"] if r["pass"] == "saturation"]
     print(f"\nserve: saturation ({result['model']}, {result['device']}, C requests at once, "
-          f"{result['output_len']} output tokens each, {result.get('client', 'typed')} client)")
+          f"{result['output_len']} output tokens each, {result.get('client', 'typed')} client, "
+          f"the median of {result.get('repeat', 1)} run(s))")
     print(table([[r["key"], r["path"], _mode(r),
                   f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-",

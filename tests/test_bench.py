@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
 from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
-from bench.serve import run_clients, run_engine, run_http, server_steps, summarize, workload  # noqa: E402
+from bench.serve import Result, median_run, run_clients, run_engine, run_http, server_steps, summarize, workload  # noqa: E402
 from bench.spy import summarize as summarize_spy  # noqa: E402
 from bench.sse_floor import run as sse_floor  # noqa: E402
 
@@ -29,6 +29,20 @@ def test_workload_lengths_and_poisson_arrivals():
     assert reqs[0].at == 0 and all(g >= 0 for g in gaps)
     assert 0.01 < sum(gaps) / len(gaps) < 0.04  # mean gap 1/rate = 0.02 s
     assert all(r.at == 0 for r in workload(5, 8, 4, 0.0, math.inf, 1000, seed=1))
+
+
+def test_repeated_pass_keeps_the_median_run_and_every_failure():
+    """--repeat: the run with the median tok/s is the pass's row; no failure of another run is dropped."""
+    runs = iter([(8, 1.0, None), (8, 4.0, "HTTP 500"), (8, 2.0, None)])  # tokens each, seconds, an error
+
+    def run(reqs, stream):
+        tokens, seconds, error = next(runs)
+        ok = [Result(sent=0.0, ttft=0.1, latency=seconds, output_tokens=tokens)]
+        return ok + ([Result(sent=0.0, error=error)] if error else []), seconds, {"steps": int(10 * seconds)}
+
+    row = median_run(run, [], False, 3)
+    assert row["repeats_tok_s"] == [8.0, 2.0, 4.0]  # in run order
+    assert row["output_tok_s"] == 4.0 and row["steps"] == 20 and row["failed"] == 1
 
 
 def test_serve_clients_over_processes_keep_request_order_and_count_cpu(llm):
