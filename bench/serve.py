@@ -424,22 +424,44 @@ def parse_rates(text: str) -> list[float]:
     return [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",") if r.strip()]
 
 
+# Saturation runs by kind: every run gets prompts no other run used (Fresh), so none finds them in the prefix
+# cache. Until 2026-12-01 the non-streamed HTTP pass reused the streamed pass's prompts, whose KV the server
+# had cached, while the in-process reference computed its prompts: its ratio was biased up.
+HTTP_STREAM, HTTP_PLAIN, IN_PROCESS = range(3)
+
+
+class Fresh:
+    """The saturation workload of one concurrency: `of(kind, repeat)` gives the same lengths with token ids
+    drawn from a seed of their own, the same for a given (kind, repeat) in every run of the benchmark."""
+
+    def __init__(self, make: Callable[[int], list]):
+        self.make = make
+
+    def of(self, kind: int, repeat: int) -> list:
+        return self.make(1 + 3 * repeat + kind)
+
+
 def run_pass(name: str, args, reqs_of, run) -> list[dict]:
     rows = []
     for key, reqs in reqs_of:
         for stream in ([True, False] if name == "saturation" else [True]):
-            times = args.repeat if name == "saturation" else 1
-            rows.append({"pass": name, "key": key, "stream": stream, **median_run(run, reqs, stream, times)})
+            if isinstance(reqs, Fresh):
+                kind = HTTP_STREAM if stream else HTTP_PLAIN
+                rows.append({"pass": name, "key": key, "stream": stream,
+                             **median_run(run, lambda k: reqs.of(kind, k), stream, args.repeat)})
+            else:
+                rows.append({"pass": name, "key": key, "stream": stream,
+                             **median_run(run, lambda k: reqs, stream, 1)})
     return rows
 
 
-def median_run(run, reqs: list, stream: bool | None, times: int) -> dict:
-    """The summary of `times` runs of the same requests whose output tok/s is the median, with every run's
+def median_run(run, reqs_of: Callable[[int], list], stream: bool | None, times: int) -> dict:
+    """The summary of `times` runs (run k on reqs_of(k)) whose output tok/s is the median, with every run's
     tok/s (repeats_tok_s) and the failures of all of them: a saturation pass lasts ~0.4-1.5 s on the H200,
     and one pass moved by 10-25% from one run to the next (2026-12-01), more than the 0.9 target's margin."""
     runs = []
-    for _ in range(times):
-        results, duration, *extra = run(reqs, stream)
+    for k in range(times):
+        results, duration, *extra = run(reqs_of(k), stream)
         runs.append({**summarize(results, duration), **(extra[0] if extra else {})})
     ordered = sorted(runs, key=lambda r: r["output_tok_s"])
     row = dict(ordered[(len(ordered) - 1) // 2])
@@ -522,7 +544,9 @@ def main() -> None:
     by_rate = [(r, workload(num, input_len, output_len, args.range_ratio, r, vocab, args.seed + k))
                for k, r in enumerate(rates)]
     # Saturation: C requests at once, every output exactly output_len tokens (the issue's workload).
-    by_conc = [(c, workload(c, input_len, output_len, 0.0, math.inf, vocab, args.seed + 100 + c)) for c in sat]
+    by_conc = [(c, Fresh(lambda salt, c=c: workload(c, input_len, output_len, 0.0, math.inf, vocab,
+                                                    args.seed + 100 + c + 7919 * salt))) for c in sat]
+    warm = by_conc[0][1].make(0)[:2]  # prompts of their own: the warm-ups cache none of the passes' prompts
 
     result: dict = {"date": now_iso(), "model": name, "device": args.device, "engine_flags": flags,
                     "num_prompts": num, "input_len": input_len, "output_len": output_len,
@@ -579,7 +603,7 @@ def main() -> None:
                 steps = after - before[0] if None not in (before[0], after) else None
                 return results, duration, {**client, "steps": steps, **({"spy": profiles} if profiles else {})}
 
-            run_clients(url, args.api_key, served, by_conc[0][1][:2], True, args.temperature, args.timeout, 1,
+            run_clients(url, args.api_key, served, warm, True, args.temperature, args.timeout, 1,
                         raw=raw)  # warm-up
             for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
                 rows.append({"path": "http+async" if on else "http", **row})
@@ -604,12 +628,12 @@ def main() -> None:
         for on in modes:
             core.set_async_scheduling(on)
             path = "engine+async" if on else "engine"
-            engine(by_conc[0][1][:2], True)  # warm-up
+            engine(warm, True)  # warm-up
             for row in run_pass("rate", args, by_rate, engine):
                 rows.append({"path": path, **row})
             for c, reqs in by_conc:  # streaming is an HTTP notion: one in-process run per concurrency
                 rows.append({"path": path, "pass": "saturation", "key": c, "stream": None,
-                             **median_run(engine, reqs, True, args.repeat)})
+                             **median_run(engine, lambda k: reqs.of(IN_PROCESS, k), True, args.repeat)})
         llm.close()
     ratios(result)
     args.out.mkdir(parents=True, exist_ok=True)

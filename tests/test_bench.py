@@ -4,6 +4,7 @@ computed from what ran. No timing is asserted (the benchmarks print ratios; the 
 from __future__ import annotations
 
 import asyncio
+from argparse import Namespace
 import math
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
 from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
-from bench.serve import Result, median_run, run_clients, run_engine, run_http, server_steps, summarize, workload  # noqa: E402
+from bench.serve import (IN_PROCESS, Fresh, Result, median_run, run_clients, run_engine, run_http, run_pass,  # noqa: E402
+                         server_steps, summarize, workload)
 from bench.spy import summarize as summarize_spy  # noqa: E402
 from bench.sse_floor import run as sse_floor  # noqa: E402
 
@@ -40,9 +42,28 @@ def test_repeated_pass_keeps_the_median_run_and_every_failure():
         ok = [Result(sent=0.0, ttft=0.1, latency=seconds, output_tokens=tokens)]
         return ok + ([Result(sent=0.0, error=error)] if error else []), seconds, {"steps": int(10 * seconds)}
 
-    row = median_run(run, [], False, 3)
+    row = median_run(run, lambda k: [], False, 3)
     assert row["repeats_tok_s"] == [8.0, 2.0, 4.0]  # in run order
     assert row["output_tok_s"] == 4.0 and row["steps"] == 20 and row["failed"] == 1
+
+
+def test_saturation_runs_never_share_a_prompt():
+    """Every saturation run (streamed, not, each repeat, the in-process reference) gets prompts of its own:
+    a run that reused another's would find their KV in the server's prefix cache and skip the prefill."""
+    fresh = Fresh(lambda salt: workload(4, 16, 4, 0.0, math.inf, 1000, seed=100 + 7919 * salt))
+    seen: list = []
+
+    def run(reqs, stream):
+        seen.append(tuple(tuple(r.prompt) for r in reqs))
+        return [Result(sent=0.0, ttft=0.1, latency=0.5, output_tokens=r.max_tokens) for r in reqs], 0.5, {}
+
+    rows = run_pass("saturation", Namespace(repeat=2), [(4, fresh)], run)
+    assert [(r["stream"], len(r["repeats_tok_s"])) for r in rows] == [(True, 2), (False, 2)]
+    median_run(run, lambda k: fresh.of(IN_PROCESS, k), True, 2)
+    prompts = [p for run_prompts in seen for p in run_prompts]
+    assert len(seen) == 6 and len(set(prompts)) == len(prompts) == 24
+    assert fresh.of(IN_PROCESS, 1) == fresh.of(IN_PROCESS, 1)  # the same run gets the same prompts every time
+    assert [len(r.prompt) for r in fresh.of(0, 0)] == [len(r.prompt) for r in fresh.of(2, 1)]
 
 
 def test_serve_clients_over_processes_keep_request_order_and_count_cpu(llm):
