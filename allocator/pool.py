@@ -273,7 +273,8 @@ class MemoryPool:
 
     def _map_rest(self, tag: str, chunks: _Chunks) -> None:
         """The background mapper: chunks 1.. of a woken tag, in order, one at a time and without
-        the pool's lock, so the engine's own calls (tag_state, stats) never wait for a chunk. Only
+        the pool's lock, so the engine's own calls (tag_state, stats) never wait for a whole chunk, and
+        giving way between pieces to foreground calls (_foreground) and to a busy engine. Only
         a sleep of this tag or close() stop it, and they join it first (_stop_mapping). Whatever
         ends it (an error included), finish() tells the waiters that nothing more comes."""
         try:
@@ -311,19 +312,20 @@ class MemoryPool:
         self._busy = busy
 
     def _yield_to_foreground(self, chunks: _Chunks) -> None:
-        """Before each background piece: wait while a foreground call runs (until it or another ends), and
-        while busy() unless someone waits for chunks."""
-        def stopped() -> bool:
-            return chunks.cancel.is_set() or self._closed
-        with self._front_cond:
-            seen = self._front_ended
-            while self._front and self._front_ended == seen and not stopped():
-                self._front_cond.wait(0.001)
+        """Before each background piece, unless someone waits for chunks (wait_chunks: then at full speed):
+        wait while busy(), and while a foreground call runs, until that call or another ends (the calls
+        that ended while busy() held it back do not count: the call running when it stops does)."""
         busy = self._busy
-        if busy is None:
-            return
-        while busy() and chunks.waiters == 0 and not stopped():
-            chunks.cancel.wait(0.001)
+        seen = self._front_ended
+        while chunks.waiters == 0 and not chunks.cancel.is_set() and not self._closed:
+            if busy is not None and busy():
+                seen = self._front_ended
+                chunks.cancel.wait(0.001)
+                continue
+            with self._front_cond:
+                if not self._front or self._front_ended != seen:
+                    return
+                self._front_cond.wait(0.001)
 
     def _stop_mapping(self, tags: Iterable[str] | None = None) -> None:
         """Stop the background mappers of these tags (all when None); each finishes the chunk at

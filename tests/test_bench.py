@@ -44,7 +44,38 @@ def test_repeated_pass_keeps_the_median_run_and_every_failure():
 
     row = median_run(run, lambda k: [], False, 3)
     assert row["repeats_tok_s"] == [8.0, 2.0, 4.0]  # in run order
-    assert row["output_tok_s"] == 4.0 and row["steps"] == 20 and row["failed"] == 1
+    assert row["output_tok_s"] == 4.0 and row["steps"] == 20  # the median run: 8 tokens in 2 s
+    assert row["failed"] == 0 and row["failed_all_runs"] == 1  # the slowest run's failure is kept
+
+
+def test_raw_stream_raises_on_the_servers_error_chunk():
+    """After the 200 the server reports a failure as `data: {"error": ...}`: the raw reader fails the request
+    as the typed stream does (APIError), rather than counting it complete with no tokens."""
+    from bench.serve import _raw_chunks
+
+    class Response:
+        async def iter_lines(self):
+            for line in ['data: {"choices": [{"text": "a", "token_ids": [1]}]}', "",
+                         'data: {"error": {"message": "engine died", "code": 503}}', "data: [DONE]"]:
+                yield line
+
+    class Streaming:
+        def create(self, **kw):
+            class Ctx:
+                async def __aenter__(self):
+                    return Response()
+
+                async def __aexit__(self, *a):
+                    return False
+            return Ctx()
+
+    client = Namespace(completions=Namespace(with_streaming_response=Streaming()))
+
+    async def read():
+        return [item async for item in _raw_chunks(client, {})]
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(read())
 
 
 def test_saturation_runs_never_share_a_prompt():

@@ -234,3 +234,29 @@ def test_the_mapper_starts_no_piece_while_a_foreground_call_runs(tmp_path, monke
         assert torch.all(t == 3.0)
     finally:
         pool.close()
+
+
+def test_a_mapper_held_back_by_a_busy_engine_still_waits_for_the_foreground_call_running(tmp_path, monkeypatch):
+    """The engine turns idle while a foreground call runs: the mapper, held back until then, waits for that
+    call to end before its next piece."""
+    monkeypatch.setattr(pool_module, "MAX_PIECE_BYTES", PAGE)
+    backend = RecordingBackend(tmp_path)
+    pool = MemoryPool(backend)
+    busy = threading.Event()
+    busy.set()
+    pool.yield_mapping_while(busy.is_set)
+    try:
+        t = chunked(pool)
+        pool.sleep(discard_tags=["kv_cache"])
+        pool.wake_up()  # chunk 0; the mapper is held back by busy()
+        started = len(backend.piece_starts)
+        backend.usage_spans.clear()
+        threading.Timer(0.02, busy.clear).start()  # the engine turns idle during the call below
+        pool.stats()  # 50 ms
+        (a, b), = backend.usage_spans
+        assert not [p for p in backend.piece_starts[started:] if a < p < b]
+        assert pool.wait_chunks("kv_cache", 3, timeout=30) == 3  # and then it maps the rest
+        t.fill_(5.0)
+        assert torch.all(t == 5.0)
+    finally:
+        pool.close()

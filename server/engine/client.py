@@ -399,7 +399,8 @@ class EngineClient:
         await self.call("compile_grammar", spec, param)
 
     async def _timed(self, name: str, *args: Any) -> SleepReport:
-        """A sleep, wake or resume, its report's timings completed with the channel's share (_with_channel)."""
+        """A sleep, wake or resume; a sleep's and a wake's timings completed with the channel's share
+        (_with_channel; a resume reports no timings)."""
         sent = time.perf_counter()
         report = await self.call(name, *args)
         return self._notify(_with_channel(report, sent, time.perf_counter()))
@@ -480,7 +481,8 @@ class EngineClient:
 def _with_channel(report: SleepReport, sent: float, got: float) -> SleepReport:
     """timings["channel"]: to_engine_ms from this process's send to the engine thread taking the call (the
     channel, the reader thread, the wait for the step in flight), to_api_ms from the engine's report to its
-    arrival here. With the engine's own total they explain a slow call seen through HTTP. The engine's raw
+    arrival here (the reply leaves with the engine loop's next frame: after the step in flight, if requests
+    run). With the engine's own total they explain a slow call seen through HTTP. The engine's raw
     clock readings (timings["at"]) are consumed here."""
     timings = dict(report.timings)
     stamps = timings.pop("at", None)
