@@ -106,6 +106,17 @@ async def _raw_chunks(client, args: dict) -> AsyncIterator[tuple[tuple | None, i
                    usage["completion_tokens"] if usage else None)
 
 
+async def _typed_tokens(client, args: dict) -> int:
+    """A whole answer through the client's typed models: its completion tokens."""
+    return (await client.completions.create(**args)).usage.completion_tokens
+
+
+async def _raw_tokens(client, args: dict) -> int:
+    """The same answer read raw and JSON-parsed (what _typed_tokens returns)."""
+    r = await client.completions.with_raw_response.create(**args)
+    return json.loads(r.content)["usage"]["completion_tokens"]
+
+
 async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: bool, temperature: float,
                    timeout: float, started: list[float] | None = None, warm_up: bool = False,
                    gate: Callable[[], Awaitable] | None = None, raw: bool = False) -> tuple[list[Result], float]:
@@ -128,6 +139,8 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, http_client=http, max_retries=0)
     extra = {"ignore_eos": True, "return_token_ids": True}
 
+    answer, chunks = (_raw_tokens, _raw_chunks) if raw else (_typed_tokens, _typed_chunks)
+
     def body(req: Req) -> dict:  # the arguments of one request; raw: the prompt travels in extra_body
         if not raw:
             return {"prompt": req.prompt, "extra_body": extra}
@@ -135,12 +148,8 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
 
     if warm_up and reqs:
         one_token = dict(model=model, max_tokens=1, **body(reqs[0]))
-        if raw:
-            await client.completions.with_raw_response.create(**one_token)
-        else:
-            await client.completions.create(**one_token)
-        async for _ in (_raw_chunks if raw else _typed_chunks)(
-                client, {**one_token, "stream": True, "stream_options": {"include_usage": True}}):
+        await answer(client, one_token)
+        async for _ in chunks(client, {**one_token, "stream": True, "stream_options": {"include_usage": True}}):
             pass
     if gate is not None:
         await gate()
@@ -153,7 +162,7 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
                 last = None
                 args = dict(model=model, max_tokens=req.max_tokens, temperature=temperature, stream=True,
                             stream_options={"include_usage": True}, **body(req))
-                async for choice, usage in (_raw_chunks(client, args) if raw else _typed_chunks(client, args)):
+                async for choice, usage in chunks(client, args):
                     now = time.perf_counter()
                     if choice is not None and (choice[0] or choice[1]):  # token ids or text
                         if last is None:
@@ -165,12 +174,8 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
                         res.output_tokens = usage
                 res.latency = time.perf_counter() - res.sent
             else:
-                args = dict(model=model, max_tokens=req.max_tokens, temperature=temperature, **body(req))
-                if raw:
-                    r = await client.completions.with_raw_response.create(**args)
-                    tokens = json.loads(r.content)["usage"]["completion_tokens"]
-                else:
-                    tokens = (await client.completions.create(**args)).usage.completion_tokens
+                tokens = await answer(client, dict(model=model, max_tokens=req.max_tokens, temperature=temperature,
+                                                   **body(req)))
                 res.latency = time.perf_counter() - res.sent
                 res.ttft = res.latency  # the whole answer is the first byte
                 res.output_tokens = tokens
@@ -449,11 +454,10 @@ def run_pass(name: str, args, reqs_of, run) -> list[dict]:
         for stream in ([True, False] if name == "saturation" else [True]):
             if isinstance(reqs, Fresh):
                 kind = HTTP_STREAM if stream else HTTP_PLAIN
-                rows.append({"pass": name, "key": key, "stream": stream,
-                             **median_run(run, lambda k: reqs.of(kind, k), stream, args.repeat)})
+                reqs_of, times = (lambda k: reqs.of(kind, k)), args.repeat
             else:
-                rows.append({"pass": name, "key": key, "stream": stream,
-                             **median_run(run, lambda k: reqs, stream, 1)})
+                reqs_of, times = (lambda k: reqs), 1
+            rows.append({"pass": name, "key": key, "stream": stream, **median_run(run, reqs_of, stream, times)})
     return rows
 
 

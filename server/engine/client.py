@@ -494,7 +494,6 @@ def _with_channel(report: SleepReport, sent: float, got: float) -> SleepReport:
 
 
 def _without_grammar(params: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
     return replace(params, grammar=None)
 
 

@@ -8,7 +8,7 @@ The async engine and the in-process LLM only call it (both from the one thread t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Callable, Iterable, Protocol
 
@@ -47,7 +47,7 @@ class _Pending:
     offload: tuple[str, ...]
     discard: tuple[str, ...]
     on_done: Done | None
-    since: float = field(default_factory=time.perf_counter)  # begin_sleep's start: pending_ms counts from here
+    since: float  # begin_sleep's start (perf_counter): pending_ms counts from here
 
 
 class SleepController:
@@ -300,11 +300,11 @@ class SleepController:
         self.publish()
 
 
-__all__ = ["SleepController", "SleepTarget", "SleepState", "SleepReport"]
-
-
 def _stamps(called: float) -> dict[str, float]:
     """When the call reached the engine thread and when its report was done, as perf_counter() reads them
     (CLOCK_MONOTONIC on Linux: one clock for every process), for the API process's channel timings
     (EngineClient._with_channel)."""
     return {"called_s": called, "done_s": time.perf_counter()}
+
+
+__all__ = ["SleepController", "SleepTarget", "SleepState", "SleepReport"]
