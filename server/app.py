@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
+import socket
+import tempfile
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI
 
@@ -25,25 +28,36 @@ from server.api.middleware import BodyLimit, ContainErrors
 from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
 from server.api.tokens import Tokens
+from server.api_servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets
 from server.config import EngineConfig
 from server.engine.client import EngineClient, EngineStartError
 from server.heap import freeze_startup_heap
 from server.logging_setup import AccessLogMiddleware, configure_logging
-from server.metrics import ServerMetrics
+from server.metrics import ServerMetrics, share_metrics
 
 log = logging.getLogger("sleepserve.server")
 
 ENGINE_DIED = 3  # exit code when the engine process died under the server (README, "Exit codes")
 
 
-def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServerSettings, others: OtherApiServers | None = None,
+               metrics_dir: str | None = None) -> FastAPI:
+    """others: the API processes this one started (--api-server-count), which must exit before the engine
+    stops; metrics_dir: the folder where every API process keeps its metrics (None with one API process)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.attach()
+        if others is not None:  # ready means every API process listens: wait for theirs
+            await asyncio.to_thread(others.wait_ready, START_TIMEOUT_S)
         freeze_startup_heap("API process")
+        publisher = asyncio.ensure_future(app.state.metrics.publish_every(1.0)) if metrics_dir else None
         try:
             yield
         finally:
+            if publisher is not None:
+                publisher.cancel()
+            if others is not None:  # their requests in flight use the engine until they end
+                await asyncio.to_thread(others.wait, settings.shutdown_grace_period + STOP_TIMEOUT_S)
             await engine.shutdown()
             app.state.tokens.close()
             app.state.shut_down = True
@@ -54,7 +68,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.engine = engine
     app.state.settings = settings
     info = engine.info
-    app.state.metrics = ServerMetrics(engine, info.served_model_name)
+    app.state.metrics = ServerMetrics(engine, info.served_model_name, shared=metrics_dir is not None)
     app.state.tokens = Tokens(Path(info.model_path), info.max_model_len)
     app.state.served_model_name = info.served_model_name
     app.state.started_at = int(time.time())
@@ -122,7 +136,8 @@ class GracefulServer:
     way to stop a service (uvicorn re-raises the signal, which made the exit status 143)."""
 
     @staticmethod
-    def make(config, engine: EngineClient, grace: float):
+    def make(config, engine: EngineClient, grace: float, others: OtherApiServers | None = None,
+             on_started: Callable[[], None] | None = None):
         import signal
 
         import uvicorn
@@ -136,6 +151,11 @@ class GracefulServer:
                 if sig == signal.SIGTERM:
                     self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets)
+                if self.started and on_started is not None:
+                    on_started()  # listening, the lifespan's start-up done
+
             async def shutdown(self, sockets=None) -> None:
                 async def abort_after_grace() -> None:
                     await asyncio.sleep(grace)
@@ -144,6 +164,8 @@ class GracefulServer:
                         if n:
                             log.info("shutdown: aborted %d request(s) still running after %.0f s", n, grace)
 
+                if others is not None:
+                    others.stop()  # they shut down gracefully beside this one; the lifespan waits for them
                 aborter = asyncio.ensure_future(abort_after_grace())
                 try:
                     await super().shutdown(sockets)
@@ -155,12 +177,11 @@ class GracefulServer:
 
 def serve(settings: ServerSettings, config: EngineConfig) -> int:
     """Load, then serve until interrupted. Returns the process exit code (see README, "Exit codes")."""
-    import uvicorn
-
     configure_logging(settings.log_level)
     transfer_config = settings.weight_transfer_config if settings.dev_mode else None
+    count = settings.api_server_count
     try:
-        engine = EngineClient.launch(config, transfer_config, settings.log_level)
+        engine = EngineClient.launch(config, transfer_config, settings.log_level, channels=count)
     except EngineStartError as e:
         log.error("could not start: %s", e)
         return 1
@@ -168,26 +189,55 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
         return 130
     for line in startup_lines(engine, settings):
         log.info(line)
+    if count == 1:
+        return run_http(create_app(engine, settings), engine, settings)
+    try:
+        listeners = listening_sockets(settings.host, settings.port, count)
+    except OSError as e:
+        log.error("could not listen on %s:%d: %s", settings.host, settings.port, e)
+        engine.shutdown_now()
+        return 1
+    metrics_dir = tempfile.mkdtemp(prefix="sleepserve-metrics-")
+    try:
+        share_metrics(metrics_dir)
+        others = OtherApiServers.start(settings, listeners[1:], engine.spare_channels, metrics_dir)
+        log.info("API processes: %d (pids %s), one engine process", count,
+                 ", ".join(map(str, [os.getpid(), *others.pids])))
+        app = create_app(engine, settings, others, metrics_dir)
+        return run_http(app, engine, settings, listeners[0], others)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
-    app = create_app(engine, settings)
+
+def run_http(app: FastAPI, engine: EngineClient, settings: ServerSettings, listener: socket.socket | None = None,
+             others: OtherApiServers | None = None, on_started: Callable[[], None] | None = None) -> int:
+    """Serve `app` under uvicorn until it stops; the exit code. listener: a socket bound already (several API
+    processes); None binds (host, port) here."""
+    import uvicorn
+
     grace = settings.shutdown_grace_period
     server = GracefulServer.make(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=grace + 5, server_header=False), engine, grace)
-    died: list[BaseException] = []
+        timeout_graceful_shutdown=grace + 5, server_header=False), engine, grace, others, on_started)
+    died: list[BaseException | str] = []
 
-    def on_death(error: BaseException) -> None:
+    def on_death(error: BaseException | str) -> None:
         died.append(error)
         server.should_exit = True  # uvicorn stops accepting; requests in flight already got their 503
 
     engine.on_death = on_death
+    if others is not None:
+        others.watch(on_death)
     try:
-        server.run()
+        server.run(sockets=[listener] if listener is not None else None)
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C after its graceful shutdown; the shutdown is done, so no traceback.
         return 130
     finally:
         if not app.state.shut_down:  # uvicorn never ran the lifespan (e.g. it could not bind)
+            if others is not None:
+                others.stop()
+                others.wait(STOP_TIMEOUT_S)
             engine.shutdown_now()
     if died:
         log.error("exiting: %s", died[0])

@@ -7,12 +7,15 @@ by a collector, so this module keeps no copy of engine state.
 """
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from bisect import bisect_left
 from dataclasses import asdict
 from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from server.engine.outputs import RequestOutput
@@ -117,6 +120,8 @@ class RequestTracker:
         else:
             reason = last.outputs[0].finish_reason if last.outputs else "stop"
         m.finished.labels(reason or "stop").inc()
+        if m.shared:  # a scrape of another API process then counts every finished request's tokens
+            m.flush()
         elapsed = time.monotonic() - self.start
         m.e2e.observe(elapsed)
         if last is None or not last.finished:
@@ -137,10 +142,20 @@ class RequestTracker:
                     m.v_decode.observe(t.last_token_time - t.first_token_time)
 
 
+def share_metrics(folder: str) -> None:
+    """This process and the API processes it starts (--api-server-count; they inherit the variable) keep what
+    they count in files of `folder`, which every scrape sums (prometheus_client's multiprocess mode). Before
+    any ServerMetrics is made."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    values.ValueClass = values.MultiProcessValue()
+
+
 class ServerMetrics:
-    def __init__(self, engine: Any, model_name: str):
+    def __init__(self, engine: Any, model_name: str, shared: bool = False):
+        """shared: several API processes count (share_metrics ran): a scrape reads every process's files."""
         self.engine = engine
         self.model_name = model_name
+        self.shared = shared
         # Unregistered on purpose: each scrape assembles its own registry (see render).
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of admitted requests", registry=None)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=None)
@@ -229,12 +244,22 @@ class ServerMetrics:
         p.itl.flush(self.itl)
         p.v_itl.flush(self.v_itl)
 
+    async def publish_every(self, seconds: float) -> None:
+        """With several API processes a scrape reaches one of them, and reads the others' files: each
+        publishes what its streams counted (flush) on its own, at least this often."""
+        while True:
+            await asyncio.sleep(seconds)
+            self.flush()
+
     def render(self, ranks: list[dict] | None) -> bytes:
         """ranks: each rank's pool stats (one rank without tensor parallelism), None when not read."""
         self.flush()
         registry = CollectorRegistry(auto_describe=False)
-        for metric in self._own:
-            registry.register(metric)
+        if self.shared:
+            MultiProcessCollector(registry)
+        else:
+            for metric in self._own:
+                registry.register(metric)
         registry.register(EngineCollector(self.engine.state, asdict(self.engine.stats), ranks,
                                           self.engine.info.config, self.engine.info.kv_plan, self.model_name))
         return generate_latest(registry)

@@ -24,7 +24,7 @@ def test_the_engine_is_a_child_process_and_its_death_ends_the_server_with_503s()
         engine = server.engine_pid
         assert engine != server.proc.pid
         info = httpx.get(server.url + "/server_info", timeout=30).json()
-        assert info["processes"] == {"api_pid": server.proc.pid, "engine_pid": engine}
+        assert info["processes"] == {"api_pid": server.proc.pid, "engine_pid": engine, "api_server_count": 1}
         assert f"engine process pid {engine}" in server.log_text()
 
         # A stream in flight, then a pause that keeps it, then a request held by the pause.

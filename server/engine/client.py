@@ -9,6 +9,9 @@ context length, KV plan, config) arrive once, in `info`.
 
 If the engine process dies (killed, crashed, out of memory), every waiting call and request gets
 EngineDeadError (503) at once and `on_death` tells the server to exit.
+
+With --api-server-count N, the first API process `launch`es the engine with N channels and owns it (its
+shutdown stops the engine); each other API process `connect`s to one of the rest (server/api_servers.py).
 """
 from __future__ import annotations
 
@@ -157,11 +160,12 @@ class OutputStream:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, proc: subprocess.Popen, sock: socket.socket, ready: Ready):
+    def __init__(self, config: EngineConfig, proc: subprocess.Popen | None, sock: socket.socket, ready: Ready):
         self.config = config
         self.info: EngineInfo = ready.info
-        self._proc = proc
+        self._proc = proc  # None in an API process that did not start the engine (connect)
         self._sock = sock
+        self.spare_channels: list[socket.socket] = []  # launch's channels for the other API processes
         self._state: SleepState = ready.status.state  # type: ignore[assignment]
         self.stats: EngineStats = ready.status.stats
         self.dead: BaseException | None = None
@@ -187,13 +191,19 @@ class EngineClient:
     # -- start-up (before the event loop) ----------------------------------------------------------
 
     @classmethod
-    def launch(cls, config: EngineConfig, transfer_config: Any = None, log_level: str = "info") -> "EngineClient":
-        """Start the engine process and wait until it has loaded the model (or failed to)."""
-        mine, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "server.engine.process", "--fd", str(theirs.fileno()),
+    def launch(cls, config: EngineConfig, transfer_config: Any = None, log_level: str = "info",
+               channels: int = 1) -> "EngineClient":
+        """Start the engine process and wait until it has loaded the model (or failed to). channels > 1: the
+        engine also serves channels - 1 other API processes, whose ends wait in `spare_channels`."""
+        pairs = [socket.socketpair() for _ in range(channels)]
+        fds = [theirs.fileno() for _, theirs in pairs]
+        cmd = [sys.executable, "-m", "server.engine.process", "--fd", ",".join(map(str, fds)),
                "--parent", str(os.getpid())]
-        proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()])
-        theirs.close()
+        proc = subprocess.Popen(cmd, pass_fds=fds)
+        for _, theirs in pairs:
+            theirs.close()
+        mine = pairs[0][0]
+        spare = [ours for ours, _ in pairs[1:]]
         chan = SyncChannel(mine)
         try:
             chan.send(Start(config, transfer_config, log_level))
@@ -210,11 +220,21 @@ class EngineClient:
             proc.wait(SHUTDOWN_TIMEOUT_S)
             raise EngineStartError(str(msg.error.rebuild()), msg.expected)
         assert isinstance(msg, Ready), msg
-        return cls(config, proc, mine, msg)
+        client = cls(config, proc, mine, msg)
+        client.spare_channels = spare
+        return client
+
+    @classmethod
+    def connect(cls, sock: socket.socket) -> "EngineClient":
+        """An API process that did not start the engine: its channel (one of launch's spare_channels), whose
+        Ready the engine sent when it started."""
+        msg = SyncChannel(sock).recv()
+        assert isinstance(msg, Ready), msg
+        return cls(msg.info.config, None, sock, msg)
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self.info.pid
 
     # -- the published status ----------------------------------------------------------------------
 
@@ -276,12 +296,14 @@ class EngineClient:
             self.held.state_changed(status.state)
 
     def _engine_gone(self, cause: BaseException) -> None:
-        code = self._proc.poll()
-        if code is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                code = self._proc.wait(1.0)
-        reason = _exit_reason(code) if code is not None else f"its channel broke: {cause}"
-        message = f"the engine process (pid {self._proc.pid}) {reason}"
+        code = None
+        if self._proc is not None:
+            code = self._proc.poll()
+            if code is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self._proc.wait(1.0)
+        reason = _exit_reason(code) if code is not None else f"closed its channel ({cause!r})"
+        message = f"the engine process (pid {self.pid}) {reason}"
         log.critical("%s; nothing can be served: answering 503 and shutting the server down (restart it)", message)
         self.dead = EngineDeadError(message)
         for fut in self._calls.values():
@@ -459,12 +481,14 @@ class EngineClient:
     # -- shutdown ------------------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
-        """Ask the engine to stop (it aborts what is left and releases its memory) and wait for it."""
+        """Ask the engine to stop (it aborts what is left and releases its memory) and wait for it. An API
+        process that did not start the engine only closes its channel (the engine aborts what it added)."""
         self._closing = True
-        if self.dead is None and self._writer is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.call("shutdown"), SHUTDOWN_TIMEOUT_S)
-        await asyncio.to_thread(_stop_process, self._proc)
+        if self._proc is not None:
+            if self.dead is None and self._writer is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.call("shutdown"), SHUTDOWN_TIMEOUT_S)
+            await asyncio.to_thread(_stop_process, self._proc)
         if self._reader_task is not None:
             self._reader_task.cancel()
         if self._writer is not None:
@@ -475,7 +499,8 @@ class EngineClient:
         self._closing = True
         with contextlib.suppress(OSError):
             self._sock.close()
-        _stop_process(self._proc)
+        if self._proc is not None:
+            _stop_process(self._proc)
 
 
 def _with_channel(report: SleepReport, sent: float, got: float) -> SleepReport:

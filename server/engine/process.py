@@ -11,6 +11,11 @@ since both write the model's tensors; the API process never creates a CUDA conte
   receive's end back to the engine thread (an ENGINE command answered by a future).
 The process ends when the API asks (`shutdown`) or goes away (end of the channel, or its death
 signal: the kernel kills this process if the API process dies, so no engine outlives its server).
+
+With --api-server-count N the engine has N channels (`--fd a,b,...`), one per API process: the first
+one's process started the engine and owns it (Start, shutdown, its end stops the engine); every channel
+gets Ready and the status, each request's deltas go to the channel that added it, each reply to the
+channel that called. A later channel that closes (its API process exited) takes its requests with it.
 """
 from __future__ import annotations
 
@@ -51,10 +56,23 @@ ADMIT_WINDOW_S = 0.05
 COMMAND_THREADS = 8  # THREAD commands at once (a transfer waiting on a trainer, a slow disk read, compiles)
 
 
+class _Link:
+    """One API process's channel and what its next frame carries. `local` is the engine thread's own
+    (deltas, its replies: no lock); `remote` holds replies from command threads (under the server's lock)."""
+    __slots__ = ("chan", "index", "local", "remote", "open")
+
+    def __init__(self, chan: SyncChannel, index: int):
+        self.chan, self.index = chan, index
+        self.local: list = []
+        self.remote: list = []
+        self.open = True
+
+
 class EngineServer:
-    def __init__(self, core: EngineCore, chan: SyncChannel, transfer_config: Any = None):
+    def __init__(self, core: EngineCore, chans: list[SyncChannel], transfer_config: Any = None):
         self.core = core
-        self.chan = chan
+        self.links = [_Link(chan, i) for i, chan in enumerate(chans)]
+        self._owner: dict[str, _Link] = {}  # request id -> the link that added it (engine thread; several links only)
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._last_message = 0.0  # time.monotonic() when the reader got the API's last message
@@ -64,11 +82,7 @@ class EngineServer:
         self.dead: str | None = None
         self.shutdown_call: Call | None = None
         self._pool = ThreadPoolExecutor(COMMAND_THREADS, thread_name_prefix="sleepserve-command")
-        # Items for the next frame: the engine thread's own (deltas, its replies) need no lock;
-        # replies from command threads go through _remote and flush at once.
-        self._local: list = []
-        self._remote: list = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the links' `remote` lists, and one frame at a time
         self._step_tokens: list[int] = []
         self._sent_state: Any = None
         self._stats = core.stats()
@@ -120,74 +134,105 @@ class EngineServer:
         self._queue.put(fn)
         self._wake.set()
 
-    def read_commands(self) -> None:
-        """The reader thread: until the API closes the channel or asks to shut down."""
+    def read_commands(self, link: _Link) -> None:
+        """A reader thread, one per link: until its API process closes the channel or (the first link) asks to
+        shut down. The first link's end stops the engine; another's aborts the requests it added."""
         while self.shutdown_call is None:
             try:
-                msg = self.chan.recv()  # a Call, or a list of them (the API's calls of one event-loop turn)
+                msg = link.chan.recv()  # a Call, or a list of them (the API's calls of one event-loop turn)
             except (EOFError, OSError):
-                log.info("the API process closed the channel; the engine stops")
                 break
             self._last_message = time.monotonic()
             for call in msg if type(msg) is list else (msg,):
-                if call.name == "shutdown":  # answered once the memory is released (main)
+                if call.name == "shutdown" and link.index == 0:  # answered once the memory is released (main)
                     self.shutdown_call = call
                     break
-                self._dispatch(call)
-        self._stop = True
-        self._wake.set()
+                self._dispatch(call, link)
+        link.open = False
+        if link.index == 0:
+            if self.shutdown_call is None:
+                log.info("the API process closed the channel; the engine stops")
+            self._stop = True
+            self._wake.set()
+        else:
+            self._submit(lambda: self._drop_link(link))
 
-    def _dispatch(self, call: Call) -> None:
+    def _drop_link(self, link: _Link) -> None:
+        """Engine thread: end the requests of a link that closed (nobody reads their outputs)."""
+        mine = [r for r, owner in self._owner.items() if owner is link]
+        for request_id in mine:
+            req = self.core.requests.get(request_id)
+            if req is not None:
+                req.on_output = None
+                self.core.abort_request(request_id)
+            self._owner.pop(request_id, None)
+        log.info("API process %d closed its channel%s", link.index,
+                 f"; its {len(mine)} request(s) were aborted" if mine else "")
+
+    def _dispatch(self, call: Call, link: _Link) -> None:
         try:
             where, fn = self.commands.lookup(call.name)
         except Exception as e:
-            self._reply_from_thread(call, None, e)
+            self._reply_from_thread(call, link, None, e)
             return
         if where == ENGINE:
-            self._submit(lambda: self._run_on_engine(call, fn))
+            if call.name == "add" and len(self.links) > 1:
+                fn = self._owned_add(fn, link)
+            self._submit(lambda: self._run_on_engine(call, link, fn))
         else:
-            self._pool.submit(self._run_on_thread, call, fn)
+            self._pool.submit(self._run_on_thread, call, link, fn)
 
-    def _run_on_thread(self, call: Call, fn: Callable) -> None:
+    def _owned_add(self, add: Callable, link: _Link) -> Callable:
+        """With several links, an add records whose request it is before any of its deltas can exist."""
+        def run(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            self._owner[request_id] = link
+            try:
+                return add(request_id, *args, **kwargs)
+            except BaseException:
+                self._owner.pop(request_id, None)
+                raise
+        return run
+
+    def _run_on_thread(self, call: Call, link: _Link, fn: Callable) -> None:
         try:
             result = fn(*call.args, **call.kwargs)
         except BaseException as e:
-            self._reply_from_thread(call, None, e)
+            self._reply_from_thread(call, link, None, e)
         else:
-            self._reply_from_thread(call, result, None)
+            self._reply_from_thread(call, link, result, None)
 
-    def _reply_from_thread(self, call: Call, result: Any, error: BaseException | None) -> None:
+    def _reply_from_thread(self, call: Call, link: _Link, result: Any, error: BaseException | None) -> None:
         if call.call_id is None:
             if error is not None:
                 log.warning("command %s failed: %s", call.name, error)
             return
         with self._lock:
-            self._remote.append(Reply(call.call_id, result, WireError.of(error) if error else None))
+            link.remote.append(Reply(call.call_id, result, WireError.of(error) if error else None))
         self.flush(engine_thread=False)
 
     # -- the engine thread -------------------------------------------------------------------------
 
-    def _run_on_engine(self, call: Call, fn: Callable) -> None:
+    def _run_on_engine(self, call: Call, link: _Link, fn: Callable) -> None:
         try:
             result = fn(*call.args, **call.kwargs)
         except BaseException as e:
-            self._reply(call, None, e)
+            self._reply(call, link, None, e)
             return
         if isinstance(result, Future):  # answered when it resolves (finish_sleep, a transfer's end: engine thread)
-            result.add_done_callback(lambda f: self._reply(call, None if f.exception() else f.result(),
+            result.add_done_callback(lambda f: self._reply(call, link, None if f.exception() else f.result(),
                                                            f.exception()))
         else:
-            self._reply(call, result)
+            self._reply(call, link, result)
 
-    def _reply(self, call: Call, result: Any, error: BaseException | None = None) -> None:
+    def _reply(self, call: Call, link: _Link, result: Any, error: BaseException | None = None) -> None:
         if call.call_id is None:
             if error is not None:
                 log.warning("command %s failed: %s", call.name, error)
             return
         if threading.current_thread() is not self._engine_thread:  # a future resolved elsewhere
-            self._reply_from_thread(call, result, error)
+            self._reply_from_thread(call, link, result, error)
             return
-        self._local.append(Reply(call.call_id, result, WireError.of(error) if error else None))
+        link.local.append(Reply(call.call_id, result, WireError.of(error) if error else None))
 
     def _emit(self, out: RequestOutput) -> None:
         """Every request's on_output: it marks the request's outputs as wanted (_fail_all unsets it), and
@@ -195,30 +240,43 @@ class EngineServer:
         raise AssertionError("the engine process builds no RequestOutput (EngineCore.wire_outputs)")
 
     def _emit_request(self, req: Request) -> None:
-        """An advanced request (engine thread): what the API does not have yet crosses in the next frame."""
-        self._local.append(encode_delta(req))
+        """An advanced request (engine thread): what the API does not have yet crosses in the next frame, on
+        the channel that added it."""
+        delta = encode_delta(req)
+        if len(self.links) == 1:
+            self.links[0].local.append(delta)
+            return
+        link = self._owner.pop(req.request_id, None) if req.finished else self._owner.get(req.request_id)
+        if link is not None:
+            link.local.append(delta)
 
     def flush(self, engine_thread: bool = True) -> None:
-        """Send one frame with everything since the last one (nothing when nothing changed)."""
+        """Send each open link one frame with everything since its last one; every link gets the status when it
+        changed. The steps' token counts go to the first link only (its process's metrics count them once)."""
         with self._lock:
-            items = self._remote
+            steps: list[int] = []
             if engine_thread:
-                items, self._local = self._local + items if items else self._local, []
                 steps, self._step_tokens = self._step_tokens, []
-            else:
-                steps = []
-            self._remote = []
             state = self.core.sleep_state
             changed = state is not self._sent_state
             stats = self._stats
-            if not items and not steps and not changed and stats == self._sent_stats:
-                return
+            news = changed or stats != self._sent_stats
             self._sent_state, self._sent_stats = state, stats
-            frame = Frame(items, Status(stats, state if changed else None, self.dead), steps)
-            try:
-                self.chan.send(frame)
-            except OSError:
-                self._stop = True  # the API is gone; the reader thread says so too
+            status = Status(stats, state if changed else None, self.dead)
+            for link in self.links:
+                items = link.remote
+                if engine_thread and link.local:
+                    items, link.local = link.local + items if items else link.local, []
+                link.remote = []
+                ours = steps if link.index == 0 else []
+                if not link.open or (not items and not ours and not news):
+                    continue
+                try:
+                    link.chan.send(Frame(items, status, ours))
+                except OSError:
+                    link.open = False
+                    if link.index == 0:
+                        self._stop = True  # the API is gone; the reader thread says so too
 
     def run(self) -> None:
         self._engine_thread = threading.current_thread()
@@ -294,7 +352,9 @@ class EngineServer:
         for req in list(self.core.requests.values()):
             req.on_output = None  # the API gets the error, not an abort
             self.core.abort_request(req.request_id)
-            self._local.append(Failed(req.request_id, WireError.of(error)))
+            link = self._owner.pop(req.request_id, None) if len(self.links) > 1 else self.links[0]
+            if link is not None:
+                link.local.append(Failed(req.request_id, WireError.of(error)))
 
     def close(self) -> None:
         if self.transfers is not None:
@@ -325,7 +385,9 @@ def _die_with_parent(parent: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.engine.process",
                                  description="sleepserve's engine process (started by `sleepserve serve`)")
-    ap.add_argument("--fd", type=int, required=True, help="this end of the API process's socket pair")
+    ap.add_argument("--fd", required=True,
+                    help="this end of each API process's socket pair, comma-separated; the first one's process owns "
+                         "the engine")
     ap.add_argument("--parent", type=int, required=True, help="the API process's pid")
     args = ap.parse_args(argv)
     _die_with_parent(args.parent)
@@ -334,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     # the requests that finish meanwhile. SIGKILL still ends it (and the API then exits with code 3).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    chan = SyncChannel(socket.socket(fileno=args.fd))
+    chans = [SyncChannel(socket.socket(fileno=int(fd))) for fd in args.fd.split(",")]
+    chan = chans[0]
     start: Start = chan.recv()
 
     from allocator import PoolError
@@ -354,15 +417,19 @@ def main(argv: list[str] | None = None) -> int:
         chan.send(StartFailed(WireError.of(e), expected=False))
         return 1
     try:
-        server = EngineServer(core, chan, start.transfer_config)
+        server = EngineServer(core, chans, start.transfer_config)
     except ValueError as e:  # a weight-transfer backend this device cannot run
         core.close()
         chan.send(StartFailed(WireError.of(e), expected=True))
         return 1
     freeze_startup_heap("engine process")  # before Ready: no request is running yet
-    chan.send(Ready(info_of(core), Status(core.stats(), core.sleep_state)))
+    ready = Ready(info_of(core), Status(core.stats(), core.sleep_state))
+    for c in chans:  # the other API processes start once the first has its Ready; theirs waits in the socket
+        c.send(ready)
     server._sent_state = core.sleep_state
-    threading.Thread(target=server.read_commands, name="sleepserve-channel", daemon=True).start()
+    for link in server.links:
+        threading.Thread(target=server.read_commands, args=(link,), name=f"sleepserve-channel-{link.index}",
+                         daemon=True).start()
     # The engine loop runs on a thread of its own, not the main one, as it did inside the API process:
     # torch's CPU thread team behaves differently from the main thread (on the loaded 2-core CI host,
     # 8 requests x 8 tokens took 59 s from the main thread and 3.9 s from another one).

@@ -1,0 +1,172 @@
+"""--api-server-count N: N API processes in front of one engine process.
+
+One API process parses about one request every ~0.9 ms (its event loop, uvicorn, the ASGI layers: see
+docs/architecture.md, "Where serving time goes"), so a burst of 256 requests reaches the engine over
+~150-270 ms while the engine could take them at once. Several API processes divide that work, as vLLM's
+--api-server-count does.
+
+Layout: the first API process (the one `sleepserve serve` runs) starts the engine with one channel per API
+process (server/engine/client.py, launch), binds N listening sockets to the same address with SO_REUSEPORT (the
+kernel spreads new connections over them evenly) and starts the N - 1 others here, each with one socket and
+one channel. Every API process serves every route; the engine keeps one order for all their commands and
+sends each process its own requests' outputs, and every process its status (sleep state, stats).
+What each process counts for /metrics lives in files of one shared folder (prometheus_client's
+multiprocess mode), so a scrape reaches any of them and sums all (server/metrics.py).
+
+Lifetimes: the first process owns the others. On SIGTERM or Ctrl-C it passes the signal on, and shuts the
+engine down only after they have exited (their requests in flight get the same grace period); if one of them
+dies, it shuts the server down (exit code 3), as when the engine dies. Each other process dies with the first
+(the kernel's parent-death signal) and exits (3) if the engine goes away.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("sleepserve.server")
+
+START_TIMEOUT_S = 300.0  # for the others to listen (each imports the web stack and loads the tokenizer)
+STOP_TIMEOUT_S = 30.0  # beyond the grace period: how long the others may take to exit before they are killed
+
+
+def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` sockets bound to (host, port), each with SO_REUSEPORT; port 0 picks one free port for all.
+    OSError when the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+class OtherApiServers:
+    """The API processes after the first, seen from the first."""
+
+    def __init__(self, procs: list[subprocess.Popen], ready_pipes: list[int]):
+        self.procs = procs
+        self._ready_pipes = ready_pipes  # each writes one byte once it listens
+        self._stopping = False
+
+    @classmethod
+    def start(cls, settings: object, listeners: list[socket.socket], channels: list[socket.socket],
+              metrics_dir: str) -> "OtherApiServers":
+        procs, pipes = [], []
+        for index, (listener, channel) in enumerate(zip(listeners, channels), start=1):
+            ready, ready_w = os.pipe()
+            fds = [listener.fileno(), channel.fileno(), ready_w]
+            cmd = [sys.executable, "-m", "server.api_servers", "--index", str(index), "--listen-fd", str(fds[0]),
+                   "--engine-fd", str(fds[1]), "--ready-fd", str(ready_w), "--parent", str(os.getpid()),
+                   "--metrics-dir", metrics_dir]
+            proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.PIPE)
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(settings))
+            proc.stdin.close()
+            procs.append(proc)
+            pipes.append(ready)
+            for theirs in (listener, channel):
+                theirs.close()
+            os.close(ready_w)
+        return cls(procs, pipes)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until each listens; RuntimeError if one exits first or takes longer than `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        for index, fd in enumerate(self._ready_pipes, start=1):
+            left = max(0.0, deadline - time.monotonic())
+            got = os.read(fd, 1) if select.select([fd], [], [], left)[0] else None
+            os.close(fd)
+            if not got:
+                raise RuntimeError(f"API process {index} (pid {self.procs[index - 1].pid}) "
+                                   + ("exited while starting" if got == b"" else f"did not start in {timeout:.0f} s"))
+        self._ready_pipes = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """on_death(message), from a thread, when one exits while the server is not stopping."""
+        def wait(index: int, proc: subprocess.Popen) -> None:
+            code = proc.wait()
+            if not self._stopping:
+                on_death(f"API process {index} (pid {proc.pid}) exited with code {code}")
+        for index, proc in enumerate(self.procs, start=1):
+            threading.Thread(target=wait, args=(index, proc), name=f"sleepserve-api-{index}", daemon=True).start()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Pass a stop signal on: each runs its own graceful shutdown (the same grace period)."""
+        self._stopping = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> None:
+        """Until every one has exited; those still running after `timeout` seconds are killed."""
+        self._stopping = True
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("API process pid %d did not exit within %.0f s; killing it", proc.pid, timeout)
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One API process after the first: `python -m server.api_servers ...`, started by OtherApiServers.start,
+    its ServerSettings pickled on stdin."""
+    ap = argparse.ArgumentParser(prog="python -m server.api_servers",
+                                 description="one of sleepserve's extra API processes (--api-server-count)")
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--listen-fd", type=int, required=True)
+    ap.add_argument("--engine-fd", type=int, required=True)
+    ap.add_argument("--ready-fd", type=int, required=True)
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--metrics-dir", required=True)
+    args = ap.parse_args(argv)
+    from server.engine.process import _die_with_parent
+
+    _die_with_parent(args.parent)
+    settings = pickle.loads(sys.stdin.buffer.read())
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = args.metrics_dir  # before server.metrics loads prometheus_client
+
+    from server.app import create_app, run_http
+    from server.engine.client import EngineClient
+    from server.logging_setup import configure_logging
+
+    configure_logging(settings.log_level)
+    engine = EngineClient.connect(socket.socket(fileno=args.engine_fd))
+    log.info("API process %d (pid %d) serves beside pid %d", args.index, os.getpid(), args.parent)
+    app = create_app(engine, settings, metrics_dir=args.metrics_dir)
+
+    def started() -> None:
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
+
+    return run_http(app, engine, settings, socket.socket(fileno=args.listen_fd), on_started=started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

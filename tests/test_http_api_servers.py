@@ -1,0 +1,157 @@
+"""--api-server-count 2 through the real server: two API processes share one port (the kernel spreads new
+connections over them) and one engine process. Each answers every route with the engine's tokens; a sleep
+made through one holds the other's requests; /metrics sums both; SIGTERM stops both gracefully; one that
+dies takes the server down (exit code 3) instead of leaving half of the connections unanswered."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+from http_server import BASE_ARGS, ServerProcess, engine_child, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4, 5,"]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ServerProcess([*BASE_ARGS, "--dev-mode", "--api-server-count", "2"]).start()
+    yield server
+    server.stop()
+
+
+def fresh(server: ServerProcess, method: str, path: str, **kwargs) -> httpx.Response:
+    """One request on a connection of its own: the kernel picks the API process for each new connection."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        return c.request(method, path, **kwargs)
+
+
+def api_pids(server: ServerProcess, connections: int = 24) -> set[int]:
+    return {fresh(server, "GET", "/server_info").json()["processes"]["api_pid"] for _ in range(connections)}
+
+
+def completion(server: ServerProcess, prompt: str, stream: bool) -> str:
+    body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream}
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        if not stream:
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+
+def burst(server: ServerProcess, jobs: list[tuple[str, bool]]) -> list[str]:
+    """Every (prompt, stream) at once, each on its own connection."""
+    out: list[str | None] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        out[i] = completion(server, *jobs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert all(o is not None for o in out), "a request of the burst did not finish"
+    return out  # type: ignore[return-value]
+
+
+def test_both_api_processes_answer_and_share_one_engine(server):
+    infos = [fresh(server, "GET", "/server_info").json()["processes"] for _ in range(24)]
+    pids = {i["api_pid"] for i in infos}
+    assert len(pids) == 2 and server.proc.pid in pids, infos
+    assert {i["engine_pid"] for i in infos} == {server.engine_pid}
+    assert {i["api_server_count"] for i in infos} == {2}
+    assert f"API processes: 2 (pids {server.proc.pid}, " in server.log_text()
+
+
+def test_a_burst_through_both_gives_the_in_process_tokens(server, llm):
+    from server import SamplingParams
+
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    jobs = [(p, stream) for stream in (False, True) for p in PROMPTS] * 2
+    got = burst(server, jobs)
+    assert got == [expected[PROMPTS.index(p)] for p, _ in jobs]
+
+
+def test_metrics_count_every_process_requests(server):
+    def finished() -> float:
+        text = fresh(server, "GET", "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("sleepserve_requests_finished_total"))
+
+    def tokens() -> float:
+        text = fresh(server, "GET", "/metrics").text
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("sleepserve_generation_tokens_total"))
+
+    before_requests, before_tokens = finished(), tokens()
+    assert len(api_pids(server)) == 2  # the requests below land on both
+    burst(server, [(p, False) for p in PROMPTS * 4])
+    # Whichever process answers a scrape, it reads both processes' counts.
+    assert {finished() - before_requests for _ in range(8)} == {16}
+    assert {tokens() - before_tokens for _ in range(8)} == {16 * TOKENS}
+
+
+def test_a_sleep_through_one_process_holds_the_other_requests(server):
+    before = completion(server, PROMPTS[0], False)
+    r = fresh(server, "POST", "/sleep", params={"level": 1})
+    assert r.status_code == 200, r.text
+    assert {fresh(server, "GET", "/is_sleeping").json()["is_sleeping"] for _ in range(12)} == {True}
+    held: list[str] = []
+    threads = [threading.Thread(target=lambda s=s: held.append(completion(server, PROMPTS[0], s)))
+               for s in (False, True) * 3]
+    for t in threads:
+        t.start()
+    wait_for(lambda: sum(fresh(server, "GET", "/load").json()["held"] for _ in range(8)) > 0, 30,
+             what="requests to be held")
+    assert not held, "a request ran while the engine slept"
+    assert fresh(server, "POST", "/wake_up").status_code == 200
+    for t in threads:
+        t.join(120)
+    assert held == [before] * 6
+
+
+def test_sigterm_stops_every_process_after_their_requests(server):
+    engine = server.engine_pid
+    others = api_pids(server) - {server.proc.pid}
+    texts: list[str] = []
+    jobs = [threading.Thread(target=lambda: texts.append(completion(server, PROMPTS[1], True))) for _ in range(6)]
+    for t in jobs:
+        t.start()
+    wait_for(lambda: fresh(server, "GET", "/load").json()["running"] > 0, 60, what="requests to run")
+    server.proc.send_signal(signal.SIGTERM)
+    for t in jobs:
+        t.join(120)
+    assert len(texts) == 6 and len(set(texts)) == 1 and texts[0], texts  # each finished, none cut short
+    assert server.proc.wait(60) == 0, server.log_tail()
+    for pid in [engine, *others]:
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, what=f"pid {pid} to exit")
+    assert "Traceback" not in server.log_text(), server.log_tail()
+
+
+def test_a_dead_api_process_ends_the_server_with_code_3():
+    server = ServerProcess([*BASE_ARGS, "--dev-mode", "--api-server-count", "2"]).start()
+    try:
+        engine = server.engine_pid
+        (other,) = api_pids(server) - {server.proc.pid}
+        os.kill(other, signal.SIGKILL)
+        assert server.proc.wait(60) == 3, server.log_tail()
+        assert f"API process 1 (pid {other}) exited with code -9" in server.log_text(), server.log_tail()
+        assert engine_child(server.proc.pid) is None
+        wait_for(lambda: not os.path.exists(f"/proc/{engine}"), 30, what="the engine process to exit")
+    finally:
+        server.stop()
