@@ -520,6 +520,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=_at_least_one, default=None,
                     help="run each saturation pass this many times, HTTP and in-process alike, and keep the one with "
                          "the median output tok/s (default 3 on CUDA, 1 on CPU; every run's tok/s is in the JSON)")
+    ap.add_argument("--api-server-count", default="1",
+                    help="the server's --api-server-count, comma-separated for one HTTP pass set each (e.g. 1,4), all "
+                         "against the same in-process reference")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
     ap.add_argument("--spy", type=Path, default=None,
                     help="record the started server's API and engine processes with py-spy during each HTTP pass "
@@ -577,18 +580,21 @@ def main() -> None:
     raw = args.client == "raw"
     result["client"] = args.client
     result["repeat"] = args.repeat
+    counts = [int(c) for c in args.api_server_count.split(",") if c.strip()]
+    if args.url is not None and len(modes) * len(counts) > 1:
+        raise SystemExit("--url with --async-scheduling both or several --api-server-count: the flags are the running "
+                         "server's; run once per server")
     # HTTP first: on CUDA the server process must have the device to itself while it sizes its cache.
-    for on in modes:
+    for on, count in itertools.product(modes, counts):
         server = None
         url = args.url
         served = args.served_model_name
         if url is None:
             from tests.http_server import ServerProcess
 
-            server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()
+            server = ServerProcess([*flags, "--log-level", "warning", "--api-server-count", str(count),
+                                    *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()
             url = server.url
-        elif len(modes) > 1:
-            raise SystemExit("--url with --async-scheduling both: the flag is the running server's; run once per server")
         try:
             import httpx
 
@@ -619,7 +625,7 @@ def main() -> None:
             run_clients(url, args.api_key, served, warm, True, args.temperature, args.timeout, 1,
                         raw=raw)  # warm-up
             for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
-                rows.append({"path": "http+async" if on else "http", **row})
+                rows.append({"path": "http+async" if on else "http", "api_servers": count, **row})
         finally:
             if server is not None:
                 server.stop()
@@ -676,6 +682,12 @@ def _client(row: dict) -> str:
     return f"{row['client_cores']:.2f}/{row['client_procs']}" if "client_cores" in row else "-"
 
 
+def _path(row: dict) -> str:
+    """The path, with the server's API processes when there were several."""
+    count = row.get("api_servers", 1)
+    return row["path"] if count == 1 else f"{row['path']} x{count} API"
+
+
 def _mode(row: dict) -> str:
     return {True: "stream", False: "no stream", None: "-"}[row["stream"]]
 
@@ -688,7 +700,7 @@ def report(result: dict) -> None:
     print(f"\nserve: latency by request rate ({result['model']}, {result['device']}, {result['num_prompts']} prompts, "
           f"in {result['input_len']} / out {result['output_len']} tokens ±{100 * result['range_ratio']:.0f}%, "
           f"{result['date']})")
-    print(table([[r["path"], _rate(r["key"]), f"{r['completed']}/{r['completed'] + r['failed']}",
+    print(table([[_path(r), _rate(r["key"]), f"{r['completed']}/{r['completed'] + r['failed']}",
                   *(f"{p(r[m], 'p50')} / {p(r[m], 'p90')} / {p(r[m], 'p99')}" for m in ("ttft_ms", "tpot_ms", "itl_ms")),
                   f"{r['output_tok_s']:.0f}", f"{r['request_throughput']:.2f}",
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-", _client(r)] for r in rows],
@@ -698,7 +710,7 @@ def report(result: dict) -> None:
     print(f"\nserve: saturation ({result['model']}, {result['device']}, C requests at once, "
           f"{result['output_len']} output tokens each, {result.get('client', 'typed')} client, "
           f"the median of {result.get('repeat', 1)} run(s))")
-    print(table([[r["key"], r["path"], _mode(r),
+    print(table([[r["key"], _path(r), _mode(r),
                   f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-",
                   r["steps"] if r.get("steps") is not None else "-",
@@ -731,13 +743,13 @@ def report(result: dict) -> None:
             lo, hi = min(eng), max(eng)
             print(f"{path}: in-process tok/s at {hi} concurrent / at {lo}: {eng[hi] / eng[lo]:.2f}x "
                   "(target >= 2.5x for 256 / 64)")
-    on = {(r["path"].removesuffix("+async"), r["pass"], r["key"], r["stream"]): r for r in result["rows"]
-          if r["path"].endswith("+async")}
-    pairs = [(r, on[(r["path"], r["pass"], r["key"], r["stream"])]) for r in result["rows"]
-             if (r["path"], r["pass"], r["key"], r["stream"]) in on]
+    on = {(r["path"].removesuffix("+async"), r.get("api_servers"), r["pass"], r["key"], r["stream"]): r
+          for r in result["rows"] if r["path"].endswith("+async")}
+    pairs = [(r, on[(r["path"], r.get("api_servers"), r["pass"], r["key"], r["stream"])]) for r in result["rows"]
+             if (r["path"], r.get("api_servers"), r["pass"], r["key"], r["stream"]) in on]
     if pairs:
         print("\nserve: async scheduling off vs on (output tok/s; TPOT p50 ms)")
-        print(table([[a["path"], a["pass"], _rate(a["key"]) if a["pass"] == "rate" else a["key"],
+        print(table([[_path(a), a["pass"], _rate(a["key"]) if a["pass"] == "rate" else a["key"],
                       _mode(a),
                       f"{a['output_tok_s']:.0f}", f"{b['output_tok_s']:.0f}", f"{b['output_tok_s'] / a['output_tok_s']:.2f}x",
                       p(a["tpot_ms"], "p50"), p(b["tpot_ms"], "p50")] for a, b in pairs],
@@ -753,7 +765,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["pass"] == "rate" and math.isfinite(r["key"])]
+    rows = [r for r in result["rows"] if r["pass"] == "rate" and math.isfinite(r["key"]) and r.get("api_servers", 1) == 1]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     for path_name, style, color in (("http", "-o", "C0"), ("engine", "--s", "C1"), ("http+async", "-^", "C3"),
                                     ("engine+async", "--v", "C4")):
