@@ -159,6 +159,8 @@ class GracefulServer:
             async def shutdown(self, sockets=None) -> None:
                 async def abort_after_grace() -> None:
                     await asyncio.sleep(grace)
+                    engine.held.close(f"the server is shutting down (its {grace:g} s grace period ended while "
+                                      "this request waited for it to wake or resume)")
                     if engine.dead is None:
                         n = await engine.abort_all()
                         if n:

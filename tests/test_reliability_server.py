@@ -240,3 +240,26 @@ def test_sigterm_ends_streams_properly_and_exits_0(tmp_path):
     log = s.log_text()
     assert "Traceback" not in log and "CancelledError" not in log, s.log_tail()
     assert key not in log
+
+
+def test_a_request_held_at_sigterm_gets_503_when_the_grace_period_ends():
+    """Nothing wakes a server that is shutting down: a request held by a sleep answers 503 shutting_down once
+    the grace period ends, rather than being cancelled with a 500 when uvicorn's own deadline passes."""
+    s = ServerProcess([*BASE_ARGS, "--dev-mode", "--shutdown-grace-period", "1"]).start()
+    try:
+        assert httpx.post(s.url + "/sleep", params={"level": 1}, timeout=60).status_code == 200
+        out: dict = {}
+        held = threading.Thread(target=lambda: out.update(r=httpx.post(
+            s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)))
+        held.start()
+        wait_for(lambda: httpx.get(s.url + "/load", timeout=30).json()["held"] == 1, 30, what="the request to be held")
+        s.proc.send_signal(signal.SIGTERM)
+        held.join(30)
+        assert not held.is_alive(), "the held request hung"
+        r = out["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert s.proc.wait(60) == 0, s.log_tail()
+    finally:
+        s.stop()
+    log = s.log_text()
+    assert "Traceback" not in log and "CancelledError" not in log, s.log_tail()

@@ -36,6 +36,7 @@ class HeldRequests:
         self._dead = dead  # a dead engine ends every wait at once (503), it never wakes
         self._changed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed: str | None = None  # why nothing is held any more (the server stops)
         self.by_reason: Counter[str] = Counter()
 
     @property
@@ -56,10 +57,18 @@ class HeldRequests:
             self._changed.set()
             self._changed = None
 
+    def close(self, message: str) -> None:
+        """On the event loop: every held request, and every later one that would wait, gets 503 `message`
+        (a server whose grace period ended: nothing would wake it any more)."""
+        self._closed = message
+        self._signal()
+
     def _raise_if_dead(self) -> None:
         dead = self._dead()
         if dead is not None:
             raise dead
+        if self._closed is not None:
+            raise EngineUnavailableError(self._closed, code="shutting_down")
 
     def refuse_now(self) -> None:
         """reject mode: 503 at once while the engine cannot serve (no waiting, no round trip)."""
