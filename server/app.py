@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,7 +27,7 @@ from server.api.middleware import BodyLimit, ContainErrors
 from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
 from server.api.tokens import Tokens
-from server.api_servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets
+from server.api_servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets, metrics_folder
 from server.config import EngineConfig
 from server.engine.client import EngineClient, EngineStartError
 from server.heap import freeze_startup_heap
@@ -147,6 +146,8 @@ class GracefulServer:
 
             def handle_exit(self, sig: int, frame) -> None:
                 self.exit_signal = sig
+                if others is not None:  # at once: one that exits before this one's shutdown starts is not a death
+                    others.stop()
                 super().handle_exit(sig, frame)
                 if sig == signal.SIGTERM:
                     self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
@@ -199,13 +200,23 @@ def serve(settings: ServerSettings, config: EngineConfig) -> int:
         log.error("could not listen on %s:%d: %s", settings.host, settings.port, e)
         engine.shutdown_now()
         return 1
-    metrics_dir = tempfile.mkdtemp(prefix="sleepserve-metrics-")
+    metrics_dir = metrics_folder()
+    others = None
     try:
         share_metrics(metrics_dir)
         others = OtherApiServers.start(settings, listeners[1:], engine.spare_channels, metrics_dir)
         log.info("API processes: %d (pids %s), one engine process", count,
                  ", ".join(map(str, [os.getpid(), *others.pids])))
         app = create_app(engine, settings, others, metrics_dir)
+    except BaseException:
+        log.exception("could not start the API processes")
+        if others is not None:
+            others.stop()
+            others.wait(STOP_TIMEOUT_S)
+        engine.shutdown_now()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        return 1
+    try:
         return run_http(app, engine, settings, listeners[0], others)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

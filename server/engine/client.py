@@ -413,6 +413,8 @@ class EngineClient:
         self.notify("abort", request_id)
 
     async def abort_all(self) -> int:
+        """Abort every request this API process added (with one API process, every request): each ends with
+        finish_reason abort."""
         return await self.call("abort_all")
 
     async def compile_grammar(self, spec: StructuredOutputs, param: str) -> None:

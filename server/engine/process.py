@@ -148,26 +148,32 @@ class EngineServer:
                     self.shutdown_call = call
                     break
                 self._dispatch(call, link)
-        link.open = False
         if link.index == 0:
-            if self.shutdown_call is None:
+            if self.shutdown_call is None:  # (a shutdown's link stays open for the last frame and its reply)
+                link.open = False
                 log.info("the API process closed the channel; the engine stops")
             self._stop = True
             self._wake.set()
         else:
+            link.open = False
             self._submit(lambda: self._drop_link(link))
 
     def _drop_link(self, link: _Link) -> None:
         """Engine thread: end the requests of a link that closed (nobody reads their outputs)."""
+        n = self._abort_owned(link, tell=False)
+        log.info("API process %d closed its channel%s", link.index, f"; its {n} request(s) were aborted" if n else "")
+
+    def _abort_owned(self, link: _Link, tell: bool = True) -> int:
+        """Engine thread: abort the requests `link` added; tell: their last deltas (finish_reason abort) go out."""
         mine = [r for r, owner in self._owner.items() if owner is link]
         for request_id in mine:
             req = self.core.requests.get(request_id)
             if req is not None:
-                req.on_output = None
+                if not tell:
+                    req.on_output = None
                 self.core.abort_request(request_id)
             self._owner.pop(request_id, None)
-        log.info("API process %d closed its channel%s", link.index,
-                 f"; its {len(mine)} request(s) were aborted" if mine else "")
+        return len(mine)
 
     def _dispatch(self, call: Call, link: _Link) -> None:
         try:
@@ -176,8 +182,10 @@ class EngineServer:
             self._reply_from_thread(call, link, None, e)
             return
         if where == ENGINE:
-            if call.name == "add" and len(self.links) > 1:
+            if len(self.links) > 1 and call.name == "add":
                 fn = self._owned_add(fn, link)
+            elif len(self.links) > 1 and call.name == "abort_all":  # an API process's shutdown: its requests only
+                fn = lambda: self._abort_owned(link)  # noqa: E731
             self._submit(lambda: self._run_on_engine(call, link, fn))
         else:
             self._pool.submit(self._run_on_thread, call, link, fn)
@@ -185,6 +193,8 @@ class EngineServer:
     def _owned_add(self, add: Callable, link: _Link) -> Callable:
         """With several links, an add records whose request it is before any of its deltas can exist."""
         def run(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            if request_id in self.core.requests:  # the add refuses it; the request that has the id keeps its owner
+                return add(request_id, *args, **kwargs)
             self._owner[request_id] = link
             try:
                 return add(request_id, *args, **kwargs)
