@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from test_schema_fuzz import FUZZ_ARGS, KEY, fuzz  # noqa: E402
 
 PROMPT = "The history of the city of Paris, the capital of France"
 RSS_LIMIT = 64 << 20
+EXTRA: list[str] = []  # --server-args: more flags for every server this starts
 
 
 def log(msg: str) -> None:
@@ -41,7 +43,7 @@ def log(msg: str) -> None:
 
 
 def phase_fuzz(target: int, work: Path) -> dict:
-    server = ServerProcess(FUZZ_ARGS, api_key=KEY).start()
+    server = ServerProcess([*FUZZ_ARGS, *EXTRA], api_key=KEY).start()
     total, statuses, seed, runs, failed = 0, {}, 1, 0, []
     start = time.monotonic()
     try:
@@ -93,7 +95,7 @@ def fds_into(pid: int, folder: Path) -> int:
 
 
 def phase_cycles(cycles: int, offload: Path) -> dict:
-    server = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload)]).start()
+    server = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload), *EXTRA]).start()
     start = time.monotonic()
     try:
         proc = psutil.Process(server.engine_pid)  # the engine process holds the pool
@@ -121,13 +123,13 @@ def phase_cycles(cycles: int, offload: Path) -> dict:
 
 
 def phase_kill(offload: Path) -> dict:
-    server = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload)]).start()
+    server = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload), *EXTRA]).start()
     report = post(server, "/sleep?level=1")
     held = fds_into(server.engine_pid, offload)
     server.proc.kill()
     server.proc.wait(30)
     left = sorted(p.name for p in offload.iterdir())
-    again = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload)]).start()
+    again = ServerProcess([*BASE_ARGS, "--dev-mode", "--offload-dir", str(offload), *EXTRA]).start()
     try:
         serves = bool(greedy(again))
         left_after_restart = sorted(p.name for p in offload.iterdir())
@@ -139,7 +141,7 @@ def phase_kill(offload: Path) -> dict:
 
 
 def phase_sigterm(streams: int, grace: float) -> dict:
-    server = ServerProcess([*BASE_ARGS, "--shutdown-grace-period", str(grace)]).start()
+    server = ServerProcess([*BASE_ARGS, "--shutdown-grace-period", str(grace), *EXTRA]).start()
     results: dict[int, list[str]] = {}
 
     def stream(i: int) -> None:
@@ -189,8 +191,10 @@ def main() -> int:
     ap.add_argument("--grace", type=float, default=3.0)
     ap.add_argument("--phases", default="fuzz,cycles,kill,sigterm")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--server-args", default="", help="more flags for every server, e.g. '--api-server-count 2'")
     args = ap.parse_args()
     phases = args.phases.split(",")
+    EXTRA[:] = shlex.split(args.server_args)
     figures: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="sleepserve-soak-") as tmp:
         work = Path(tmp)
