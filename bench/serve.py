@@ -610,8 +610,8 @@ def main() -> None:
                     if args.spy is not None and server is not None:
                         name = (f"{next(spy_passes):02d}-{'async' if on else 'sync'}-{len(reqs)}-"
                                 f"{'stream' if stream else 'nostream'}")
-                        spies.append(Spy(args.spy, name, {"api": server.proc.pid, "engine": server.engine_pid},
-                                         idle={"engine"}))
+                        apis = {f"api{i}" if i else "api": pid for i, pid in enumerate(server.api_pids)}
+                        spies.append(Spy(args.spy, name, {**apis, "engine": server.engine_pid}, idle={"engine"}))
 
                 try:
                     results, duration, client = run_clients(url, args.api_key, served, reqs, stream, args.temperature,

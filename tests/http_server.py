@@ -117,6 +117,12 @@ class ServerProcess:
             raise AssertionError(f"the server (pid {self.proc.pid}) has no engine process")
         return pid
 
+    @property
+    def api_pids(self) -> list[int]:
+        """Every API process: the server's own, then those it started (--api-server-count)."""
+        assert self.proc is not None
+        return [self.proc.pid, *children(self.proc.pid, "server.api_servers")]
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -166,8 +172,9 @@ class TorchrunServer(ServerProcess):
                 pass
 
 
-def engine_child(parent: int) -> int | None:
-    """The pid of `parent`'s child that runs `python -m server.engine.process`, or None."""
+def children(parent: int, module: str) -> list[int]:
+    """The pids of `parent`'s children that run `python -m <module>`, in pid order."""
+    found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -176,9 +183,15 @@ def engine_child(parent: int) -> int | None:
             cmdline = (d / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and b"server.engine.process" in cmdline:
-            return int(d.name)
-    return None
+        if ppid == parent and module.encode() in cmdline.split(b"\0"):
+            found.append(int(d.name))
+    return sorted(found)
+
+
+def engine_child(parent: int) -> int | None:
+    """The pid of `parent`'s child that runs `python -m server.engine.process`, or None."""
+    pids = children(parent, "server.engine.process")
+    return pids[0] if pids else None
 
 
 _shared: dict[str, ServerProcess] = {}

@@ -73,6 +73,7 @@ def test_both_api_processes_answer_and_share_one_engine(server):
     infos = [fresh(server, "GET", "/server_info").json()["processes"] for _ in range(32)]
     pids = {i["api_pid"] for i in infos}
     assert len(pids) == 2 and server.proc.pid in pids, infos  # each misses 32 connections with p = 2^-32
+    assert set(server.api_pids) == pids  # the second is the first's child running server.api_servers
     assert {i["engine_pid"] for i in infos} == {server.engine_pid}
     assert {i["api_server_count"] for i in infos} == {2}
     assert f"API processes: 2 (pids {server.proc.pid}, " in server.log_text()
