@@ -184,13 +184,14 @@ def main(argv: list[str] | None = None) -> int:
 
     _die_with_parent(args.parent)
     settings = pickle.loads(sys.stdin.buffer.read())
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = args.metrics_dir  # before server.metrics loads prometheus_client
 
     from server.app import create_app, run_http
     from server.engine.client import EngineClient
     from server.logging_setup import configure_logging
+    from server.metrics import share_metrics
 
     configure_logging(settings.log_level)
+    share_metrics(args.metrics_dir)  # before create_app makes the metrics
     engine = EngineClient.connect(socket.socket(fileno=args.engine_fd))
     log.info("API process %d (pid %d) serves beside pid %d", args.index, os.getpid(), args.parent)
     app = create_app(engine, settings, metrics_dir=args.metrics_dir)

@@ -33,7 +33,7 @@ class HeldRequests:
                  dead: Callable[[], BaseException | None] = lambda: None):
         self.policy = policy
         self._state = state
-        self._dead = dead  # a dead engine ends every wait at once (503), it never wakes
+        self._dead = dead  # a dead engine ends every wait at once (503), it never wakes; so does close()
         self._changed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed: str | None = None  # why nothing is held any more (the server stops)
@@ -63,7 +63,7 @@ class HeldRequests:
         self._closed = message
         self._signal()
 
-    def _raise_if_dead(self) -> None:
+    def _raise_if_ended(self) -> None:
         dead = self._dead()
         if dead is not None:
             raise dead
@@ -79,7 +79,7 @@ class HeldRequests:
     async def wait_until_servable(self, deadline: float | None = None) -> float | None:
         """Return the deadline once the engine can serve (at once when it can). Raises 503 past the
         limits, or at once in reject mode. A cancelled wait (the client left) just ends."""
-        self._raise_if_dead()
+        self._raise_if_ended()
         refused = self._state().refusal
         if refused is None:
             return deadline
@@ -111,7 +111,7 @@ class HeldRequests:
                     await asyncio.wait_for(self._changed.wait(), remaining)
                 except asyncio.TimeoutError:
                     pass
-                self._raise_if_dead()
+                self._raise_if_ended()
                 refused = self._state().refusal
         finally:
             self.by_reason[reason] -= 1
