@@ -74,6 +74,8 @@ def test_command_line_wins_over_the_environment():
     (["--max-num-seqs", "0"], {}, "at least 1"),
     (["--stream-interval", "0"], {}, "at least 1"),
     ([], {"SLEEPSERVE_STREAM_INTERVAL": "-2"}, "at least 1"),
+    (["--api-server-count", "0"], {}, "at least 1"),
+    ([], {"SLEEPSERVE_API_SERVER_COUNT": "two"}, "SLEEPSERVE_API_SERVER_COUNT='two'"),
     (["--kv-cache-memory", "1GiB", "--gpu-memory-utilization", "0.5"], {}, "not allowed with"),
 ])
 def test_bad_values_exit_2_with_a_message(capsys, argv, env, words):
