@@ -2,15 +2,44 @@
 
 Each program loads its KV head's pages once and serves every query head of the group (GQA), so
 K/V bytes are read once per step: decode attention is bound by those bytes, not by arithmetic.
-Pages are gathered a tile at a time (several blocks per iteration) to keep enough loads in flight.
+Pages are gathered a tile at a time (several blocks per iteration), several tiles in flight.
 Context lengths are read on the device, so the launch is the same for every step and can be
 captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, tok, d, m, l, acc, scale,
+          stride_kb, stride_ks, stride_kh, stride_tb, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of context tokens into the running softmax (m, l) and output (acc)."""
+    valid = tok < ctx
+    # In 64 bits: the cache is block-major (kv_layout.py), a block's stride spans every layer, and
+    # block x stride passes 2^31 elements in a large cache (the runner's tables are int64 already).
+    block = tl.load(tables_ptr + seq * stride_tb + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = block[:, None] * stride_kb + (tok % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
 
 
 # The block tables' row stride (the batch's longest table) changes from step to step: specialised
@@ -19,7 +48,8 @@ import triton.language as tl
 def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                   stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
                   GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+                  STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     ctx = tl.load(lens_ptr + seq)
@@ -32,36 +62,28 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     l = tl.zeros([PADDED_GROUP], tl.float32)
     acc = tl.zeros([PADDED_GROUP, HEAD_DIM], tl.float32)
     t = tl.arange(0, TILE)
-    start = 0
-    # A while loop rather than range(): Triton's CPU interpreter (which runs this kernel in CI)
-    # cannot iterate up to a bound loaded from memory.
-    while start < ctx:
-        tok = start + t
-        valid = tok < ctx
-        # In 64 bits: the cache is block-major (kv_layout.py), a block's stride spans every layer, and
-        # block x stride passes 2^31 elements in a large cache (the runner's tables are int64 already).
-        block = tl.load(tables_ptr + seq * stride_tb + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offs = block[:, None] * stride_kb + (tok % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-        start += TILE
+    if INTERPRETED:
+        # Triton's CPU interpreter (which runs this kernel in CI) cannot iterate up to a bound loaded
+        # from memory: one tile at a time, with the same body.
+        start = 0
+        while start < ctx:
+            m, l, acc = _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, start + t, d, m, l, acc, scale,
+                              stride_kb, stride_ks, stride_kh, stride_tb, BLOCK_SIZE, IEEE)
+            start += TILE
+    else:
+        # Software-pipelined: STAGES tiles' page loads in flight while one is computed. On the H200
+        # (2026-12-01) at batch 256 x 384 tokens: 75 -> 60 us a layer at head_dim 64, 131 -> 103 at 128
+        # (the loads were waited for one tile at a time).
+        for start in tl.range(0, ctx, TILE, num_stages=STAGES):
+            m, l, acc = _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, start + t, d, m, l, acc, scale,
+                              stride_kb, stride_ks, stride_kh, stride_tb, BLOCK_SIZE, IEEE)
     out = acc / l[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+
+
+# TRITON_INTERPRET is read when a kernel is defined, so it is fixed for the process too.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -87,6 +109,6 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, PADDED_GROUP=padded, HEAD_DIM=D, BLOCK_SIZE=block_size, TILE=tile,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, STAGES=3, INTERPRETED=_INTERPRETED, num_warps=4,
     )
     return out
