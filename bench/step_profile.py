@@ -22,7 +22,8 @@ from bench.common import in_thread, sync, table, write_json  # noqa: E402
 from tests.models import model_folder  # noqa: E402
 
 
-def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int | None = None) -> dict:
+def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int | None = None,
+            prompt_len: int = 32) -> dict:
     from server import SamplingParams
 
     core, runner = llm.engine, llm.engine.runner
@@ -30,7 +31,7 @@ def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int
     cuda = dev.type == "cuda"
     params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True, logprobs=logprobs)
     for i in range(batch):
-        core.add_request(f"p{batch}-{i}", prompt_token_ids=list(range(1000 + i, 1032 + i)), params=params)
+        core.add_request(f"p{batch}-{i}", prompt_token_ids=list(range(1000 + i, 1000 + prompt_len + i)), params=params)
     while any(r.first_token_time is None for r in core.requests.values()):
         core.step()
     # Free-running steps first: the wall time per step as the engine really runs.
@@ -67,7 +68,7 @@ def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             parts[k] += v
     core.abort_all()
-    return {"batch": batch, "wall_ms": 1e3 * wall, "graph_gpu_ms": 1e3 * gpu / n,
+    return {"batch": batch, "prompt_len": prompt_len, "wall_ms": 1e3 * wall, "graph_gpu_ms": 1e3 * gpu / n,
             **{f"{k}_ms": 1e3 * v / n for k, v in parts.items()}}
 
 
@@ -79,6 +80,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--logprobs", type=int, default=None, help="ask for log-probs on every token (RL rollouts: 0)")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens: the decode steps' context (RL "
+                    "rollouts: 128 prompt + up to 512 new tokens)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     from server import LLM
@@ -89,13 +92,15 @@ def main() -> None:
     llm = LLM(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches),
               max_model_len=2048, **kv)
     # On a thread, as the server drives the engine (bench/common.in_thread says why it matters on CPU).
-    rows = [in_thread(profile, llm, b, args.steps, args.temperature, args.logprobs) for b in batches]
+    rows = [in_thread(profile, llm, b, args.steps, args.temperature, args.logprobs, args.prompt_len) for b in batches]
     llm.close()
     sampled = args.temperature or args.logprobs is not None
-    write_json(args.out, "step_profile" + ("" if args.device == "cuda" else "-cpu") + ("-sampled" if sampled else ""),
+    write_json(args.out, "step_profile" + ("" if args.device == "cuda" else "-cpu") + ("-sampled" if sampled else "")
+               + ("" if args.prompt_len == 32 else f"-prompt{args.prompt_len}"),
                {"model": args.model, "temperature": args.temperature, "logprobs": args.logprobs, "rows": rows})
     keys = ["wall_ms", "graph_gpu_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "bookkeeping_ms"]
-    print(f"\nstep profile ({args.model}, {args.device}, temperature {args.temperature}, logprobs {args.logprobs})")
+    print(f"\nstep profile ({args.model}, {args.device}, temperature {args.temperature}, logprobs {args.logprobs}, "
+          f"{args.prompt_len}-token prompts)")
     print(table([[r["batch"]] + [f"{r[k]:.3f}" for k in keys] for r in rows], ["batch"] + keys))
 
 
