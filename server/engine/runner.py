@@ -178,8 +178,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """One eager step over padding, a decode row beside a prefill of up to two blocks, every K/V written into and
-        read from NULL_BLOCK: on CUDA, Triton compiles the eager path's kernels now rather than at the first
-        request (~1 s with the engine stalled); the graphs' capture compiles the decode ones. (On the CPU it
+        read from NULL_BLOCK: on CUDA, Triton compiles the eager path's kernels (and the fused sampler's) now rather
+        than at the first request (~1 s with the engine stalled); the graphs' capture compiles the decode ones. (On the CPU it
         costs one tiny forward, and CI runs the code.) The plain forward, on every rank in step: a tensor-
         parallel rank 0 must not send its workers a step, they are building too."""
         bs = self.block_size
@@ -190,6 +190,9 @@ class ModelRunner:
                        sample_rows=[0, n], sample_seqs=[])
         ModelRunner.forward(self, hb)
         if self.device.type == "cuda":
+            from server.engine.fused_sample import warm_up as warm_up_sampler
+
+            warm_up_sampler(self.model.config.vocab_size, self.device)
             torch.cuda.synchronize(self.device)
 
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------

@@ -102,6 +102,13 @@ class SamplingMeta:
         self.want_rows = None
         if self.want and len(self.want) < len(seqs):
             self.want_rows = _on(self.want, device)
+        # What RL rollouts ask (plain temperature or greedy, the sampled token's log-prob) is drawn on CUDA
+        # in one pass over each row (fused_sample.py): each row's temperature, 0 for a greedy one. Greedy
+        # rows with no log-probs keep the argmax, already one pass.
+        self.fused_temps = None
+        if (device.type == "cuda" and self.top_k is None and self.min_p is None and not self.seeded
+                and self.k == 0 and not (self.all_greedy and not self.want)):
+            self.fused_temps = _on([0.0 if g else float(t) for g, t in zip(greedy, temps)], device)
 
     def matches(self, seqs: list[Sequence]) -> bool:
         return seqs == self.seqs  # identity first, element by element, in C
@@ -178,6 +185,13 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozen
             stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_ids))
             _apply_history(logits[i], s, stop_ids)
 
+    if meta.fused_temps is not None:
+        from server.engine.fused_sample import fused_sample  # Triton: imported where CUDA samples
+
+        tokens, table = fused_sample(logits, meta.fused_temps, bool(meta.want))
+        if table is not None and meta.want_rows is not None:
+            table = table[meta.want_rows]
+        return DeviceSample(tokens, table, tokens_in_table=table is not None and meta.want_rows is None)
     # Each pass over [rows, vocab] costs device time at large batches (256 x 128k floats is 131 MB): only
     # the passes whose results are used run (no argmax of the logits when no row is greedy, no division
     # by temperatures that are all 1, the noise divided in place).

@@ -13,6 +13,7 @@ import pytest
 import triton
 
 from server import LLM, SamplingParams
+from server.engine import fused_sample
 from server.model import decode_kernel, fused_ops, prefill_kernel
 from tests.models import model_folder
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 def compiled_variants() -> dict[str, int]:
     """How many variants of each of our Triton kernels are compiled, every device together."""
-    kernels = {name: fn for module in (decode_kernel, fused_ops, prefill_kernel)
+    kernels = {name: fn for module in (decode_kernel, fused_ops, prefill_kernel, fused_sample)
                for name, fn in vars(module).items() if isinstance(fn, triton.runtime.JITFunction)}
     assert len(kernels) >= 5, f"found only {sorted(kernels)}"
     return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in kernels.items()}
@@ -43,8 +44,12 @@ def test_serving_compiles_nothing_new(tiny):
         words = "one two three four five six seven eight nine ten eleven twelve".split()
         for batch in range(1, 10):
             prompts = [" ".join(words[:1 + (batch * 5 + i * 7) % 12] * (1 + i % 9)) for i in range(batch)]
-            params = [SamplingParams(temperature=0.0, max_tokens=3 + (i * 11) % 40, ignore_eos=True,
-                                     prompt_logprobs=1 if i == 2 else None) for i in range(batch)]
+            # Greedy; sampled, with log-probs in odd batches (the fused sampler's two variants); greedy with
+            # log-probs.
+            params = [SamplingParams(temperature=(0.0, 1.0, 0.0)[i % 3], max_tokens=3 + (i * 11) % 40, ignore_eos=True,
+                                     logprobs=0 if i % 3 == 2 or (i % 3 == 1 and batch % 2) else None,
+                                     prompt_logprobs=1 if i == 2 else None)
+                      for i in range(batch)]
             outs = llm.generate(prompts, params)
             assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
         grew = {k: (at_start[k], n) for k, n in compiled_variants().items() if n != at_start[k]}
