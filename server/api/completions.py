@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from server.api import generation
 from server.api.body import parse_body
-from server.api.formatting import (CompletionLogprobs, TokenNames, completion_choice, envelope,
-                                   prompt_logprobs_json, usage)
+from server.api.formatting import (CompletionLogprobs, TokenNames, completion_choice, encode_json, encoded_envelope,
+                                   envelope, prompt_logprobs_json, usage)
 from server.api.schemas import CompletionRequest, Prompt
 from server.api.streaming import ENCODER, ChunkFrame, events, json_ids, json_str, sse_response
 from server.engine.outputs import CompletionOutput, RequestOutput
@@ -185,8 +185,15 @@ async def create_completion(request: Request) -> Response:
         fmt = CompletionChunks(request_id, created, model, body, checked)
         return sse_response(events(generation.merged(started), fmt.chunks, fmt.tail, lambda: engine.state))
 
-    finals = await generation.run_to_end(request, started)
     whole = CompletionFormat(body, checked)
-    choices = [whole.choice(i, out, o, o.text, o.token_ids, o.logprobs, True)
-               for i, out in enumerate(finals) for o in out.outputs]
-    return JSONResponse(envelope(KIND, request_id, created, model, choices, usage=usage(finals)))
+    encoded: list[bytes] = [b""] * len(checked)
+
+    def encode_choices(i: int, out: RequestOutput) -> None:
+        # As each prompt's final output arrives, while the others still generate: a rollout's 2,048 choices
+        # (1M tokens with log-probs) took over a second to format and encode when all waited for the last.
+        choices = [whole.choice(i, out, o, o.text, o.token_ids, o.logprobs, True) for o in out.outputs]
+        encoded[i] = encode_json(choices)[1:-1]  # the list's items, without its brackets
+
+    finals = await generation.run_to_end(request, started, encode_choices)
+    return Response(encoded_envelope(KIND, request_id, created, model, encoded, usage=usage(finals)),
+                    media_type="application/json")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 
@@ -181,13 +181,17 @@ async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutp
             await gen.aclose()  # type: ignore[attr-defined]
 
 
-async def run_to_end(request: Request, started: list[Started]) -> list[RequestOutput]:
-    """The final output of every prompt (aborting them all if the client leaves)."""
+async def run_to_end(request: Request, started: list[Started],
+                     on_final: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
+    """The final output of every prompt (aborting them all if the client leaves). on_final(i, output) is
+    called as each prompt's final output arrives, while the others still generate."""
     async def drain() -> list[RequestOutput]:
         last: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(merged(started)) as outs:
             async for i, out in outs:
                 last[i] = out
+                if on_final is not None and out.finished:
+                    on_final(i, out)
         return [last[i] for i in range(len(started))]
 
     return await unless_disconnected(request, drain())
