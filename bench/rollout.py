@@ -22,7 +22,9 @@ generates the same number of tokens from random weights.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -82,18 +84,30 @@ def http_rollout(url: str, api_key: str, model: str, prompts: list[list[int]], n
     return {"seconds": seconds, "sequences": len(choices), "tokens": tokens, "tok_s": tokens / seconds}
 
 
-def engine_rollout(llm, prompts: list[list[int]], n: int, max_tokens: int, temperature: float) -> dict:
+def engine_rollout(llm, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+                   profile: bool = False) -> dict:
+    """The rollout through LLM.generate on this thread (the engine's). engine_cpu_share: this thread's CPU
+    time over the wall time (near 1: the host, not the device, sets the pace). profile: cProfile's
+    hottest functions of this thread, printed."""
     from server import SamplingParams
 
     params = SamplingParams(n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, logprobs=0,
                             ignore_eos=True)
-    t = time.perf_counter()
+    profiler = cProfile.Profile() if profile else None
+    cpu, t = time.thread_time(), time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - t
+    if profiler is not None:
+        profiler.disable()
+    seconds, cpu = time.perf_counter() - t, time.thread_time() - cpu
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     seqs = [o for out in outs for o in out.outputs]
     tokens = sum(len(o.token_ids) for o in seqs)
     assert all(len(o.logprobs) == len(o.token_ids) for o in seqs)
-    return {"seconds": seconds, "sequences": len(seqs), "tokens": tokens, "tok_s": tokens / seconds}
+    return {"seconds": seconds, "sequences": len(seqs), "tokens": tokens, "tok_s": tokens / seconds,
+            "engine_cpu_share": cpu / seconds}
 
 
 def hf_rollout(folder: str, device: str, prompts: list[list[int]], n: int, max_tokens: int,
@@ -157,6 +171,9 @@ def main() -> None:
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="prompts (x n) per transformers generate call; default 32 (smoke: all)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-http", action="store_true", help="the in-process engine only")
+    ap.add_argument("--profile", action="store_true",
+                    help="print cProfile's hottest functions of the in-process rollout's engine thread")
     ap.add_argument("--async-scheduling", default="on", choices=["off", "on", "both"],
                     help="run the server and the engine with async scheduling off, on, or both (side by side)")
     ap.add_argument("--smoke", action="store_true")
@@ -205,7 +222,7 @@ def main() -> None:
     from tests.http_server import ServerProcess
 
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
-    for on in modes:
+    for on in modes if not args.no_http else ():
         key = "http_async" if on else "http"
         server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()
         try:
@@ -233,7 +250,7 @@ def main() -> None:
         llm.engine.set_async_scheduling(on)
         in_thread(engine_rollout, llm, prompts[:2], 1, 4, args.temperature)  # warm-up
         recorder = StepRecorder(llm.engine)
-        result[key] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature)
+        result[key] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature, args.profile)
         recorder.close()
         progress("in-process" + (" async" if on else ""), result[key])
         roofs[key] = (recorder.roofline_seconds(cost, measured), recorder.steps)
@@ -268,7 +285,8 @@ def main() -> None:
 
 def progress(path: str, res: dict) -> None:
     """One line per finished path: a run cut short by a time limit still leaves its figures."""
-    print(f"{path}: {res['sequences']} sequences in {res['seconds']:.2f} s, {res['tok_s']:.0f} tok/s", flush=True)
+    share = f", engine thread CPU {100 * res['engine_cpu_share']:.0f}% of the wall" if "engine_cpu_share" in res else ""
+    print(f"{path}: {res['sequences']} sequences in {res['seconds']:.2f} s, {res['tok_s']:.0f} tok/s{share}", flush=True)
 
 
 def report(r: dict) -> None:

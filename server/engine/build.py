@@ -20,6 +20,7 @@ from server.engine.memory_plan import KVChunks, KVPlan, plan_kv_cache
 from server.engine.sleep_plan import OFFLOADED_TAGS
 from server.engine.tags import KV_CACHE, WEIGHTS
 from server.engine.runner import ModelRunner
+from server.engine.sampler import warm_pieces
 from server.engine.scheduler import Scheduler
 from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
@@ -136,6 +137,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         # After a wake, the rest of the KV cache maps in the background, but only while no request
         # runs, or at full speed when the scheduler waits for blocks (MemoryPool.yield_mapping_while).
         parts.pool.yield_mapping_while(lambda: scheduler.has_work)
+    warm_pieces(tokenizer, model_config.vocab_size)
     return EngineCore(
         config=config, device=parts.pool.device, dtype=parts.runner.dtype, model_path=source.folder,
         model_config=model_config, served_model_name=config.served_model_name or source.name, tokenizer=tokenizer,

@@ -44,8 +44,8 @@ def test_serving_compiles_nothing_new(tiny):
         words = "one two three four five six seven eight nine ten eleven twelve".split()
         for batch in range(1, 10):
             prompts = [" ".join(words[:1 + (batch * 5 + i * 7) % 12] * (1 + i % 9)) for i in range(batch)]
-            # Greedy; sampled, with log-probs in odd batches (the fused sampler's two variants); greedy with
-            # log-probs.
+            # Greedy; sampled, with log-probs in odd batches (the fused sampler) and without in even ones;
+            # greedy with log-probs (the fused sampler's greedy rows).
             params = [SamplingParams(temperature=(0.0, 1.0, 0.0)[i % 3], max_tokens=3 + (i * 11) % 40, ignore_eos=True,
                                      logprobs=0 if i % 3 == 2 or (i % 3 == 1 and batch % 2) else None,
                                      prompt_logprobs=1 if i == 2 else None)
