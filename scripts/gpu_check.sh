@@ -36,7 +36,9 @@
 # 256 requests at once, HTTP streamed and not against in-process, with each pass's engine steps, and py-spy's view
 # of the server's API and engine processes where py-spy is carried; < 2 min), ssefloor (the API process's CPU per
 # streamed chunk against a bare ASGI app under the same uvicorn: bench/sse_floor.py; < 1 min), serve64-interval
-# (serve64 with --stream-interval 4 on the server and the in-process engine: a streamed chunk every 4 steps).
+# (serve64 with --stream-interval 4 on the server and the in-process engine: a streamed chunk every 4 steps),
+# sampler (the fused sampler against the torch path, device time per step: bench/sampler.py; < 1 min),
+# decodeattn (the decode-attention kernel against its K/V bytes at copy bandwidth: bench/decode_attention.py).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -125,6 +127,8 @@ for stage in $stages; do
                 run vmm-aftermath $PY bench/vmm_floor.py --gib 100 --aftermath --out "$RESULTS" ;;
     tms)        run tms $PY bench/tms_compare.py --out "$RESULTS" ;;
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
+    sampler)    run sampler $PY bench/sampler.py --out "$RESULTS" ;;
+    decodeattn) run decodeattn $PY bench/decode_attention.py --out "$RESULTS" ;;
     ssefloor)   run ssefloor $PY bench/sse_floor.py --device cuda --model llama-1b --out "$RESULTS/ssefloor" ;;
     serve64)    spy=(); command -v py-spy > /dev/null && spy=(--spy "$RESULTS/serve64/spy")
                 run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
