@@ -42,7 +42,7 @@ def check_distribution(device: str, draws: int, temperature: float, vocab: int, 
     row[columns] = values
     expected = (values / temperature).softmax(-1).double()
     torch.manual_seed(2)
-    logits = row.repeat(draws, 1).to(device)
+    logits = row.to(device).expand(draws, -1).contiguous()
     temps = torch.full((draws,), temperature, device=device)
     tokens, _ = fused_sample(logits, temps, False, chunk=chunk)
     counts = torch.bincount(tokens.cpu(), minlength=vocab).double()
@@ -61,5 +61,6 @@ def check_draws_cover(device: str, draws: int, vocab: int, chunk: int) -> None:
     row = torch.full((vocab,), float("-inf"))
     row[[5, vocab // 2, vocab - 1]] = torch.tensor([0.0, -1.0, 0.0])  # p = 0.42, 0.16, 0.42
     torch.manual_seed(3)
-    tokens, _ = fused_sample(row.repeat(draws, 1).to(device), torch.ones(draws, device=device), False, chunk=chunk)
+    tokens, _ = fused_sample(row.to(device).expand(draws, -1).contiguous(), torch.ones(draws, device=device), False,
+                             chunk=chunk)
     assert set(tokens.tolist()) == {5, vocab // 2, vocab - 1}, torch.bincount(tokens.cpu()).nonzero().tolist()

@@ -8,8 +8,9 @@ more for the rank (the count of larger logits) when log-probs are asked for: _ra
 chunk of a row, then _rank_chunks, which combines each row's chunks and counts.
 
 The draw is the Gumbel-max trick, the same race as the torch path's argmax(p / E) with E ~ Exp(1):
-argmax(logit / T - log(-log U)) with U uniform from Philox (tl.rand), keyed by a seed drawn from torch's
-default generator each call (so torch.manual_seed makes runs repeat). Greedy rows (temperature 0) take
+argmax(logit / T - log(-log U)) with U uniform from Philox, keyed by a seed drawn from torch's default
+generator each call (so torch.manual_seed makes runs repeat). (Like the torch path's, the noise's largest
+values come from U near 1, in float32 steps of 2^-24.) Greedy rows (temperature 0) take
 the argmax, the first of equal maxima as torch's argmax does. The log-prob is of the model's distribution
 (the logits as given, before temperature), as the torch path and vLLM report it.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.random import philox, uint_to_uniform_float
 
 LOGPROB_FLOOR = -9999.0  # sampler.LOGPROB_FLOOR: what a log-prob that is not finite is reported as
 # Each row is cut into chunks of CHUNK columns, one program each (16 for a 128k vocabulary), so a few rows
@@ -38,7 +40,9 @@ def _quarter(base, cols, u, vocab, greedy, inv_temp, m, s, best, best_col, WANT_
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of -inf so far: no NaN
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
         m = m_new
-    score = tl.where(greedy, x, x * inv_temp - tl.log(-tl.log(u)))  # + Gumbel noise
+    # + Gumbel noise; u = 0 (odds 2^-31) would make it -inf, and a row's one allowed token (a grammar's)
+    # could then lose to a forbidden one
+    score = tl.where(greedy, x, x * inv_temp - tl.log(-tl.log(tl.maximum(u, 1.0e-30))))
     score = tl.where(inside, score, float("-inf"))
     top = tl.max(score, 0)
     col = tl.min(tl.where(score == top, cols, 2147483647), 0)  # the first of equal maxima, as torch's argmax
@@ -66,7 +70,11 @@ def _race_chunks(logits_ptr, stride_row, temps_ptr, seed, parts_ptr, table_ptr,
     best_col = tl.zeros((), tl.int32)
     for tile in range(4):
         first = chunk * (16 * Q) + tile * (4 * Q)
-        u0, u1, u2, u3 = tl.rand4x(seed + row, first // 4 + q)
+        # Philox keyed by the call's 64-bit seed, counting (column / 4, row): no two rows or calls share noise.
+        counter = (first // 4 + q).to(tl.uint32)
+        r0, r1, r2, r3 = philox(seed, counter, counter * 0 + row.to(tl.uint32), counter * 0, counter * 0)
+        u0, u1 = uint_to_uniform_float(r0), uint_to_uniform_float(r1)
+        u2, u3 = uint_to_uniform_float(r2), uint_to_uniform_float(r3)
         m, s, best, best_col = _quarter(base, first + q, u0, VOCAB, greedy, inv_temp, m, s, best, best_col, WANT_TABLE)
         m, s, best, best_col = _quarter(base, first + Q + q, u1, VOCAB, greedy, inv_temp, m, s, best, best_col,
                                         WANT_TABLE)
@@ -128,7 +136,8 @@ def fused_sample(logits: torch.Tensor, temps: torch.Tensor, want_table: bool, ch
     """logits [N, V] float32 (rows contiguous), temps [N] float32 on the same device (0: greedy).
     Returns the tokens [N] int64 and, with want_table, the log-prob table [N, 3] float64 laid out as
     sampler._logprob_table's with k = 0: token id, its log-prob, its rank (1 + how many logits are larger).
-    chunk: columns per program, a multiple of 64 (tests take small ones to cross chunks on small rows)."""
+    chunk: columns per program, a power of two of at least 64 (tests take small ones to cross chunks on
+    small rows)."""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -137,7 +146,9 @@ def fused_sample(logits: torch.Tensor, temps: torch.Tensor, want_table: bool, ch
     table = torch.empty((n, 3), dtype=torch.float64, device=logits.device) if want_table else tokens
     if n:
         parts = torch.empty((n, chunks, 4), dtype=torch.float32, device=logits.device)
-        seed = int(torch.randint(0, 2 ** 30, (1,)).item())  # + row stays in 32 bits
+        # Drawn from torch's generator (torch.manual_seed repeats the draws), at least 2^62: always passed as
+        # a 64-bit integer, one kernel variant.
+        seed = int(torch.randint(0, 2 ** 62, (1,)).item()) | (1 << 62)
         _race_chunks[(n, chunks)](logits, logits.stride(0), temps, seed, parts, table,
                                   VOCAB=vocab, CHUNKS=chunks, WANT_TABLE=want_table, Q=chunk // 16, num_warps=4)
         _rank_chunks[(n, chunks if want_table else 1)](

@@ -82,8 +82,16 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
              out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
-# TRITON_INTERPRET is read when a kernel is defined, so it is fixed for the process too.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET: 1, true, on...), as Triton reads
+    it; it is read when a kernel is defined, so it is fixed for the process."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_INTERPRETED = _interpreted()
 
 
 def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

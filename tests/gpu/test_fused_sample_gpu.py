@@ -24,7 +24,9 @@ def test_draws_follow_the_distribution(temperature):
 
 def test_engine_log_probs_match_a_recomputation(tmp_path):
     """Greedy with logprobs=0 goes through the fused kernel: the reported log-prob of each token is the model's
-    log-softmax at it, the same as the torch path reports with top log-probs (logprobs=1 takes that path)."""
+    log-softmax at it, the same as the torch path reports with top log-probs (logprobs=1 takes that path).
+    Sampled at temperature 1 with logprobs=0 (also fused): each token's log-prob is what scoring the same
+    tokens as a prompt gives (prompt_logprobs, the prefill's logits: close, not bit-equal)."""
     from server import LLM, SamplingParams
     from tests.models import model_folder
 
@@ -39,5 +41,12 @@ def test_engine_log_probs_match_a_recomputation(tmp_path):
         for tok, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
             assert la[tok].rank == lb[tok].rank
             assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4
+        sampled, = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0))
+        ids, lps = sampled.outputs[0].token_ids, sampled.outputs[0].logprobs
+        scored, = llm.generate([sampled.prompt_token_ids + ids],
+                               SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+        start = len(sampled.prompt_token_ids)
+        for j, tok in enumerate(ids):
+            assert abs(lps[j][tok].logprob - scored.prompt_logprobs[start + j][tok].logprob) < 0.1, j
     finally:
         llm.close()
