@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import json
 import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,18 +87,25 @@ def http_rollout(url: str, api_key: str, model: str, prompts: list[list[int]], n
 
 
 def engine_rollout(llm, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, timeline: Path | None = None) -> dict:
     """The rollout through LLM.generate on this thread (the engine's). profile: cProfile's hottest functions
-    of this thread, printed. (Its CPU time says little: CUDA's waits spin, so waiting counts as busy.)"""
+    of this thread, printed. (Its CPU time says little: CUDA's waits spin, so waiting counts as busy.)
+    timeline: a folder for torch.profiler's trace of TIMELINE_STEPS steps mid-rollout, with the device's
+    busy share of their span printed (the gaps say how much of a step the device waits for the host)."""
     from server import SamplingParams
 
     params = SamplingParams(n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, logprobs=0,
                             ignore_eos=True)
     profiler = cProfile.Profile() if profile else None
+    stop_timeline = record_timeline(llm.engine, timeline) if timeline is not None else None
     t = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        if stop_timeline is not None:
+            stop_timeline()
     if profiler is not None:
         profiler.disable()
     seconds = time.perf_counter() - t
@@ -106,6 +115,57 @@ def engine_rollout(llm, prompts: list[list[int]], n: int, max_tokens: int, tempe
     tokens = sum(len(o.token_ids) for o in seqs)
     assert all(len(o.logprobs) == len(o.token_ids) for o in seqs)
     return {"seconds": seconds, "sequences": len(seqs), "tokens": tokens, "tok_s": tokens / seconds}
+
+
+TIMELINE_SKIP, TIMELINE_STEPS = 300, 20  # steps before the trace (admission, compiles), steps traced
+
+
+def record_timeline(core, folder: Path):
+    """Trace TIMELINE_STEPS of the engine's steps after TIMELINE_SKIP with torch.profiler (CPU and CUDA):
+    write the Chrome trace into `folder`, print the device's busy share of the traced span and the kernels
+    that took the most device time. Returns the function that stops it (and restores core.step)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, schedule=schedule(wait=TIMELINE_SKIP, warmup=3, active=TIMELINE_STEPS,
+                                                            repeat=1), on_trace_ready=lambda p: report_timeline(p, folder))
+    step = core.step
+
+    def traced_step():
+        out = step()
+        prof.step()
+        return out
+
+    prof.start()
+    core.step = traced_step
+
+    def stop() -> None:
+        del core.step
+        prof.stop()
+
+    return stop
+
+
+def report_timeline(prof, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    trace = folder / "rollout-timeline.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:  # tens of MB as JSON
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        print("timeline: no device events (CPU run)", flush=True)
+        return
+    busy, end = 0, spans[0][0]
+    for lo, hi in spans:  # the union of the kernels' and copies' intervals
+        busy += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    span = spans[-1][1] - spans[0][0]
+    print(f"timeline: {TIMELINE_STEPS} steps, device busy {busy / 1e3:.2f} of {span / 1e3:.2f} ms "
+          f"({100 * busy / span:.0f}%); trace: {trace}.gz", flush=True)
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12), flush=True)
 
 
 def hf_rollout(folder: str, device: str, prompts: list[list[int]], n: int, max_tokens: int,
@@ -172,6 +232,9 @@ def main() -> None:
     ap.add_argument("--no-http", action="store_true", help="the in-process engine only")
     ap.add_argument("--profile", action="store_true",
                     help="print cProfile's hottest functions of the in-process rollout's engine thread")
+    ap.add_argument("--timeline", action="store_true",
+                    help="torch.profiler's trace of 20 in-process steps mid-rollout into --out, with the device's "
+                         "busy share of their span")
     ap.add_argument("--async-scheduling", default="on", choices=["off", "on", "both"],
                     help="run the server and the engine with async scheduling off, on, or both (side by side)")
     ap.add_argument("--smoke", action="store_true")
@@ -248,7 +311,8 @@ def main() -> None:
         llm.engine.set_async_scheduling(on)
         in_thread(engine_rollout, llm, prompts[:2], 1, 4, args.temperature)  # warm-up
         recorder = StepRecorder(llm.engine)
-        result[key] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature, args.profile)
+        result[key] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature, args.profile,
+                                args.out if args.timeline else None)
         recorder.close()
         progress("in-process" + (" async" if on else ""), result[key])
         roofs[key] = (recorder.roofline_seconds(cost, measured), recorder.steps)
