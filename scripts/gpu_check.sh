@@ -38,7 +38,8 @@
 # streamed chunk against a bare ASGI app under the same uvicorn: bench/sse_floor.py; < 1 min), serve64-interval
 # (serve64 with --stream-interval 4 on the server and the in-process engine: a streamed chunk every 4 steps),
 # sampler (the fused sampler against the torch path, device time per step: bench/sampler.py; < 1 min),
-# decodeattn (the decode-attention kernel against its K/V bytes at copy bandwidth: bench/decode_attention.py).
+# decodeattn (the decode-attention kernel against its K/V bytes at copy bandwidth: bench/decode_attention.py),
+# rollout-timeline (the in-process 1B rollout with 20 steps traced by torch.profiler: the device's busy share).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -129,6 +130,9 @@ for stage in $stages; do
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
     sampler)    run sampler $PY bench/sampler.py --out "$RESULTS" ;;
     decodeattn) run decodeattn $PY bench/decode_attention.py --out "$RESULTS" ;;
+    rollout-timeline)  # where the 1B rollout's steps beyond its device work go: 20 steps traced in process
+                run rollout-timeline $PY bench/rollout.py --device cuda --model llama-1b --no-hf --no-http --timeline \
+                  --out "$RESULTS/rollout-timeline" ;;
     ssefloor)   run ssefloor $PY bench/sse_floor.py --device cuda --model llama-1b --out "$RESULTS/ssefloor" ;;
     serve64)    spy=(); command -v py-spy > /dev/null && spy=(--spy "$RESULTS/serve64/spy")
                 run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
