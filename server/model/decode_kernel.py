@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from server.model.online_softmax import online_softmax_step
+
 
 @triton.jit
-def _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, tok, d, m, l, acc, scale,
+def _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, last, tok, d, m, l, acc, scale,
           stride_kb, stride_ks, stride_kh, stride_tb, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of context tokens into the running softmax (m, l) and output (acc)."""
+    """One tile of context tokens into the running softmax (m, l) and output (acc). last: every query row's
+    position, ctx - 1: it sees the keys at positions <= last."""
     valid = tok < ctx
     # In 64 bits: the cache is block-major (kv_layout.py), a block's stride spans every layer, and
     # block x stride passes 2^31 elements in a large cache (the runner's tables are int64 already).
@@ -26,20 +29,7 @@ def _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, tok, d, m, l, acc, sca
     offs = block[:, None] * stride_kb + (tok % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
     k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
     v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(valid[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m - m_new)
-    l = l * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc
+    return online_softmax_step(q, k, v, m, l, acc, scale, tok, last, True, False, IEEE)
 
 
 # The block tables' row stride (the batch's longest table) changes from step to step: specialised
@@ -62,12 +52,13 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     l = tl.zeros([PADDED_GROUP], tl.float32)
     acc = tl.zeros([PADDED_GROUP, HEAD_DIM], tl.float32)
     t = tl.arange(0, TILE)
+    last = tl.zeros([PADDED_GROUP], tl.int32) + (ctx - 1)
     if INTERPRETED:
         # Triton's CPU interpreter (which runs this kernel in CI) cannot iterate up to a bound loaded
         # from memory: one tile at a time, with the same body.
         start = 0
         while start < ctx:
-            m, l, acc = _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, start + t, d, m, l, acc, scale,
+            m, l, acc = _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, last, start + t, d, m, l, acc, scale,
                               stride_kb, stride_ks, stride_kh, stride_tb, BLOCK_SIZE, IEEE)
             start += TILE
     else:
@@ -75,7 +66,7 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
         # (2026-12-01) at batch 256 x 384 tokens: 75 -> 60 us a layer at head_dim 64, 131 -> 103 at 128
         # (the loads were waited for one tile at a time).
         for start in tl.range(0, ctx, TILE, num_stages=STAGES):
-            m, l, acc = _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, start + t, d, m, l, acc, scale,
+            m, l, acc = _tile(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, ctx, last, start + t, d, m, l, acc, scale,
                               stride_kb, stride_ks, stride_kh, stride_tb, BLOCK_SIZE, IEEE)
     out = acc / l[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],

@@ -19,31 +19,10 @@ import triton
 import triton.language as tl
 
 from server.model.attention import AttentionContext, plan_prefill, prefill_tile_rows
+from server.model.online_softmax import online_softmax_step
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step of the online softmax (4 blocks of 16)
-
-
-@triton.jit
-def _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok, pos, MASKED: tl.constexpr, IEEE: tl.constexpr):
-    """One key tile into the running (max, sum, output) of each row; base 2: qk_scale carries log2(e).
-    MASKED: key tok[j] is seen only by the rows at positions pos >= tok[j] (causal)."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale
-    if MASKED:
-        s = tl.where(tok[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
-    l = l * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc
 
 
 @triton.jit
@@ -87,7 +66,7 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, tables_ptr, qk_scale
         offs = block[:, None] * stride_kb + (tok % BLOCK_SIZE)[:, None] * stride_ks + head_off + d[None, :]
         k = tl.load(k_ptr + offs)
         v = tl.load(v_ptr + offs)
-        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok, pos, False, IEEE)
+        m, l, acc = online_softmax_step(q, k, v, m, l, acc, qk_scale, tok, pos, False, True, IEEE)
         start += BLOCK_N
     # Then the tiles that reach the diagonal: key j is seen by the rows at positions >= j. The first
     # tile holds key 0, which every row sees, so no row's maximum stays -inf (no NaN).
@@ -98,7 +77,7 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, tables_ptr, qk_scale
         offs = block[:, None] * stride_kb + (tok % BLOCK_SIZE)[:, None] * stride_ks + head_off + d[None, :]
         k = tl.load(k_ptr + offs, mask=inside[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=inside[:, None], other=0.0)
-        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, qk_scale, tok, pos, True, IEEE)
+        m, l, acc = online_softmax_step(q, k, v, m, l, acc, qk_scale, tok, pos, True, True, IEEE)
         start += BLOCK_N
     out = acc / l[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
