@@ -106,10 +106,9 @@ def engine_rollout(llm, prompts: list[list[int]], n: int, max_tokens: int, tempe
     finally:
         if stop_timeline is not None:
             stop_timeline()
-    if profiler is not None:
-        profiler.disable()
     seconds = time.perf_counter() - t
     if profiler is not None:
+        profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     seqs = [o for out in outs for o in out.outputs]
     tokens = sum(len(o.token_ids) for o in seqs)

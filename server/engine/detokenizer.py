@@ -90,9 +90,9 @@ def decode_many(tokenizer, windows: list[list[int]], skip_special_tokens: bool) 
     each through transformers (measured 49 -> 9 us on the loaded 2-core host, 256 windows). With a
     byte-level decoder, a window of tokens that each decode to whole characters is the concatenation of
     their texts (cached per token): no call at all for most windows of a step."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if not decodes_in_one_call(tokenizer):
         return [tokenizer.decode(w, skip_special_tokens=skip_special_tokens) for w in windows]
+    backend = tokenizer.backend_tokenizer
     pieces = _whole_pieces(tokenizer)
     if pieces is None:
         return backend.decode_batch(windows, skip_special_tokens=skip_special_tokens)
@@ -147,12 +147,17 @@ def _whole_pieces(tokenizer) -> _WholePieces | None:
     return _WholePieces(tokenizer) if type(decoder).__name__ == "ByteLevel" else None
 
 
+def decodes_in_one_call(tokenizer) -> bool:
+    """A fast tokenizer that cleans up no spaces: its decode is the Rust tokenizer's, so decode_many decodes
+    many windows in one call, and a longer window's text extends a shorter one's."""
+    return (getattr(tokenizer, "backend_tokenizer", None) is not None
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+
+
 def _fast_pieces(tokenizer) -> _WholePieces | None:
     """The whole-token texts decode_many would join for this tokenizer, or None where it asks the
     tokenizer for every window (no fast tokenizer, a clean-up of spaces, a decoder that is not byte-level)."""
-    if getattr(tokenizer, "backend_tokenizer", None) is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return None
-    return _whole_pieces(tokenizer)
+    return _whole_pieces(tokenizer) if decodes_in_one_call(tokenizer) else None
 
 
 def detokenize_step(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str]:
@@ -193,8 +198,7 @@ def prefix_stable(tokenizer) -> bool:
     """Whether decoding the tokens of a text in one go gives what IncrementalDetokenizer gives token by
     token (concatenated, with its flush): true of a fast tokenizer that cleans up no spaces (the decode of
     a longer window then extends the shorter one's text; tests/test_detokenizer.py checks it on random ids)."""
-    return (getattr(tokenizer, "backend_tokenizer", None) is not None
-            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+    return decodes_in_one_call(tokenizer)
 
 
 def detokenize_all(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool) -> str:

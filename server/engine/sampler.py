@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from server.engine.detokenizer import decode_many
+from server.engine.detokenizer import decode_many, decodes_in_one_call
 from server.engine.outputs import Logprob, TokenLogprobs
 from server.engine.sequence import Sequence
 
@@ -333,8 +333,7 @@ class _PieceCache(dict):
         """Decode every id below vocab_size now, in one call where the tokenizer allows it (decode_many's
         fast path: 49k ids in 78 ms on the CI host): a rollout with log-probs meets tens of thousands of
         distinct tokens, and on the H200 each first meeting cost ~10-19 us of the engine thread."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
+        if not decodes_in_one_call(self.tokenizer):
             return  # decode_many would decode one id per call: no faster than meeting them one by one
         ids = [i for i in range(vocab_size) if i not in self]
         self.update(zip(ids, decode_many(self.tokenizer, [[i] for i in ids], skip_special_tokens=False)))
