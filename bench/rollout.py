@@ -324,7 +324,7 @@ def main() -> None:
     result["roofline"] = {"seconds": roof_s, "tok_s": result[first]["tokens"] / roof_s, "steps": len(steps),
                           "memory_bandwidth_GBs": measured.bandwidth / 1e9, "matmul_TFLOPs": measured.gemm_flops / 1e12,
                           "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
-                          "largest_batch": max((len(items) for items, _ in steps), default=0)}
+                          "largest_batch": max((shape.seqs for shape in steps), default=0)}
     for key in ("http", "engine", "http_async", "engine_async"):
         if key not in result:
             continue

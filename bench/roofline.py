@@ -68,17 +68,39 @@ class ModelCost:
                    kv_bytes_per_token=2 * c.num_layers * c.num_kv_heads * c.head_dim * elem,
                    attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim)
 
-    def step(self, items: list[tuple[int, int]], sampled: int) -> tuple[float, float]:
-        """(bytes, FLOPs) of a step over items = (tokens already in the cache, new tokens) per sequence."""
-        tokens = sum(n for _, n in items)
-        kv_read = sum(start + n for start, n in items) * self.kv_bytes_per_token
-        pairs = sum(n * start + n * (n + 1) // 2 for start, n in items)
-        flops = 2 * self.matmul_params * tokens + 2 * self.head_params * sampled + self.attn_flops_per_pair * pairs
+    def step(self, shape: "StepShape") -> tuple[float, float]:
+        """(bytes, FLOPs) of a step of that shape."""
+        kv_read = shape.kv_tokens * self.kv_bytes_per_token
+        flops = (2 * self.matmul_params * shape.tokens + 2 * self.head_params * shape.sampled
+                 + self.attn_flops_per_pair * shape.pairs)
         return self.weight_bytes + kv_read, flops
 
-    def step_seconds(self, items: list[tuple[int, int]], sampled: int, device: Device) -> float:
-        nbytes, flops = self.step(items, sampled)
+    def step_seconds(self, shape: "StepShape", device: Device) -> float:
+        nbytes, flops = self.step(shape)
         return max(nbytes / device.bandwidth, flops / device.gemm_flops)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the roofline needs of one step, summed over its sequences (one small object per step: a list
+    per step of a pair per sequence was a million tuples over a rollout, which the collector walked on the
+    engine's thread)."""
+    seqs: int        # sequences in the step
+    tokens: int      # new tokens computed
+    kv_tokens: int   # context tokens read (each sequence's cached tokens plus its new ones)
+    pairs: int       # (query token, context token) pairs attended: each new token to every token up to itself
+    sampled: int     # rows sampled (the LM head's)
+
+    @classmethod
+    def of(cls, items: list[tuple[int, int]], sampled: int) -> "StepShape":
+        """items: (tokens already in the cache, new tokens) per sequence."""
+        return cls(len(items), sum(n for _, n in items), sum(start + n for start, n in items),
+                   sum(n * start + n * (n + 1) // 2 for start, n in items), sampled)
+
+    @classmethod
+    def decode(cls, contexts: int, seqs: int) -> "StepShape":
+        """One new token for each of `seqs` sequences whose cached tokens add up to `contexts`."""
+        return cls(seqs, seqs, contexts + seqs, contexts + seqs, seqs)
 
 
 class StepRecorder:
@@ -87,7 +109,7 @@ class StepRecorder:
     schedule() and schedule_ahead() (async scheduling) of that one engine instance; benchmark-only."""
 
     def __init__(self, core):
-        self.steps: list[tuple[list[tuple[int, int]], int]] = []
+        self.steps: list[StepShape] = []
         self._scheduler = core.scheduler
         schedule = core.scheduler.schedule
 
@@ -96,7 +118,7 @@ class StepRecorder:
             if batch:
                 items = [(seq.num_computed, n) for seq, n in batch.items]
                 sampled = sum(1 for seq, n in batch.items if seq.num_computed + n == seq.num_tokens)
-                self.steps.append((items, sampled))
+                self.steps.append(StepShape.of(items, sampled))
             return batch
 
         core.scheduler.schedule = recording
@@ -105,14 +127,15 @@ class StepRecorder:
         def recording_ahead(seqs, max_model_len, *more):
             got = ahead(seqs, max_model_len, *more)  # type: ignore[misc]
             if got is not None:  # one token per sequence at position num_tokens (the token in flight)
-                self.steps.append(([(seq.num_tokens, 1) for seq, _ in got[0].items], len(got[0].items)))
+                items = got[0].items
+                self.steps.append(StepShape.decode(sum([seq.num_tokens for seq, _ in items]), len(items)))
             return got
 
         if ahead is not None:
             core.scheduler.schedule_ahead = recording_ahead
 
     def roofline_seconds(self, cost: ModelCost, device: Device) -> float:
-        return sum(cost.step_seconds(items, sampled, device) for items, sampled in self.steps)
+        return sum(cost.step_seconds(shape, device) for shape in self.steps)
 
     def close(self) -> None:
         """Stop recording: the scheduler's own schedule() again."""

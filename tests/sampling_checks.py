@@ -64,3 +64,18 @@ def check_draws_cover(device: str, draws: int, vocab: int, chunk: int) -> None:
     tokens, _ = fused_sample(row.to(device).expand(draws, -1).contiguous(), torch.ones(draws, device=device), False,
                              chunk=chunk)
     assert set(tokens.tolist()) == {5, vocab // 2, vocab - 1}, torch.bincount(tokens.cpu()).nonzero().tolist()
+
+
+def check_model_dtype_reads_as_float32(device: str, rows: int, vocab: int, chunk: int = CHUNK) -> None:
+    """bfloat16 logits (a CUDA graph's) give the same tokens, log-probs and ranks as the same values converted
+    to float32 first, draw for draw: the kernel converts each value as it loads it."""
+    torch.manual_seed(4)
+    logits = (torch.randn(rows, vocab) * 4).to(torch.bfloat16).to(device)
+    temps = torch.tensor([0.0 if i % 3 == 0 else 1.0 for i in range(rows)], device=device)
+    for want_table in (True, False):
+        torch.manual_seed(5)
+        tokens, table = fused_sample(logits, temps, want_table, chunk=chunk)
+        torch.manual_seed(5)
+        tokens32, table32 = fused_sample(logits.float(), temps, want_table, chunk=chunk)
+        assert torch.equal(tokens, tokens32)
+        assert (table is None and table32 is None) or torch.equal(table, table32)

@@ -14,7 +14,7 @@ from http_server import MAIN_KEY, main_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
+from bench.roofline import Device, ModelCost, StepRecorder, StepShape  # noqa: E402
 from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
 from bench.serve import (IN_PROCESS, Fresh, Result, median_run, run_clients, run_engine, run_http, run_pass,  # noqa: E402
                          server_steps, summarize, workload)
@@ -188,7 +188,7 @@ def test_rollout_http_as_trl_and_in_process_with_roofline(llm):
         recorder.close()
     assert eng["sequences"] == 6 and eng["tokens"] == 24
     # Every sequence's prompt was computed once (prefix caching may share it) and 3 decode tokens after it.
-    assert sum(n for items, _ in recorder.steps for _, n in items) >= 6 * 3
+    assert sum(shape.tokens for shape in recorder.steps) >= 6 * 3
     cost = ModelCost.of(llm.engine.model)
     device = Device(bandwidth=1e12, gemm_flops=1e14)
     assert recorder.roofline_seconds(cost, device) >= len(recorder.steps) * cost.weight_bytes / 1e12
@@ -196,12 +196,15 @@ def test_rollout_http_as_trl_and_in_process_with_roofline(llm):
 
 def test_roofline_step_cost_counts_weights_kv_and_flops(llm):
     cost = ModelCost.of(llm.engine.model)
-    nbytes, flops = cost.step([(0, 3), (10, 1)], sampled=2)
+    shape = StepShape.of([(0, 3), (10, 1)], sampled=2)
+    nbytes, flops = cost.step(shape)
     assert nbytes == cost.weight_bytes + (3 + 11) * cost.kv_bytes_per_token
     pairs = (0 + 1 + 2 + 3) + 11  # each new token attends to every token up to itself
     assert flops == 2 * cost.matmul_params * 4 + 2 * cost.head_params * 2 + cost.attn_flops_per_pair * pairs
     slow_memory = Device(bandwidth=1.0, gemm_flops=1e30)
-    assert cost.step_seconds([(0, 3), (10, 1)], 2, slow_memory) == nbytes
+    assert cost.step_seconds(shape, slow_memory) == nbytes
+    # A decode step: each sequence's one new token reads and attends to its whole context.
+    assert StepShape.decode(10 + 20, 2) == StepShape.of([(10, 1), (20, 1)], 2)
 
 
 def test_step_host_cost_runs_the_step_and_the_frame_path(llm):

@@ -82,9 +82,9 @@ class CompletionFormat:
             if builder is None:
                 start = 0 if self.echo_logprobs else len(p.echo)
                 builder = self.builders[key] = CompletionLogprobs(body.logprobs, start, self.names, p.first_piece)
-            ids, lps = token_ids, list(entries or [])
+            ids, lps = token_ids, entries if entries is not None else []
             if first and self.echo_logprobs and out.prompt_logprobs is not None:
-                ids, lps = out.prompt_token_ids + ids, list(out.prompt_logprobs) + lps
+                ids, lps = out.prompt_token_ids + ids, list(out.prompt_logprobs) + list(lps)
             lp = builder.build(ids, lps)
         if first:
             text = p.echo + text

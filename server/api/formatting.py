@@ -6,8 +6,10 @@ are fixed by OpenAI's API reference, not by us.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
+from server.engine.logprob_list import LogprobList, WireLogprobs
 from server.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 
@@ -54,9 +56,9 @@ class CompletionLogprobs:
         self.names = names or TokenNames(False)
         self.first_piece = first_piece  # the text of the prompt's first token (echo), which has no entry
 
-    def build(self, token_ids: list[int], entries: list[TokenLogprobs | None]) -> dict[str, Any]:
-        if self.k == 0 and None not in entries:
-            return self._sampled_only(token_ids, entries)  # type: ignore[arg-type]
+    def build(self, token_ids: list[int], entries: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
+        if self.k == 0 and isinstance(entries, LogprobList):
+            return self._sampled_only(token_ids, entries.wire)
         tokens, token_lps, tops, offsets = [], [], [], []
         for tok, entry in zip(token_ids, entries):
             offsets.append(self.offset)
@@ -75,19 +77,16 @@ class CompletionLogprobs:
             self.offset += len(_piece(lp))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _sampled_only(self, token_ids: list[int], entries: list[TokenLogprobs]) -> dict[str, Any]:
+    def _sampled_only(self, token_ids: list[int], wire: list[WireLogprobs]) -> dict[str, Any]:
         """build() for logprobs=0 (RL rollouts ask for it on every token of hundreds of sequences, all
-        answered at the end of one request; TRL with return_tokens_as_token_ids): the same object, ~4x less
-        work per token."""
+        answered at the end of one request; TRL with return_tokens_as_token_ids): the same object from the
+        engine's (token, logprob, rank, text) tuples, ~4x less work per token."""
         tokens, token_lps, tops, offsets = [], [], [], []
         offset = self.offset
         as_ids = self.names.as_ids
-        for tok, entry in zip(token_ids, entries):
-            lp = entry[tok]
-            piece = lp.decoded_token
+        for tok, (_, value, _, piece) in zip(token_ids, wire):
             if piece is None:
                 piece = ""
-            value = lp.logprob
             if value < -9999.0:  # _finite
                 value = -9999.0
             name = f"token_id:{tok}" if as_ids else piece

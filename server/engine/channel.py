@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from server.config import EngineConfig
 from server.engine.core import EngineStats
 from server.engine.memory_plan import KVPlan
-from server.engine.outputs import Logprob, RequestOutput, TokenLogprobs
+from server.engine.outputs import RequestOutput
 from server.engine.sleep_state import SleepState
 
 if TYPE_CHECKING:
@@ -113,22 +113,10 @@ class Reply:
 #               metrics (when it finishes: (arrival, first_scheduled, first_token, last_token) times, else None))
 #   SeqDelta = (index, new token ids, new text, new log-probs (WireLogprobs each) or None, cumulative_logprob,
 #               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None))
-#   WireLogprobs = (token id, logprob, rank, text) of the sampled token, then the same four for each of the
-#               top-k: a TokenLogprobs dict as plain values (Logprob objects pickle ~10x slower, and a
-#               FINAL_ONLY request's last delta carries all of its log-probs at once).
+#   WireLogprobs: logprob_list.py (plain values: Logprob objects pickle ~10x slower, and a FINAL_ONLY
+#               request's last delta carries all of its log-probs at once).
 Delta = tuple
 SeqDelta = tuple
-WireLogprobs = tuple
-
-
-def token_logprobs(wire: WireLogprobs) -> TokenLogprobs:
-    """The TokenLogprobs dict of one WireLogprobs tuple, as the engine builds it in process: the top-k first,
-    then the sampled token (which keeps its own rank when it is among them)."""
-    if len(wire) == 4:
-        return {wire[0]: Logprob(wire[1], wire[2], wire[3])}
-    entry = {wire[j]: Logprob(wire[j + 1], wire[j + 2], wire[j + 3]) for j in range(4, len(wire), 4)}
-    entry[wire[0]] = Logprob(wire[1], wire[2], wire[3])
-    return entry
 
 
 def encode_delta(req: "Request") -> Delta:
@@ -246,5 +234,4 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
 
 
 __all__ = ["Start", "EngineInfo", "Status", "Ready", "StartFailed", "Call", "Reply", "SeqDelta", "Delta", "encode_delta",
-           "WireLogprobs", "token_logprobs",
            "Failed", "Frame", "WireError", "pack", "SyncChannel", "read_message"]

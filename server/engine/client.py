@@ -30,10 +30,11 @@ from typing import Any, AsyncIterator, Callable
 
 from server.config import EngineConfig
 from server.engine.channel import (Call, Delta, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed, Status,
-                                   SyncChannel, pack, read_message, token_logprobs)
+                                   SyncChannel, pack, read_message)
 from server.engine.core import EngineStats
 from server.engine.errors import EngineDeadError, EngineUnavailableError
 from server.engine.hold import HeldRequests, HoldPolicy
+from server.engine.logprob_list import LogprobList
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.engine.params import SamplingParams, StructuredOutputs
 from server.engine.sleep_state import SleepReport, SleepState
@@ -117,9 +118,8 @@ class OutputStream:
             if logprobs is not None:
                 if acc.logprobs is None:
                     acc.logprobs, acc.new_logprobs = [], []
-                entries = list(map(token_logprobs, logprobs))  # the engine sends WireLogprobs tuples
-                acc.logprobs += entries
-                acc.new_logprobs += entries  # type: ignore[operator]
+                acc.logprobs += logprobs  # WireLogprobs tuples, kept as they came (logprob_list.py)
+                acc.new_logprobs += logprobs  # type: ignore[operator]
             acc.cumulative_logprob = cumulative
             acc.finish_reason, acc.stop_reason = finish_reason, stop_reason
         self._news = True
@@ -139,9 +139,11 @@ class OutputStream:
         for i, acc in enumerate(self.seqs):
             # token_ids and logprobs are the request's own growing lists: consumers read them, and
             # copying them at every step would cost O(length) per token.
-            outputs.append(CompletionOutput(i, acc.text, acc.token_ids, acc.cumulative_logprob, acc.logprobs,
-                                            acc.finish_reason, acc.stop_reason, acc.new_text, acc.new_ids,
-                                            acc.new_logprobs))
+            lps, new_lps = acc.logprobs, acc.new_logprobs
+            outputs.append(CompletionOutput(i, acc.text, acc.token_ids, acc.cumulative_logprob,
+                                            None if lps is None else LogprobList(lps), acc.finish_reason,
+                                            acc.stop_reason, acc.new_text, acc.new_ids,
+                                            None if new_lps is None else LogprobList(new_lps)))
             acc.new_ids, acc.new_text = [], ""
             if acc.new_logprobs is not None:
                 acc.new_logprobs = []

@@ -190,10 +190,8 @@ class EngineCore:
         """The engine process's outputs (server/engine/process.py): each advanced request goes to sink(request),
         which encodes only what is new straight from it (channel.encode_delta), for every request whose
         on_output is set; no RequestOutput is built (its whole lists, copied at every step, cost O(length)
-        per sequence). Sampled log-probs are WireLogprobs tuples (channel.py), which pickle ~10x faster than
-        Logprob objects and are rebuilt in the API process. None: back to RequestOutputs and Logprob dicts."""
+        per sequence). None: back to RequestOutputs."""
         self._wire_sink = sink
-        self.runner.wire_logprobs = sink is not None
 
     def _emit(self, req: Request) -> RequestOutput | None:
         if self._wire_sink is not None:

@@ -166,5 +166,5 @@ class DecodeGraphs:
             self.input_ids[:n].copy_(hb.ids_from)
         self.runner.launched = time.perf_counter()
         self.graphs[bucket].replay()
-        logits = self.logits[:n] if len(hb.sample_rows) == n else self.logits[hb.sample_rows]
-        return logits.float()
+        # In the model's dtype: the sampler converts them only where it needs float32 (sample_on_device).
+        return self.logits[:n] if len(hb.sample_rows) == n else self.logits[hb.sample_rows]

@@ -2,6 +2,7 @@
 plus the deltas since the previous output, which streaming needs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -22,12 +23,13 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    # Read as lists of TokenLogprobs; they are logprob_list.LogprobList, which builds each dict when read.
+    logprobs: Sequence[TokenLogprobs] | None = None
     finish_reason: str | None = None        # "stop" | "length" | "abort"
     stop_reason: int | str | None = None    # the stop string or stop token id that ended it
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[TokenLogprobs] | None = None
+    delta_logprobs: Sequence[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,7 @@ import torch
 from allocator import PoolError
 from server.engine.grammar_masks import GrammarMasks, bit_values_on
 from server.engine.kv_cache import NULL_BLOCK
+from server.engine.logprob_list import WireLogprobs
 from server.engine.outputs import TokenLogprobs
 from server.engine.sampler import DeviceSample, SamplingMeta, prompt_logprobs, read_sample, sample, sample_on_device
 from server.engine.scheduler import ScheduledBatch
@@ -35,7 +36,7 @@ from server.model.ops import ops_for
 log = logging.getLogger("sleepserve.engine")
 
 
-Sampled = tuple[Sequence, int, "TokenLogprobs | None"]  # a sequence, its new token, its logprobs
+Sampled = tuple[Sequence, int, "WireLogprobs | None"]  # a sequence, its new token, its logprobs (logprob_list.py)
 
 
 @dataclass
@@ -160,7 +161,6 @@ class ModelRunner:
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
         self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
         self.decode_tables = DecodeTables()  # the last decode batch's padded block tables, kept up to date
-        self.wire_logprobs = False  # sampled log-probs as tuples (EngineCore.wire_outputs)
 
     def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
@@ -192,7 +192,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from server.engine.fused_sample import warm_up as warm_up_sampler
 
-            warm_up_sampler(self.model.config.vocab_size, self.device)
+            warm_up_sampler(self.model.config.vocab_size, self.device, self.dtype)
             torch.cuda.synchronize(self.device)
 
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------
@@ -380,14 +380,14 @@ class ModelRunner:
                 scored.append((req, entries[at:at + count]))
                 at += count
         if not hb.sample_seqs:
-            return Launched(batch, hb, None, None, scored, tokenizer, self.wire_logprobs)
+            return Launched(batch, hb, None, None, scored, tokenizer)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
             meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
         if meta.grammar:  # the grammar first: what it forbids is never sampled, whatever else applies
             self.masks.apply(logits, hb.sample_seqs)
         ds = sample_on_device(logits, hb.sample_seqs, eos_ids, meta)
-        return Launched(batch, hb, ds, meta, scored, tokenizer, self.wire_logprobs)
+        return Launched(batch, hb, ds, meta, scored, tokenizer)
 
     @torch.inference_mode()
     def sample(self, hb: HostBatch, logits: torch.Tensor, eos_ids: frozenset[int], tokenizer) -> list[Sampled]:
@@ -398,7 +398,7 @@ class ModelRunner:
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
             meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
-        tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta, self.wire_logprobs)
+        tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta)
         return list(zip(hb.sample_seqs, tokens, logprobs))
 
 
@@ -412,7 +412,6 @@ class Launched:
     meta: SamplingMeta | None
     scored: list[tuple[Request, list[TokenLogprobs]]]
     tokenizer: object
-    wire: bool
     mark: tuple = ()  # Scheduler.removals when it was launched (EngineCore: whether all its sequences still run)
 
     @property
@@ -423,6 +422,5 @@ class Launched:
     def collect(self) -> tuple[list[Sampled], list[tuple[Request, list[TokenLogprobs]]]]:
         if self.sampled is None:
             return [], self.scored
-        tokens, logprobs = read_sample(self.sampled, self.hb.sample_seqs, self.meta, self.tokenizer,  # type: ignore[arg-type]
-                                       self.wire)
+        tokens, logprobs = read_sample(self.sampled, self.hb.sample_seqs, self.meta, self.tokenizer)  # type: ignore[arg-type]
         return list(zip(self.hb.sample_seqs, tokens, logprobs)), self.scored

@@ -170,19 +170,22 @@ class DeviceSample:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int], tokenizer=None,
-           meta: SamplingMeta | None = None, wire: bool = False) -> tuple[list[int], list]:
+           meta: SamplingMeta | None = None) -> tuple[list[int], list]:
     """logits [N, V] float32, one row per sequence that needs a token (grammar masks already applied).
-    The tokens (and the log-prob table) reach the host in one transfer. Log-probs are TokenLogprobs, or
-    with `wire` WireLogprobs tuples (channel.py: the engine process sends them as they are)."""
+    The tokens (and the log-prob table) reach the host in one transfer. Log-probs are WireLogprobs tuples
+    (logprob_list.py), None for a row that did not ask."""
     if meta is None or not meta.matches(seqs):
         meta = SamplingMeta(seqs, logits.device)
-    return read_sample(sample_on_device(logits, seqs, eos_ids, meta), seqs, meta, tokenizer, wire)
+    return read_sample(sample_on_device(logits, seqs, eos_ids, meta), seqs, meta, tokenizer)
 
 
 def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
                      meta: SamplingMeta) -> DeviceSample:
     """The device half of sample(): everything up to the tokens and log-prob table, queued, with their
-    copies to the host; no synchronization (except rows that edit their logits from their history)."""
+    copies to the host; no synchronization (except rows that edit their logits from their history).
+    logits: float32, or the model's dtype from a CUDA graph, converted here unless the fused sampler reads them."""
+    if meta.history:
+        logits = logits.float()
     for i in meta.history:
         s = seqs[i]
         p = s.params
@@ -197,6 +200,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozen
         if table is not None and meta.want_rows is not None:
             table = table[meta.want_rows]
         return DeviceSample(tokens, table, tokens_in_table=table is not None and meta.want_rows is None)
+    logits = logits.float()
     # Each pass over [rows, vocab] costs device time at large batches (256 x 128k floats is 131 MB): only
     # the passes whose results are used run (no argmax of the logits when no row is greedy, no division
     # by temperatures that are all 1, the noise divided in place).
@@ -216,13 +220,12 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozen
     return DeviceSample(tokens, _logprob_table(logits, tokens, meta), tokens_in_table=meta.want_rows is None)
 
 
-def read_sample(ds: DeviceSample, seqs: list[Sequence], meta: SamplingMeta, tokenizer,
-                wire: bool = False) -> tuple[list[int], list]:
+def read_sample(ds: DeviceSample, seqs: list[Sequence], meta: SamplingMeta, tokenizer) -> tuple[list[int], list]:
     """The host half of sample(): waits for the copies, returns (tokens, log-probs per row)."""
     tokens, table = ds.read()
     if table is None:
         return tokens, [None] * len(seqs)  # type: ignore[return-value]
-    return _logprobs(table, tokens, seqs, meta, tokenizer, wire)
+    return _logprobs(table, tokens, seqs, meta, tokenizer)
 
 
 def _logprob_table(logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:
@@ -245,8 +248,8 @@ def _logprob_table(logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMet
 
 
 def _logprobs(table: torch.Tensor, tokens: list[int] | None, seqs: list[Sequence], meta: SamplingMeta,
-              tokenizer, wire: bool = False) -> tuple[list[int], list]:
-    """The tokens and each asking row's log-probs, from the table _logprob_table made (on the host)."""
+              tokenizer) -> tuple[list[int], list]:
+    """The tokens and each asking row's WireLogprobs tuple, from the table _logprob_table made (on the host)."""
     want = meta.want
     k = meta.k
     result: list = [None] * len(seqs)
@@ -255,37 +258,21 @@ def _logprobs(table: torch.Tensor, tokens: list[int] | None, seqs: list[Sequence
     chosen_lps = table[:, 1].tolist()
     ranks = table[:, 2].long().tolist()
     pieces = _pieces(tokenizer)
-    if wire and k == 0:  # RL rollouts (logprobs=0): (token, logprob, rank, text) per row, zipped in C
+    if k == 0:  # RL rollouts (logprobs=0): (token, logprob, rank, text) per row, zipped in C
         entries = zip(chosen_tokens, chosen_lps, ranks, map(getattr(pieces, "__getitem__", pieces), chosen_tokens))
         if len(want) == len(seqs):
             return token_list, list(entries)
         for i, entry in zip(want, entries):
             result[i] = entry
         return token_list, result
-    if wire:  # (token, logprob, rank, text) of the sampled token, then of each of the row's top-k
-        top_vs = table[:, 3:3 + k].tolist() if k else None
-        top_is = table[:, 3 + k:].long().tolist() if k else None
-        for j, (i, tok, lp, rank) in enumerate(zip(want, chosen_tokens, chosen_lps, ranks)):
-            entry: tuple = (tok, lp, rank, pieces(tok))
-            for r in range(meta.want_k[j]):
-                t = top_is[j][r]  # type: ignore[index]
-                entry += (t, top_vs[j][r], r + 1, pieces(t))  # type: ignore[index]
-            result[i] = entry
-        return token_list, result
-    if k == 0:  # RL rollouts: the sampled token alone, one small dict per row
-        for i, tok, lp, rank in zip(want, chosen_tokens, chosen_lps, ranks):
-            result[i] = {tok: Logprob(lp, rank, pieces(tok))}
-        return token_list, result
+    # (token, logprob, rank, text) of the sampled token, then of each of the row's top-k
     top_vs = table[:, 3:3 + k].tolist()
     top_is = table[:, 3 + k:].long().tolist()
-    for j, i in enumerate(want):
-        entry: TokenLogprobs = {}
-        top_v, top_i = top_vs[j], top_is[j]
+    for j, (i, tok, lp, rank) in enumerate(zip(want, chosen_tokens, chosen_lps, ranks)):
+        entry: tuple = (tok, lp, rank, pieces(tok))
         for r in range(meta.want_k[j]):
-            t = top_i[r]
-            entry[t] = Logprob(top_v[r], r + 1, pieces(t))
-        tok = chosen_tokens[j]
-        entry[tok] = Logprob(chosen_lps[j], ranks[j], pieces(tok))
+            t = top_is[j][r]
+            entry += (t, top_vs[j][r], r + 1, pieces(t))
         result[i] = entry
     return token_list, result
 

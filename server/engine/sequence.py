@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer, detokenize_all, find_stop
+from server.engine.logprob_list import LogprobList, WireLogprobs
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from server.engine.params import SamplingParams
 
@@ -40,7 +41,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
-        self.logprobs: list[TokenLogprobs] | None = [] if self.params.logprobs is not None else None
+        # One WireLogprobs tuple per sampled token (logprob_list.py: not a dict per token)
+        self.logprobs: list[WireLogprobs] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_cached_tokens = 0
         self.detok: IncrementalDetokenizer | None = None
@@ -75,7 +77,7 @@ class Sequence:
     def lazy_text(self) -> bool:
         return self.lazy_text_tokenizer is not None
 
-    def append(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int],
+    def append(self, token_id: int, logprobs: WireLogprobs | None, eos_ids: frozenset[int],
                max_model_len: int, tokenizer, grammar_complete: bool = False) -> None:
         """Record a sampled token and decide whether the sequence is done. (A step does the same for
         all its sequences in three passes, so their detokenization is one call: core.postprocess.)"""
@@ -84,14 +86,13 @@ class Sequence:
         delta = "" if self.lazy_text else self.detokenizer(tokenizer).add(token_id)
         self.append_text(delta, max_model_len, grammar_complete)
 
-    def append_token(self, token_id: int, logprobs: TokenLogprobs | None, eos_ids: frozenset[int]) -> bool:
+    def append_token(self, token_id: int, logprobs: WireLogprobs | None, eos_ids: frozenset[int]) -> bool:
         """First half of append: record the token, finish on EOS or a stop token. True while the
         sequence goes on: then the token's text (append_text) comes next."""
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
-            # A WireLogprobs tuple starts with the sampled token's (id, logprob, ...); a dict maps it.
-            self.cumulative_logprob += logprobs[1] if type(logprobs) is tuple else logprobs[token_id].logprob
+            self.cumulative_logprob += logprobs[1]  # (the sampled token's id, its logprob, ...)
         p = self.params
         if not ((token_id in eos_ids and not p.ignore_eos) or token_id in p.stop_token_ids):
             return True  # the common case: one set and one (mostly empty) list looked up
@@ -176,8 +177,9 @@ class Sequence:
         lps = self.logprobs
         return CompletionOutput(
             self.index, text, self.token_ids[self.num_prompt_tokens:],
-            self.cumulative_logprob if lps is not None else None, list(lps) if lps is not None else None,
-            self.finish_reason, self.stop_reason, new_text, new_ids, new_logprobs)
+            self.cumulative_logprob if lps is not None else None, LogprobList(lps[:]) if lps is not None else None,
+            self.finish_reason, self.stop_reason, new_text, new_ids,
+            LogprobList(new_logprobs) if new_logprobs is not None else None)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.sampling_checks import check_distribution, check_greedy_and_table
+from tests.sampling_checks import check_distribution, check_greedy_and_table, check_model_dtype_reads_as_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -14,6 +14,7 @@ pytestmark = pytest.mark.gpu
 def test_greedy_rows_and_log_prob_table(rows, vocab):
     check_greedy_and_table("cuda", rows, vocab)
     check_greedy_and_table("cuda", rows, vocab, chunk=64)
+    check_model_dtype_reads_as_float32("cuda", rows, vocab)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 1.7])
