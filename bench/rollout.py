@@ -57,14 +57,58 @@ def trl_payload(model: str, prompts: list[list[int]], n: int, max_tokens: int, t
             "min_p": 0.0, "max_tokens": max_tokens, "logprobs": 0, "ignore_eos": True}
 
 
+class EngineSteps:
+    """Polls the server's /metrics every `every` seconds on a thread while a rollout runs: the engine's step
+    count (vllm:iteration_tokens_total, one observation per step), so the run's time splits into before the
+    engine's first step, its steps, and after its last (the response's encoding, transfer and decoding)."""
+
+    def __init__(self, url: str, api_key: str, every: float = 0.05):
+        import threading
+
+        import httpx
+
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self._client = httpx.Client(base_url=url, timeout=10, headers={"Authorization": f"Bearer {api_key}"})
+        self._start = self._steps()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _steps(self) -> float:
+        for line in self._client.get("/metrics").text.splitlines():
+            if line.startswith("vllm:iteration_tokens_total_count"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def _poll(self, every: float) -> None:
+        seen = self._start
+        while not self._done.wait(every):
+            steps = self._steps()
+            if steps != seen:
+                now = time.perf_counter() - self.t0
+                self.first = now if self.first is None else self.first
+                self.last, seen = now, steps
+
+    def close(self) -> dict:
+        self._done.set()
+        self._thread.join()
+        self._client.close()
+        return {"first_step_s": self.first, "last_step_s": self.last}
+
+
 def http_rollout(url: str, api_key: str, model: str, prompts: list[list[int]], n: int, max_tokens: int,
                  temperature: float, requests: int = 1, timeout: float = 3600.0) -> dict:
-    """The prompts in `requests` batched POSTs at once (1: TRL's main process sends them all in one)."""
+    """The prompts in `requests` batched POSTs at once (1: TRL's main process sends them all in one). Besides
+    the total: when the engine stepped first and last (EngineSteps, to 50 ms), when the last body had arrived,
+    and the seconds the client spent decoding the JSON bodies."""
     import asyncio
 
     import httpx
 
     parts = [prompts[i::requests] for i in range(requests)]
+    received, decoding = [], []
 
     async def run() -> list[dict]:
         async with httpx.AsyncClient(base_url=url, timeout=timeout,
@@ -73,17 +117,25 @@ def http_rollout(url: str, api_key: str, model: str, prompts: list[list[int]], n
                 r = await c.post("/v1/completions", json=trl_payload(model, part, n, max_tokens, temperature))
                 if r.status_code != 200:
                     raise RuntimeError(f"/v1/completions answered {r.status_code}: {r.text[:300]}")
-                return r.json()
+                received.append(time.perf_counter())
+                body = r.json()
+                decoding.append(time.perf_counter() - received[-1])
+                return body
             return await asyncio.gather(*(post(p) for p in parts if p))
 
-    t = time.perf_counter()
-    bodies = asyncio.run(run())
+    steps = EngineSteps(url, api_key)
+    t = steps.t0
+    try:
+        bodies = asyncio.run(run())
+    finally:
+        split = steps.close()
     seconds = time.perf_counter() - t
+    split.update(body_received_s=max(received) - t, client_decode_s=sum(decoding))
     choices = [ch for b in bodies for ch in b["choices"]]
     tokens = sum(len(ch["token_ids"]) for ch in choices)
     assert len(choices) == len(prompts) * n, f"{len(choices)} choices for {len(prompts)} prompts x n={n}"
     assert all(len(ch["logprobs"]["token_logprobs"]) == len(ch["token_ids"]) for ch in choices)
-    return {"seconds": seconds, "sequences": len(choices), "tokens": tokens, "tok_s": tokens / seconds}
+    return {"seconds": seconds, "sequences": len(choices), "tokens": tokens, "tok_s": tokens / seconds, **split}
 
 
 def engine_rollout(llm, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
@@ -347,6 +399,11 @@ def main() -> None:
 def progress(path: str, res: dict) -> None:
     """One line per finished path: a run cut short by a time limit still leaves its figures."""
     print(f"{path}: {res['sequences']} sequences in {res['seconds']:.2f} s, {res['tok_s']:.0f} tok/s", flush=True)
+    if "body_received_s" in res:
+        first, last = res["first_step_s"], res["last_step_s"]
+        print(f"  engine steps from {first if first is not None else float('nan'):.2f} s to "
+              f"{last if last is not None else float('nan'):.2f} s (to 50 ms), last body received at "
+              f"{res['body_received_s']:.2f} s, client JSON decoding {res['client_decode_s']:.2f} s", flush=True)
 
 
 def report(r: dict) -> None:
