@@ -142,3 +142,15 @@ def engine_prefill_check(llm, reference_ops, kernel_ops, tol: float) -> tuple[fl
     assert hits >= 3 * 32, hits  # three prompts found (at least) their 2 shared blocks of 16 cached
     assert cached == ref, (cached, ref)
     return err, hits
+
+
+def split_decode(counts: torch.Tensor):
+    """triton_decode_attention with a context split over programs (decode_kernel.decode_splits), checking that
+    the last split of each (sequence, KV head) left its count at 0 for the next launch."""
+    from server.model.decode_kernel import triton_decode_attention
+
+    def run(q, k, v, tables, lens, scale):
+        out = triton_decode_attention(q, k, v, tables, lens, scale, split_counts=counts)
+        assert not counts.any(), "a split count was left non-zero"
+        return out
+    return run

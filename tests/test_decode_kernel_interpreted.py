@@ -18,6 +18,22 @@ print(worst_interpreted_errors(error_of, [(5, 8, 2, 64, 16, 100), (3, 9, 3, 64, 
                                           (2, 16, 2, 128, 32, 130)]))
 """
 
+# The context split over programs (small batches): up to 6 splits of 128 tokens each at 700 tokens, combined
+# by the last to finish; the first sequence of each case has 1 token (one split).
+SPLIT_CHECK = r"""
+import torch
+from tests.kernel_cases import random_case, relative_error, split_decode, worst_interpreted_errors
+counts = torch.zeros(16, dtype=torch.int32)
+def error_of(case, dtype, seed):
+    B, H, KVH, D, BS, L = case
+    return relative_error(split_decode(counts), random_case(B, H, KVH, D, BS, L, dtype, "cpu", seed=seed), D ** -0.5)
+print(worst_interpreted_errors(error_of, [(2, 8, 2, 64, 16, 700), (2, 9, 3, 64, 32, 300)]))
+"""
+
 
 def test_kernel_matches_reference_in_interpreter():
     run_interpreted(CHECK)
+
+
+def test_split_context_matches_reference_in_interpreter():
+    run_interpreted(SPLIT_CHECK)

@@ -78,7 +78,7 @@ class DecodeGraphs:
     def _forward(self, batch: int) -> torch.Tensor:
         ctx = AttentionContext(slot_mapping=self.slots[:batch], num_decode_tokens=batch,
                                block_tables=self.tables[:batch], context_lens=self.lens[:batch],
-                               max_decode_context=None)
+                               max_decode_context=None, split_counts=self.runner.split_counts)
         model = self.runner.model
         hidden = model(self.input_ids[:batch], self.positions[:batch], ctx)
         return model.compute_logits(hidden, out=self.logits[:batch])

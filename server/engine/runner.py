@@ -155,9 +155,15 @@ class ModelRunner:
         # Structured outputs: grammar token masks, computed while the forward runs (grammar_masks.py).
         # On CUDA its 8-byte table of bit values lives in the pool (restored by every wake, as the graphs').
         bits = None
+        # The decode kernel's split counts (decode_kernel.py), in the pool too: zeros between launches.
+        self.split_counts: torch.Tensor | None = None
         if self.device.type == "cuda":
+            from server.model.decode_kernel import SPLIT_COUNTS  # Triton: imported where CUDA runs
+
             bits = pool.empty((8,), torch.uint8, CUDA_GRAPH)
             bits.copy_(bit_values_on(self.device))
+            self.split_counts = pool.empty((SPLIT_COUNTS,), torch.int32, CUDA_GRAPH)
+            self.split_counts.zero_()
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
         self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
         self.decode_tables = DecodeTables()  # the last decode batch's padded block tables, kept up to date
@@ -330,7 +336,8 @@ class ModelRunner:
         ctx = AttentionContext(
             slot_mapping=slots, num_decode_tokens=nd,
             block_tables=d[at_tables:tables_end].view(nd, width), context_lens=lens,
-            max_decode_context=max(hb.decode_lens, default=0), prefills=prefills, prefill_plan=plan)
+            max_decode_context=max(hb.decode_lens, default=0), prefills=prefills, prefill_plan=plan,
+            split_counts=self.split_counts)
         return ids, positions, ctx, rows
 
     # -- execution -----------------------------------------------------------------------------

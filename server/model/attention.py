@@ -88,6 +88,9 @@ class AttentionContext:
     max_decode_context: int | None      # a bound on context_lens, None inside CUDA graphs
     prefills: list[PrefillSpan] = field(default_factory=list)
     prefill_plan: PrefillPlan | None = None  # the prefills as tiles (the runner builds it; the kernel reads it)
+    # int32 zeros the decode kernel counts finished splits in, left at 0 after each launch (the runner's,
+    # in the pool; decode_kernel.py); None: each sequence's context is one program's.
+    split_counts: torch.Tensor | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -109,8 +112,9 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           max_context: int | None = None) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]; each row attends to its first context_lens[b] cached tokens."""
+                           max_context: int | None = None, split_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]; each row attends to its first context_lens[b] cached tokens. (split_counts:
+    the Triton kernel's, unused here.)"""
     block_size = k_cache.shape[1]
     if max_context is not None:
         block_tables = block_tables[:, : -(-max_context // block_size)]
@@ -159,10 +163,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     decode_fn computes the decodes' rows; prefill_fn writes the prefill spans' rows into `out`."""
     nd = ctx.num_decode_tokens
     if not ctx.prefills:
-        return decode_fn(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_decode_context)
+        return decode_fn(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_decode_context,
+                         ctx.split_counts)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = decode_fn(q[:nd], k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
-                             ctx.max_decode_context)
+                             ctx.max_decode_context, ctx.split_counts)
     prefill_fn(q, k, v, k_cache, v_cache, ctx, scale, out)
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernel_cases import random_case, relative_error
+from tests.kernel_cases import random_case, relative_error, split_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -19,9 +19,13 @@ pytestmark = pytest.mark.gpu
     (3, 9, 3, 64, 16, 4095),
 ])
 def test_kernel_matches_reference(dtype, batch, heads, kv_heads, head_dim, block_size, max_len):
-    from server.model.decode_kernel import triton_decode_attention
+    from server.model.decode_kernel import SPLIT_COUNTS, triton_decode_attention
 
+    counts = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device="cuda")
     for seed in range(3):  # fresh inputs each time: the kernel must compute the function, not one case
         case = random_case(batch, heads, kv_heads, head_dim, block_size, max_len, dtype, "cuda", seed)
         err = relative_error(triton_decode_attention, case, head_dim ** -0.5)
         assert err < 1e-2, f"relative error {err:.2e}"
+        # As the engine launches it: a small batch's contexts split over programs, combined by the last.
+        err = relative_error(split_decode(counts), case, head_dim ** -0.5)
+        assert err < 1e-2, f"split: relative error {err:.2e}"
