@@ -90,3 +90,17 @@ def in_thread(fn, *args, **kwargs):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def server_steps(url: str, api_key: str) -> int | None:
+    """Engine steps the server has run (vllm:iteration_tokens_total's count on /metrics; None without it)."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("vllm:iteration_tokens_total_count"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None

@@ -104,8 +104,8 @@ class StepShape:
 
 
 class StepRecorder:
-    """Records every batch an EngineCore schedules (tokens cached, new tokens per sequence), so the
-    roofline of the steps a run really took can be summed afterwards. Wraps the scheduler's
+    """Records the shape of every batch an EngineCore schedules (StepShape: its sums over the sequences), so
+    the roofline of the steps a run really took can be summed afterwards. Wraps the scheduler's
     schedule() and schedule_ahead() (async scheduling) of that one engine instance; benchmark-only."""
 
     def __init__(self, core):

@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import hardware, in_thread, now_iso, table, write_json  # noqa: E402
+from bench.common import hardware, in_thread, now_iso, server_steps, table, write_json  # noqa: E402
 from bench.spy import Spy, py_spy  # noqa: E402
 
 SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
@@ -348,20 +348,6 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
     if counts is not None:
         counts["steps"] = steps
     return results, duration
-
-
-def server_steps(url: str, api_key: str) -> int | None:
-    """Engine steps the server has run (vllm:iteration_tokens_total's count on /metrics; None without it)."""
-    import httpx
-
-    try:
-        text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=30).text
-    except httpx.HTTPError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("vllm:iteration_tokens_total_count"):
-            return int(float(line.rsplit(" ", 1)[1]))
-    return None
 
 
 # -- metrics ---------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def python_cost(llm, batch: int, kind: str, n: int, steps: int, logprobs: int | 
     outs: list = []
     core.wire_outputs((lambda req: outs.append(channel.encode_delta(req))) if wire else None)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=repeats * steps + 64, ignore_eos=True,
-                            logprobs=logprobs if wire else None, stop=stop,
+                            logprobs=logprobs, stop=stop,
                             output_kind=RequestOutputKind.FINAL_ONLY if kind == "final" else RequestOutputKind.CUMULATIVE)
     best = math.inf
     try:
@@ -210,7 +210,8 @@ def python_cost(llm, batch: int, kind: str, n: int, steps: int, logprobs: int | 
                 if core.scheduler.schedule_ahead(seqs, core.max_model_len) is None:
                     raise RuntimeError("the decode step could not be planned ahead")
                 tokens = [rng.choice(whole) for _ in seqs]
-                lps = [(t, -1.5, 3, pieces[t] if pieces else None) for t in tokens] if wire and logprobs is not None \
+                # the sampler's log-prob tuples (logprob_list.py), in process and in the engine process alike
+                lps = [(t, -1.5, 3, pieces[t] if pieces else None) for t in tokens] if logprobs is not None \
                     else [None] * len(seqs)
                 core.postprocess(ScheduledBatch([(s, 1) for s in seqs], 0, len(seqs)), list(zip(seqs, tokens, lps)))
                 if wire:

@@ -14,10 +14,11 @@ from http_server import MAIN_KEY, main_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import server_steps  # noqa: E402
 from bench.roofline import Device, ModelCost, StepRecorder, StepShape  # noqa: E402
 from bench.rollout import engine_rollout, http_rollout, make_prompts  # noqa: E402
 from bench.serve import (IN_PROCESS, Fresh, Result, median_run, run_clients, run_engine, run_http, run_pass,  # noqa: E402
-                         server_steps, summarize, workload)
+                         summarize, workload)
 from bench.spy import summarize as summarize_spy  # noqa: E402
 from bench.sse_floor import run as sse_floor  # noqa: E402
 

@@ -43,8 +43,8 @@ def test_outputs_rebuilt_from_deltas_equal_the_engines(llm):
 
 
 def _run_cases(core, cases: dict, wire: bool) -> list[list]:
-    """Every step's outputs, with the engine in process (whole outputs, Logprob dicts) or as the engine
-    process runs it (wire_outputs: deltas only, log-probs as tuples); the prefix cache emptied first, so
+    """Every step's outputs, with the engine in process (whole outputs, log-probs read as Logprob dicts) or as
+    the engine process runs it (wire_outputs: deltas only, log-probs as tuples); the prefix cache emptied first, so
     both runs compute the same."""
     core.reset_prefix_cache()
     outs: list = []

@@ -84,6 +84,29 @@ def test_text_decoded_at_the_end_equals_incremental(tokenizer):
             assert detokenize_all(tokenizer, prompt, out, skip) == incremental, (case, skip)
 
 
+def test_sequences_that_end_in_one_step_decode_their_texts_in_one_call(llm, monkeypatch):
+    """FINAL_ONLY sequences (no stop strings) owe their text until they end; those that end in the same step
+    (here the 4 samples of one request, forced to one length) are decoded in one detokenize_many call, and
+    their texts are the ones a streamed request builds token by token."""
+    from server import SamplingParams
+    from server.engine import sequence
+    from server.engine.params import RequestOutputKind
+
+    calls: list[int] = []
+    many = sequence.detokenize_many
+
+    def counted(tokenizer, jobs, skip):
+        calls.append(len(jobs))
+        return many(tokenizer, jobs, skip)
+    monkeypatch.setattr(sequence, "detokenize_many", counted)
+    params = dict(n=4, temperature=1.0, seed=11, max_tokens=9, ignore_eos=True)
+    lazy, = llm.generate("Once upon a time", SamplingParams(**params))
+    assert calls == [4]
+    streamed, = llm.generate("Once upon a time", SamplingParams(**params, output_kind=RequestOutputKind.CUMULATIVE))
+    assert [o.text for o in lazy.outputs] == [o.text for o in streamed.outputs]
+    assert all(o.text for o in lazy.outputs)
+
+
 def test_a_steps_windows_decode_as_the_tokenizer_decodes_them(tokenizer):
     """decode_many joins the cached texts of tokens that decode to whole characters (a byte-level decoder)
     and asks the tokenizer for the rest: on random windows (broken UTF-8, special tokens, long and short)

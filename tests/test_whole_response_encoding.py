@@ -1,6 +1,7 @@
 """A non-streamed completion's body is encoded piece by piece (each prompt's choices as its final output
 arrives): the bytes must be what one JSONResponse of the whole envelope writes. And log-probs at k = 0 with
-token ids as names (TRL's rollouts) take the fast path with the general path's object."""
+token ids as names (TRL's rollouts) take the fast path (the engine's tuples, read as they are) with the
+general path's object."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import json
 from fastapi.responses import JSONResponse
 
 from server.api.formatting import CompletionLogprobs, TokenNames, encode_json, encoded_envelope, envelope
-from server.engine.outputs import Logprob
+from server.engine.logprob_list import LogprobList
 
 
 def test_encoded_envelope_is_the_whole_envelope_encoded():
@@ -27,11 +28,12 @@ def test_encoded_envelope_is_the_whole_envelope_encoded():
 def test_k0_log_probs_with_token_ids_as_names_match_the_general_path():
     ids = [5, 17, 5, 900]
     pieces = {5: " a", 17: "é", 900: None}
-    entries = [{t: Logprob(-0.25 * (i + 1), 1, pieces[t])} for i, t in enumerate(ids)]
-    entries[1][17] = Logprob(float("-inf"), 3, "é")  # reported as the floor
+    wire = [(t, -0.25 * (i + 1), 1, pieces[t]) for i, t in enumerate(ids)]
+    wire[1] = (17, float("-inf"), 3, "é")  # reported as the floor
+    entries = LogprobList(wire)
     for as_ids in (False, True):
         fast = CompletionLogprobs(0, 4, TokenNames(as_ids)).build(ids, entries)
-        general = CompletionLogprobs(0, 4, TokenNames(as_ids)).build(ids, entries + [None])  # None: general path
+        general = CompletionLogprobs(0, 4, TokenNames(as_ids)).build(ids, list(entries) + [None])  # None: general path
         for key in fast:
             assert fast[key] == general[key][:len(ids)], key
         names = [f"token_id:{t}" for t in ids] if as_ids else [" a", "é", " a", ""]

@@ -84,7 +84,8 @@ class CompletionLogprobs:
         tokens, token_lps, tops, offsets = [], [], [], []
         offset = self.offset
         as_ids = self.names.as_ids
-        for tok, (_, value, _, piece) in zip(token_ids, wire):
+        for tok, w in zip(token_ids, wire):
+            value, piece = w[1], w[3]  # the sampled token's (token, logprob, rank, text) lead every tuple
             if piece is None:
                 piece = ""
             if value < -9999.0:  # _finite

@@ -35,7 +35,7 @@ from server.engine.params import RequestOutputKind, SamplingParams
 from server.engine.prompt_check import check_prompt_ids
 from server.engine.runner import Launched, ModelRunner, Sampled
 from server.engine.scheduler import ScheduledBatch, Scheduler
-from server.engine.sequence import Request, Sequence, SeqStatus
+from server.engine.sequence import Request, Sequence, SeqStatus, settle_texts
 from server.engine.sleep_controller import SleepController
 from server.engine.sleep_state import SleepState
 from server.engine.structured import GrammarCompiler
@@ -354,6 +354,7 @@ class EngineCore:
             if 0 < stopped < len(ended):  # free blocks in the batch's order, as one pass would
                 order = {id(x[0]): i for i, x in enumerate(sampled)}
                 ended.sort(key=lambda s: order[id(s)])
+        settle_texts(ended)  # the lazy texts of every sequence that ended here, decoded together
         done: set[str] = set()
         for seq in ended:
             self.scheduler.finish(seq)

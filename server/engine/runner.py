@@ -198,7 +198,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             from server.engine.fused_sample import warm_up as warm_up_sampler
 
-            warm_up_sampler(self.model.config.vocab_size, self.device, self.dtype)
+            # the model's output dtype: a decode graph's logits buffer is in it (graphs.py)
+            warm_up_sampler(self.model.config.vocab_size, self.device, self.model.output_weight().dtype)
             torch.cuda.synchronize(self.device)
 
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------

@@ -171,9 +171,9 @@ class DeviceSample:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int], tokenizer=None,
            meta: SamplingMeta | None = None) -> tuple[list[int], list]:
-    """logits [N, V] float32, one row per sequence that needs a token (grammar masks already applied).
-    The tokens (and the log-prob table) reach the host in one transfer. Log-probs are WireLogprobs tuples
-    (logprob_list.py), None for a row that did not ask."""
+    """logits [N, V] float32 or the model's dtype, one row per sequence that needs a token (grammar masks
+    already applied). The tokens (and the log-prob table) reach the host in one transfer. Log-probs are
+    WireLogprobs tuples (logprob_list.py), None for a row that did not ask."""
     if meta is None or not meta.matches(seqs):
         meta = SamplingMeta(seqs, logits.device)
     return read_sample(sample_on_device(logits, seqs, eos_ids, meta), seqs, meta, tokenizer)

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from server.engine.detokenizer import IncrementalDetokenizer, detokenize_all, find_stop
+from server.engine.detokenizer import IncrementalDetokenizer, detokenize_many, find_stop
 from server.engine.logprob_list import LogprobList, WireLogprobs
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from server.engine.params import SamplingParams
@@ -49,6 +49,9 @@ class Sequence:
         # Text only at the end (a FINAL_ONLY request without stop strings: nothing reads it before, and
         # no check needs it): the tokenizer to decode all output tokens with, once, when it finishes.
         self.lazy_text_tokenizer = lazy_text_tokenizer
+        # Once it ended: (tokenizer, the output ids its text is) until settle_texts decodes it, with the other
+        # sequences that ended in the same step.
+        self.owed_text: tuple | None = None
         # Structured outputs: this sequence's grammar state. Only GrammarMasks (grammar_masks.py) touches
         # it after this: it consumes each sampled token and computes the next mask off the engine thread.
         self.matcher = self.params.grammar.matcher() if self.params.grammar is not None else None
@@ -138,8 +141,7 @@ class Sequence:
     def _finish_text(self, last_is_text: bool = True) -> None:
         if self.lazy_text:
             ids = self.output_token_ids
-            self.text = detokenize_all(self.lazy_text_tokenizer, self.request.prompt_token_ids,
-                                       ids if last_is_text else ids[:-1], self.params.skip_special_tokens)
+            self.owed_text = (self.lazy_text_tokenizer, ids if last_is_text else ids[:-1])
             self.lazy_text_tokenizer = None  # the text is whole: nothing is added after the end
             return
         if self.detok is not None:
@@ -154,11 +156,14 @@ class Sequence:
             self.finish_reason = "abort"
             if self.lazy_text:  # what it had generated, as a sequence that was read along would show it
                 self._finish_text()
+                settle_texts([self])
 
     def delta(self) -> tuple[str, str, list[int], list | None]:
         """(the text as it may be shown, its new part, the new token ids, the new log-probs) since the last
         call, which marks them handed out. While generating, text that might be the start of a stop string
         is held back, so a client never sees text that is later cut off."""
+        if self.owed_text is not None:  # ended outside a step's settle_texts (EngineCore.postprocess)
+            settle_texts([self])
         text = self.text
         if self.finish_reason is None and self.params.stop:
             hold = max(map(len, self.params.stop)) - 1
@@ -180,6 +185,20 @@ class Sequence:
             self.cumulative_logprob if lps is not None else None, LogprobList(lps[:]) if lps is not None else None,
             self.finish_reason, self.stop_reason, new_text, new_ids,
             LogprobList(new_logprobs) if new_logprobs is not None else None)
+
+
+def settle_texts(seqs: list[Sequence]) -> None:
+    """Decode the owed text of every sequence in seqs that ended with one (a lazy text), in one call per
+    tokenizer and skip_special_tokens setting."""
+    groups: dict[tuple, list[Sequence]] = {}
+    for s in seqs:
+        if s.owed_text is not None:
+            groups.setdefault((id(s.owed_text[0]), s.params.skip_special_tokens), []).append(s)
+    for (_, skip), group in groups.items():
+        texts = detokenize_many(group[0].owed_text[0], [(s.request.prompt_token_ids, s.owed_text[1]) for s in group],
+                                skip)
+        for s, text in zip(group, texts):
+            s.text, s.owed_text = text, None
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""Fused paged decode attention in Triton: one program per (sequence, KV head).
+"""Fused paged decode attention in Triton: one program per (sequence, KV head, split of its context).
 
 Each program loads its KV head's pages once and serves every query head of the group (GQA), so
-K/V bytes are read once per step: decode attention is bound by those bytes, not by arithmetic.
+K/V bytes are read once per step: decode attention is bound by those bytes, not by arithmetic. A small
+batch's contexts are split over programs (decode_splits) so that it still fills the device; the split
+count depends on the batch alone, so a sequence's result can differ in its last bits between batch sizes
+(as a GEMM's rows already can).
 Pages are gathered a tile at a time (several blocks per iteration), several tiles in flight.
 Context lengths are read on the device, so the launch is the same for every step and can be
 captured in a CUDA graph.

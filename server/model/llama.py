@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [T, vocab]. With `out` (a CUDA graph's static buffer, in the model's dtype) the
-        same matmul writes there instead and `out` is returned, for the caller to convert: one buffer
+        same matmul writes there instead and `out` is returned (the sampler converts it where it needs to): one buffer
         serves every graph, where a fp32 output per graph would cost ~0.5 MB x batch x graphs."""
         if self.tp.enabled:  # each rank's vocabulary slice, gathered (in the model's dtype: half the bytes)
             logits = self.tp.gather_vocab(F.linear(hidden, self.output_weight()))

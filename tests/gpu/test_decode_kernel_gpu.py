@@ -29,3 +29,26 @@ def test_kernel_matches_reference(dtype, batch, heads, kv_heads, head_dim, block
         # As the engine launches it: a small batch's contexts split over programs, combined by the last.
         err = relative_error(split_decode(counts), case, head_dim ** -0.5)
         assert err < 1e-2, f"split: relative error {err:.2e}"
+
+
+def test_engine_long_context_at_batch_one_through_graphs_and_a_sleep(tmp_path):
+    """At batch 1 the decode graphs split a 400-token context over programs (decode_kernel.decode_splits), their
+    counts kept in the pool's CUDA_GRAPH memory: each greedy token's log-prob must be what scoring the same
+    tokens as a prompt gives (the prefill kernel: close, not bit-equal), before and after a level-1 sleep."""
+    from server import LLM, SamplingParams
+    from tests.models import model_folder
+
+    llm = LLM(model=str(model_folder("llama-tiny", tmp_path)), device="cuda", load_format="dummy",
+              kv_cache_memory="256MiB", max_num_seqs=8)
+    try:
+        prompt = [100 + (7 * i) % 900 for i in range(400)]
+        for cycle in range(2):
+            out, = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0))
+            ids, lps = out.outputs[0].token_ids, out.outputs[0].logprobs
+            scored, = llm.generate([prompt + ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+            for j, tok in enumerate(ids):
+                assert abs(lps[j][tok].logprob - scored.prompt_logprobs[len(prompt) + j][tok].logprob) < 0.1, (cycle, j)
+            llm.sleep(level=1)
+            llm.wake_up()
+    finally:
+        llm.close()
