@@ -62,14 +62,19 @@ class EngineSteps:
     thread while a rollout runs, so the run's time splits into before the engine's first step, its steps, and
     after its last (the response's encoding, transfer and decoding). Each poll is a call on the engine thread
     (its stats): 5 a second against ~300 steps a second. A poll that fails (the API busy encoding a large
-    body past the timeout) is skipped."""
+    body past the timeout) is skipped. trace_after: once the engine has run that many steps, trace the
+    next TIMELINE_STEPS or so (to a poll) with the server's /start_profile and /stop_profile (the server
+    started with VLLM_TORCH_PROFILER_DIR), the report kept in `trace`."""
 
-    def __init__(self, url: str, api_key: str, every: float = 0.2):
+    def __init__(self, url: str, api_key: str, every: float = 0.2, trace_after: int | None = None):
         import threading
 
         self.url, self.api_key = url, api_key
         self.first: float | None = None
         self.last: float | None = None
+        self.trace_after = trace_after
+        self.trace: dict | None = None
+        self._traced_from: int | None = None
         self._start = server_steps(url, api_key)
         self._done = threading.Event()
         self.t0 = time.perf_counter()  # after the first poll: the rollout's clock starts here
@@ -84,15 +89,29 @@ class EngineSteps:
                 now = time.perf_counter() - self.t0
                 self.first = now if self.first is None else self.first
                 self.last, seen = now, steps
+                if self.trace_after is not None and self._start is not None:
+                    self._trace(steps - self._start)
+
+    def _trace(self, done: int) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        if self._traced_from is None and done >= self.trace_after:  # type: ignore[operator]
+            httpx.post(self.url + "/start_profile", headers=headers, timeout=60).raise_for_status()
+            self._traced_from = done
+        elif self._traced_from is not None and self.trace is None and done - self._traced_from >= TIMELINE_STEPS:
+            self.trace = httpx.post(self.url + "/stop_profile", headers=headers, timeout=300).json()
+            self.trace["steps"] = done - self._traced_from  # to a poll: a few more than asked
 
     def close(self) -> dict:
         self._done.set()
         self._thread.join()
-        return {"first_step_s": self.first, "last_step_s": self.last}
+        return {"first_step_s": self.first, "last_step_s": self.last,
+                **({"engine_trace": self.trace} if self.trace is not None else {})}
 
 
 def http_rollout(url: str, api_key: str, model: str, prompts: list[list[int]], n: int, max_tokens: int,
-                 temperature: float, requests: int = 1, timeout: float = 3600.0) -> dict:
+                 temperature: float, requests: int = 1, timeout: float = 3600.0, trace_after: int | None = None) -> dict:
     """The prompts in `requests` batched POSTs at once (1: TRL's main process sends them all in one). Besides
     the total: when the engine stepped first and last (EngineSteps, to 0.2 s), when the last body had arrived,
     and the seconds the client spent decoding the JSON bodies."""
@@ -116,7 +135,7 @@ def http_rollout(url: str, api_key: str, model: str, prompts: list[list[int]], n
                 return body
             return await asyncio.gather(*(post(p) for p in parts if p))
 
-    steps = EngineSteps(url, api_key)
+    steps = EngineSteps(url, api_key, trace_after=trace_after)
     t = steps.t0
     try:
         bodies = asyncio.run(run())
@@ -197,16 +216,12 @@ def report_timeline(prof, folder: Path) -> None:
     with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:  # tens of MB as JSON
         shutil.copyfileobj(raw, packed)
     trace.unlink()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not spans:
+    from server.engine.step_profiler import device_busy
+
+    busy, span = device_busy(prof.events())
+    if not span:
         print("timeline: no device events (CPU run)", flush=True)
         return
-    busy, end = 0, spans[0][0]
-    for lo, hi in spans:  # the union of the kernels' and copies' intervals
-        busy += max(0, hi - max(lo, end))
-        end = max(end, hi)
-    span = spans[-1][1] - spans[0][0]
     print(f"timeline: {TIMELINE_STEPS} steps, device busy {busy / 1e3:.2f} of {span / 1e3:.2f} ms "
           f"({100 * busy / span:.0f}%); trace: {trace}.gz", flush=True)
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=12), flush=True)
@@ -277,8 +292,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="print cProfile's hottest functions of the in-process rollout's engine thread")
     ap.add_argument("--timeline", action="store_true",
-                    help="torch.profiler's trace of 20 in-process steps mid-rollout into --out, with the device's "
-                         "busy share of their span")
+                    help="torch.profiler's trace of ~20 steps mid-rollout into --out, with the device's busy share "
+                         "of their span: in process, and in the server's engine process (its /start_profile and "
+                         "/stop_profile, VLLM_TORCH_PROFILER_DIR=--out/engine-traces)")
     ap.add_argument("--async-scheduling", default="on", choices=["off", "on", "both"],
                     help="run the server and the engine with async scheduling off, on, or both (side by side)")
     ap.add_argument("--smoke", action="store_true")
@@ -324,19 +340,23 @@ def main() -> None:
         result["hf"] = hf_in_subprocess(args, folder, prompts)
         result["hf"]["prompts_per_call"] = args.hf_prompts
         progress("transformers", result["hf"])
+    from server.engine.step_profiler import PROFILER_DIR_ENV
     from tests.http_server import ServerProcess
 
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     for on in modes if not args.no_http else ():
         key = "http_async" if on else "http"
-        server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()
+        env = {PROFILER_DIR_ENV: str(args.out.resolve() / "engine-traces")} if args.timeline else None
+        server = ServerProcess([*flags, "--log-level", "warning", *(["--async-scheduling"] if on else ["--no-async-scheduling"])],
+                               env=env).start()
         try:
             import httpx
 
             served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
             http_rollout(server.url, "EMPTY", served, prompts[:2], 1, 4, args.temperature)  # warm-up
             result[key] = http_rollout(server.url, "EMPTY", served, prompts, args.n, args.max_tokens,
-                                       args.temperature, args.requests)
+                                       args.temperature, args.requests,
+                                       trace_after=TIMELINE_SKIP if args.timeline else None)
             progress("HTTP" + (" async" if on else ""), result[key])
         finally:
             server.stop()
@@ -397,6 +417,11 @@ def progress(path: str, res: dict) -> None:
         print(f"  engine steps from {first if first is not None else float('nan'):.2f} s to "
               f"{last if last is not None else float('nan'):.2f} s (to 0.2 s), last body received at "
               f"{res['body_received_s']:.2f} s, client JSON decoding {res['client_decode_s']:.2f} s", flush=True)
+    trace = res.get("engine_trace")
+    if trace is not None:
+        share = trace.get("device_busy_share")
+        print(f"  engine process traced over {trace['steps']} steps ({trace['seconds']:.2f} s): device busy "
+              f"{'-' if share is None else f'{100 * share:.0f}%'}; trace: {trace['trace']}", flush=True)
 
 
 def report(r: dict) -> None:

@@ -130,8 +130,9 @@ for stage in $stages; do
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
     sampler)    run sampler $PY bench/sampler.py --out "$RESULTS" ;;
     decodeattn) run decodeattn $PY bench/decode_attention.py --out "$RESULTS" ;;
-    rollout-timeline)  # where the 1B rollout's steps beyond its device work go: 20 steps traced in process
-                run rollout-timeline $PY bench/rollout.py --device cuda --model llama-1b --no-hf --no-http --timeline \
+    rollout-timeline)  # ~20 steps of the 1B rollout traced mid-run, in the server's engine process (through HTTP,
+                       # /start_profile and /stop_profile) and in process: the device's busy share of each
+                run rollout-timeline $PY bench/rollout.py --device cuda --model llama-1b --no-hf --timeline \
                   --out "$RESULTS/rollout-timeline" ;;
     ssefloor)   run ssefloor $PY bench/sse_floor.py --device cuda --model llama-1b --out "$RESULTS/ssefloor" ;;
     serve64)    spy=(); command -v py-spy > /dev/null && spy=(--spy "$RESULTS/serve64/spy")

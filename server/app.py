@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Depends, FastAPI
 
 from server import __version__
-from server.api import admin, docs, health, openai, weight_transfer
+from server.api import admin, docs, health, openai, profiling, weight_transfer
 from server.api.errors import install_error_handlers
 from server.api.guard import check_dev_request
 from server.api.middleware import BodyLimit, ContainErrors
@@ -30,6 +30,7 @@ from server.api.tokens import Tokens
 from server.api_servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets, metrics_folder
 from server.config import EngineConfig
 from server.engine.client import EngineClient, EngineStartError
+from server.engine.step_profiler import profiler_dir
 from server.heap import freeze_startup_heap
 from server.logging_setup import AccessLogMiddleware, configure_logging
 from server.metrics import ServerMetrics, share_metrics
@@ -82,6 +83,8 @@ def create_app(engine: EngineClient, settings: ServerSettings, others: OtherApiS
         app.include_router(weight_transfer.router, dependencies=[Depends(check_dev_request)])
     if settings.docs:
         app.include_router(docs.router)
+    if profiler_dir() is not None:  # vLLM's switch for its profiling routes
+        app.include_router(profiling.router)
     install_openapi(app)
     # Outermost last: the access log sees every answer, ContainErrors every bug, BodyLimit every body.
     app.add_middleware(BodyLimit)

@@ -102,6 +102,14 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """torch.profiler over the steps (VLLM_TORCH_PROFILER_DIR set before the LLM was built)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> dict:
+        """Stop and write the trace: {"trace": its path, "seconds", "device_busy_share"}."""
+        return self.engine.stop_profile()
+
     def close(self) -> None:
         self.engine.close()
 

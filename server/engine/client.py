@@ -455,6 +455,13 @@ class EngineClient:
     async def reset_prefix_cache(self) -> None:
         await self.call("reset_prefix_cache")
 
+    async def start_profile(self) -> None:
+        await self.call("start_profile")
+
+    async def stop_profile(self) -> dict:
+        """Writing the trace takes seconds for a long one, on the engine thread (step_profiler.py)."""
+        return await self.call("stop_profile")
+
     async def snapshot(self) -> dict:
         """Sleep state, engine stats and pool stats, read consistently between two steps."""
         return await self.call("snapshot")

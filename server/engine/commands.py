@@ -99,6 +99,14 @@ class EngineCommands:
         self.core.reset_prefix_cache()
 
     @runs_on(ENGINE)
+    def start_profile(self) -> None:
+        self.core.start_profile()
+
+    @runs_on(ENGINE)
+    def stop_profile(self) -> dict:
+        return self.core.stop_profile()
+
+    @runs_on(ENGINE)
     def snapshot(self) -> dict:
         """Sleep state, engine stats and pool stats, read consistently between two steps."""
         core = self.core

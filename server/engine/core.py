@@ -38,6 +38,7 @@ from server.engine.scheduler import ScheduledBatch, Scheduler
 from server.engine.sequence import Request, Sequence, SeqStatus, settle_texts
 from server.engine.sleep_controller import SleepController
 from server.engine.sleep_state import SleepState
+from server.engine.step_profiler import PROFILER_DIR_ENV, StepProfiler, profiler_dir
 from server.engine.structured import GrammarCompiler
 from server.model.config import ModelConfig
 from server.model.loader import (WeightLoadError, check_checkpoint, checkpoint_shapes, describe, parameter_names,
@@ -99,6 +100,9 @@ class EngineCore:
         self.steps_ahead = 0  # steps launched before the previous one's tokens reached the host (benches, tests)
         # The sleep state machine's one owner; memory state per tag lives in the pool.
         self.sleep_control = SleepController(self, config.enable_sleep_mode, weight_version)
+        # torch.profiler over the steps on demand, where VLLM_TORCH_PROFILER_DIR is set (step_profiler.py).
+        folder = profiler_dir()
+        self.profiler = StepProfiler(folder, device) if folder is not None else None
 
     @property
     def sleep_state(self) -> SleepState:
@@ -387,6 +391,23 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         self.drain()
         self.blocks.reset_prefix_cache()
+
+    # -- profiling (on the engine thread: torch.profiler starts and stops on one thread) -------------
+
+    def start_profile(self) -> None:
+        self._profiler().start()
+
+    def stop_profile(self) -> dict:
+        """Stop tracing and write the trace (after the step in flight, whose kernels belong to it)."""
+        profiler = self._profiler()
+        self.drain()
+        return profiler.stop()
+
+    def _profiler(self) -> StepProfiler:
+        if self.profiler is None:
+            raise InvalidRequestError(f"profiling is off: start the engine with {PROFILER_DIR_ENV} set to a folder "
+                                      "for the traces", param=None, code="profiling_off")
+        return self.profiler
 
     # -- weights ---------------------------------------------------------------------------------
 
