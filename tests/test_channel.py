@@ -11,7 +11,7 @@ import pytest
 from server.engine.channel import WireError, encode_delta, pack
 from server.engine.client import OutputStream
 from server.engine.errors import EngineUnavailableError, InvalidRequestError
-from server.engine.params import SamplingParams
+from server.engine.params import RequestOutputKind, SamplingParams
 from server.engine.sleep_state import SleepState
 from server.weight_transfer.receiver import TransferFailedError
 
@@ -71,6 +71,9 @@ def _rebuild_every_output(core):
         "n2-stop-logprobs": ("Once upon a time", SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=16,
                                                                 stop=[" the", "."], logprobs=2, prompt_logprobs=1)),
         "aborted": ("List three primary colors:", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
+        # as an RL rollout asks: its last delta carries every token's log-prob tuple and the whole text at once
+        "final-rollout": ("Once upon a time", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=40, logprobs=0,
+                                                             ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)),
     }
     reference = _run_cases(core, cases, wire=False)
     sent = _run_cases(core, cases, wire=True)
@@ -110,6 +113,8 @@ def _rebuild_every_output(core):
     final = {rid: s.seqs for rid, s in streams.items()}
     assert all(seq.finish_reason == "abort" for seq in final["aborted"])
     assert all(seq.finish_reason in ("stop", "length") for seq in final["n2-stop-logprobs"])
+    assert all(seq.finish_reason == "length" and len(seq.logprobs) == len(seq.token_ids) == 40 and seq.text
+               for seq in final["final-rollout"])
 
 
 def test_engine_errors_keep_their_attributes_across_the_channel():
