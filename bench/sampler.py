@@ -2,7 +2,9 @@
 torch path it replaces, on the same logits, with the bytes of one pass over the logits as the reference.
 
 Each case is a batch of rows of a 128k vocabulary (the 1B and 8B Llama shapes), as the engine samples them:
-RL rollouts (temperature 1, logprobs=0), plain sampling (no log-probs), greedy with log-probs. Times are the
+RL rollouts (temperature 1, logprobs=0), plain sampling (no log-probs), greedy with log-probs; the logits in
+bfloat16 by default, as a decode graph hands them over (the torch path converts them to float32 first, the
+fused one reads them as they are; --dtype float32 for an eager step's). Times are the
 device's (CUDA events around 20 calls, the median of 5 runs), the host's launches not included.
 
     python bench/sampler.py --out $OUT
@@ -47,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     from server import SamplingParams
@@ -59,19 +62,19 @@ def main() -> None:
         params = SamplingParams(temperature=temperature, logprobs=logprobs, max_tokens=16)
         for batch in (int(b) for b in args.batches.split(",")):
             seqs = [SimpleNamespace(params=params, generator=None) for _ in range(batch)]
-            logits = torch.randn(batch, args.vocab, device=dev) * 3
+            logits = (torch.randn(batch, args.vocab, device=dev) * 3).to(getattr(torch, args.dtype))
             fused = SamplingMeta(seqs, dev)
             plain = SamplingMeta(seqs, dev)
             plain.fused_temps = None  # the torch path, on the same rows
             times = {label: device_ms(lambda m=meta: sample_on_device(logits, seqs, frozenset(), m))
                      for label, meta in (("torch", plain), ("fused", fused))}
-            one_pass_ms = batch * args.vocab * 4 / bandwidth * 1e3
+            one_pass_ms = batch * args.vocab * logits.element_size() / bandwidth * 1e3
             rows.append({"case": name, "batch": batch, "torch_ms": times["torch"], "fused_ms": times["fused"],
                          "speedup": times["torch"] / times["fused"], "one_pass_ms": one_pass_ms,
                          "fused_path": fused.fused_temps is not None})
-    write_json(args.out, "sampler", {"date": now_iso(), "hardware": hardware(dev), "vocab": args.vocab,
+    write_json(args.out, "sampler", {"date": now_iso(), "hardware": hardware(dev), "vocab": args.vocab, "dtype": args.dtype,
                                      "copy_bandwidth_GBs": bandwidth / 1e9, "rows": rows})
-    print(f"\nsampler device time per step (vocab {args.vocab}, {hardware(dev)}, {now_iso()})")
+    print(f"\nsampler device time per step (vocab {args.vocab}, {args.dtype} logits, {hardware(dev)}, {now_iso()})")
     print(table([[r["case"], r["batch"], f"{r['torch_ms']:.3f}", f"{r['fused_ms']:.3f}", f"{r['speedup']:.2f}x",
                   f"{r['one_pass_ms']:.3f}"] for r in rows],
                 ["case", "rows", "torch ms", "fused ms", "torch / fused", "one pass over the logits ms"]))
