@@ -63,8 +63,9 @@ class EngineSteps:
     after its last (the response's encoding, transfer and decoding). Each poll is a call on the engine thread
     (its stats): 5 a second against ~300 steps a second. A poll that fails (the API busy encoding a large
     body past the timeout) is skipped. trace_after: once the engine has run that many steps, trace the
-    next TIMELINE_STEPS or so (to a poll) with the server's /start_profile and /stop_profile (the server
-    started with VLLM_TORCH_PROFILER_DIR), the report kept in `trace`."""
+    next TIMELINE_STEPS and more (to a poll: ~60 at 300 steps a second) with the server's /start_profile and
+    /stop_profile (the server started with VLLM_TORCH_PROFILER_DIR), the report kept in `trace`; the
+    trace's own cost (slower steps, seconds of writing on the engine thread) is then in the run's time."""
 
     def __init__(self, url: str, api_key: str, every: float = 0.2, trace_after: int | None = None):
         import threading
@@ -95,17 +96,28 @@ class EngineSteps:
     def _trace(self, done: int) -> None:
         import httpx
 
-        headers = {"Authorization": f"Bearer {self.api_key}"}
-        if self._traced_from is None and done >= self.trace_after:  # type: ignore[operator]
-            httpx.post(self.url + "/start_profile", headers=headers, timeout=60).raise_for_status()
-            self._traced_from = done
-        elif self._traced_from is not None and self.trace is None and done - self._traced_from >= TIMELINE_STEPS:
-            self.trace = httpx.post(self.url + "/stop_profile", headers=headers, timeout=300).json()
-            self.trace["steps"] = done - self._traced_from  # to a poll: a few more than asked
+        try:
+            if self._traced_from is None and done >= self.trace_after:  # type: ignore[operator]
+                self._profile("/start_profile")
+                self._traced_from = done
+            elif self._traced_from is not None and self.trace is None and done - self._traced_from >= TIMELINE_STEPS:
+                self.trace = {**self._profile("/stop_profile"), "steps": done - self._traced_from}
+        except httpx.HTTPError as e:  # the trace is lost, not the run's time split
+            print(f"  engine trace failed: {e!r}", flush=True)
+            self.trace_after = None
+
+    def _profile(self, route: str) -> dict:
+        import httpx
+
+        r = httpx.post(self.url + route, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=300)
+        r.raise_for_status()
+        return r.json()
 
     def close(self) -> dict:
         self._done.set()
         self._thread.join()
+        if self._traced_from is not None and self.trace is None and self.trace_after is not None:
+            self.trace = {**self._profile("/stop_profile"), "steps": None}  # the run ended first
         return {"first_step_s": self.first, "last_step_s": self.last,
                 **({"engine_trace": self.trace} if self.trace is not None else {})}
 
@@ -420,7 +432,7 @@ def progress(path: str, res: dict) -> None:
     trace = res.get("engine_trace")
     if trace is not None:
         share = trace.get("device_busy_share")
-        print(f"  engine process traced over {trace['steps']} steps ({trace['seconds']:.2f} s): device busy "
+        print(f"  engine process traced over {trace['steps'] or 'the last'} steps ({trace['seconds']:.2f} s): device busy "
               f"{'-' if share is None else f'{100 * share:.0f}%'}; trace: {trace['trace']}", flush=True)
 
 

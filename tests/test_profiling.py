@@ -60,4 +60,4 @@ def test_http_profile_routes_write_the_engine_process_trace(tmp_path):
 def test_profile_routes_do_not_exist_without_the_variable():
     server = main_server()
     r = httpx.post(server.url + "/start_profile", headers={"Authorization": f"Bearer {MAIN_KEY}"}, timeout=60)
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and PROFILER_DIR_ENV in r.json()["error"]["message"]  # says how to turn them on

@@ -96,6 +96,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
             if request.url.path in DEV_PATHS:
                 message += "; the dev-mode routes need --dev-mode (or SLEEPSERVE_DEV_MODE=1)"
+            elif request.url.path in PROFILE_PATHS:
+                message += "; the profiling routes need VLLM_TORCH_PROFILER_DIR set to a folder for the traces"
             return error_response(404, message, None, "not_found")
         if exc.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}", None,
@@ -110,6 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
     # Anything else is a bug: middleware.ContainErrors answers it (a 500 that closes nothing else).
 
 
+# Paths that exist only where VLLM_TORCH_PROFILER_DIR is set (api/profiling.py): a 404 says so.
+PROFILE_PATHS = frozenset({"/start_profile", "/stop_profile"})
 # Paths that exist only in dev mode: a 404 on them says how to turn them on.
 DEV_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/pause", "/resume",
                        "/is_paused", "/memory", "/update_weights", "/server_info", "/get_world_size",

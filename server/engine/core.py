@@ -452,6 +452,11 @@ class EngineCore:
                 "weight_version": state.weight_version, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
+        if self.profiler is not None and self.profiler.running:
+            try:  # a trace left running is written, not lost
+                log.info("profiler stopped at close: %s", self.profiler.stop())
+            except Exception:
+                log.warning("the running trace could not be written", exc_info=True)
         try:
             self.drain()
         except Exception:  # a dead device: the memory is released all the same

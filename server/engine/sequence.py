@@ -47,7 +47,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.detok: IncrementalDetokenizer | None = None
         # Text only at the end (a FINAL_ONLY request without stop strings: nothing reads it before, and
-        # no check needs it): the tokenizer to decode all output tokens with, once, when it finishes.
+        # no check needs it): the tokenizer to decode all output tokens with, once it has ended (owed_text,
+        # settled with the step's other ended sequences by settle_texts, or by delta()).
         self.lazy_text_tokenizer = lazy_text_tokenizer
         # Once it ended: (tokenizer, the output ids its text is) until settle_texts decodes it, with the other
         # sequences that ended in the same step.

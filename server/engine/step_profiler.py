@@ -55,17 +55,19 @@ class StepProfiler:
         return self._prof is not None
 
     def start(self) -> None:
-        """Start tracing (a no-op while a trace runs, as vLLM's)."""
+        """Start tracing (a no-op while a trace runs, as vLLM's). The folder is made now: a trace that could
+        not be written is refused before it costs anything."""
         if self._prof is not None:
             return
         from torch.profiler import ProfilerActivity, profile
 
+        self.folder.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self._prof = profile(activities=activities)
-        self._prof.start()
-        self._started = time.time()
+        prof = profile(activities=activities)
+        prof.start()  # may raise (another profiler running): then nothing is running here either
+        self._prof, self._started = prof, time.time()
 
     def stop(self) -> dict:
         """Stop, write the trace, and report it: its path, its length, the device's busy share of the span
@@ -76,10 +78,12 @@ class StepProfiler:
         prof.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
         raw = self.folder / f"engine-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(self._started))}.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:  # tens of MB as JSON
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
+        try:
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:  # tens of MB as JSON
+                shutil.copyfileobj(src, dst)
+        finally:
+            raw.unlink(missing_ok=True)
         busy, span = device_busy(prof.events())
         return {"trace": f"{raw}.gz", "seconds": time.time() - self._started,
                 "device_busy_share": busy / span if span else None}
