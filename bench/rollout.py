@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gzip
 import json
 import pstats
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -222,20 +220,16 @@ def record_timeline(core, folder: Path):
 
 
 def report_timeline(prof, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    trace = folder / "rollout-timeline.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:  # tens of MB as JSON
-        shutil.copyfileobj(raw, packed)
-    trace.unlink()
-    from server.engine.step_profiler import device_busy
+    from server.engine.step_profiler import device_busy, write_trace
 
+    folder.mkdir(parents=True, exist_ok=True)
+    trace = write_trace(prof, folder / "rollout-timeline.json")
     busy, span = device_busy(prof.events())
     if not span:
         print("timeline: no device events (CPU run)", flush=True)
         return
     print(f"timeline: {TIMELINE_STEPS} steps, device busy {busy / 1e3:.2f} of {span / 1e3:.2f} ms "
-          f"({100 * busy / span:.0f}%); trace: {trace}.gz", flush=True)
+          f"({100 * busy / span:.0f}%); trace: {trace}", flush=True)
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=12), flush=True)
 
 

@@ -61,12 +61,12 @@ def test_a_step_of_many_sequences_detokenizes_as_one_at_a_time(tokenizer):
 
 
 def test_text_decoded_at_the_end_equals_incremental(tokenizer):
-    """A FINAL_ONLY sequence without stop strings is detokenized once, at its end (detokenize_all): it must
+    """A FINAL_ONLY sequence without stop strings is detokenized once, at its end (detokenize_many): it must
     be the text the incremental decode builds token by token, on any tokens. Random ids make broken UTF-8
     (byte tokens that start or continue a character without ending it) and special tokens."""
     import random
 
-    from server.engine.detokenizer import detokenize_all, prefix_stable
+    from server.engine.detokenizer import detokenize_many, prefix_stable
 
     assert prefix_stable(tokenizer)
     rng = random.Random(0)
@@ -81,7 +81,7 @@ def test_text_decoded_at_the_end_equals_incremental(tokenizer):
         for skip in (True, False):
             detok = IncrementalDetokenizer(tokenizer, prompt, skip)
             incremental = "".join(detok.add(t) for t in out) + detok.flush()
-            assert detokenize_all(tokenizer, prompt, out, skip) == incremental, (case, skip)
+            assert detokenize_many(tokenizer, [(prompt, out)], skip) == [incremental], (case, skip)
 
 
 def test_sequences_that_end_in_one_step_decode_their_texts_in_one_call(llm, monkeypatch):

@@ -201,15 +201,10 @@ def prefix_stable(tokenizer) -> bool:
     return decodes_in_one_call(tokenizer)
 
 
-def detokenize_all(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool) -> str:
-    """The text of output_ids after the prompt, decoded at once (a sequence whose text is wanted only at
-    its end): the same context as IncrementalDetokenizer, one decode call for both windows."""
-    return detokenize_many(tokenizer, [(prompt_ids, output_ids)], skip_special_tokens)[0]
-
-
 def detokenize_many(tokenizer, jobs: list[tuple[list[int], list[int]]], skip_special_tokens: bool) -> list[str]:
-    """detokenize_all of each (prompt ids, output ids), in one decode_many call: the sequences that end in
-    the same step (a rollout's wave of 256) decode together (on the 2-core CI host, 256 x 512 tokens: 79 ms
+    """The text of each (prompt ids, output ids)'s output after its prompt, decoded at once (sequences whose
+    text is wanted only at their end): the same context as IncrementalDetokenizer, two windows a job, all in
+    one decode_many call, so the sequences that end in the same step (a rollout's wave of 256) decode together (on the 2-core CI host, 256 x 512 tokens: 79 ms
     one by one, 32 ms at once)."""
     windows: list[list[int]] = []
     for prompt_ids, output_ids in jobs:

@@ -156,8 +156,7 @@ class Sequence:
         if self.finish_reason is None:
             self.finish_reason = "abort"
             if self.lazy_text:  # what it had generated, as a sequence that was read along would show it
-                self._finish_text()
-                settle_texts([self])
+                self._finish_text()  # owed: delta() decodes it
 
     def delta(self) -> tuple[str, str, list[int], list | None]:
         """(the text as it may be shown, its new part, the new token ids, the new log-probs) since the last

@@ -41,6 +41,19 @@ def device_busy(events) -> tuple[float, float]:
     return busy, spans[-1][1] - spans[0][0]
 
 
+def write_trace(prof, raw: Path) -> Path:
+    """A stopped torch.profiler's Chrome trace, gzipped beside where `raw` would be (tens of MB as JSON); the
+    raw file is removed whatever happens. Returns the .gz path."""
+    packed = raw.with_name(raw.name + ".gz")
+    try:
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(packed, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    finally:
+        raw.unlink(missing_ok=True)
+    return packed
+
+
 class StepProfiler:
     """One trace at a time into `folder`: start(), then stop() writes it and says where."""
 
@@ -76,14 +89,8 @@ class StepProfiler:
         if prof is None:
             return {"trace": None}
         prof.stop()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        raw = self.folder / f"engine-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(self._started))}.json"
-        try:
-            prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:  # tens of MB as JSON
-                shutil.copyfileobj(src, dst)
-        finally:
-            raw.unlink(missing_ok=True)
+        stamp = time.strftime('%Y%m%d-%H%M%S', time.gmtime(self._started))
+        trace = write_trace(prof, self.folder / f"engine-{os.getpid()}-{stamp}.json")  # the folder made by start()
         busy, span = device_busy(prof.events())
-        return {"trace": f"{raw}.gz", "seconds": time.time() - self._started,
+        return {"trace": str(trace), "seconds": time.time() - self._started,
                 "device_busy_share": busy / span if span else None}
