@@ -74,6 +74,7 @@ class EngineSteps:
         self.trace_after = trace_after
         self.trace: dict | None = None
         self._traced_from: int | None = None
+        self.samples: list[tuple[float, int]] = []  # (seconds, steps run) at each poll that saw new steps
         self._start = server_steps(url, api_key)
         self._done = threading.Event()
         self.t0 = time.perf_counter()  # after the first poll: the rollout's clock starts here
@@ -88,6 +89,8 @@ class EngineSteps:
                 now = time.perf_counter() - self.t0
                 self.first = now if self.first is None else self.first
                 self.last, seen = now, steps
+                if self._start is not None:
+                    self.samples.append((round(now, 3), steps - self._start))
                 if self.trace_after is not None and self._start is not None:
                     self._trace(steps - self._start)
 
@@ -116,8 +119,44 @@ class EngineSteps:
         self._thread.join()
         if self._traced_from is not None and self.trace is None and self.trace_after is not None:
             self.trace = {**self._profile("/stop_profile"), "steps": None}  # the run ended first
-        return {"first_step_s": self.first, "last_step_s": self.last,
+        return {"first_step_s": self.first, "last_step_s": self.last, "step_samples": self.samples,
                 **({"engine_trace": self.trace} if self.trace is not None else {})}
+
+
+class StepSampler:
+    """The in-process engine's steps (count()) every `every` seconds on a thread, as EngineSteps samples the
+    server's: where the two runs' steps part (a wave's end, its admission) shows in their samples."""
+
+    def __init__(self, count, every: float = 0.2):
+        import threading
+
+        self.samples: list[tuple[float, int]] = []
+        self._done = threading.Event()
+        t0, start = time.perf_counter(), count()
+
+        def poll() -> None:
+            while not self._done.wait(every):
+                self.samples.append((round(time.perf_counter() - t0, 3), count() - start))
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+
+    def close(self) -> list[tuple[float, int]]:
+        self._done.set()
+        self._thread.join()
+        return self.samples
+
+
+def wave_seconds(samples: list[tuple[float, int]], every: int = 512) -> list[float]:
+    """Seconds each `every` steps took (a rollout's wave of max-num-seqs sequences is ~max_tokens steps),
+    interpolated between the samples."""
+    import numpy as np
+
+    if len(samples) < 2:
+        return []
+    t, n = np.array([s[0] for s in samples]), np.array([s[1] for s in samples], dtype=float)
+    marks = np.interp(np.arange(0, n[-1] + 1, every), n, t)
+    return [round(float(b - a), 3) for a, b in zip(marks[:-1], marks[1:])]
 
 
 def http_rollout(url: str, api_key: str, model: str, prompts: list[list[int]], n: int, max_tokens: int,
@@ -381,8 +420,10 @@ def main() -> None:
         llm.engine.set_async_scheduling(on)
         in_thread(engine_rollout, llm, prompts[:2], 1, 4, args.temperature)  # warm-up
         recorder = StepRecorder(llm.engine)
+        sampler = StepSampler(lambda: len(recorder.steps))
         result[key] = in_thread(engine_rollout, llm, prompts, args.n, args.max_tokens, args.temperature, args.profile,
                                 args.out if args.timeline else None)
+        result[key]["step_samples"] = sampler.close()
         recorder.close()
         progress("in-process" + (" async" if on else ""), result[key])
         roofs[key] = (recorder.roofline_seconds(cost, measured), recorder.steps)
@@ -418,6 +459,8 @@ def main() -> None:
 def progress(path: str, res: dict) -> None:
     """One line per finished path: a run cut short by a time limit still leaves its figures."""
     print(f"{path}: {res['sequences']} sequences in {res['seconds']:.2f} s, {res['tok_s']:.0f} tok/s", flush=True)
+    if res.get("step_samples"):
+        print(f"  seconds per 512 engine steps: {wave_seconds(res['step_samples'])}", flush=True)
     if "body_received_s" in res:
         first, last = res["first_step_s"], res["last_step_s"]
         print(f"  engine steps from {first if first is not None else float('nan'):.2f} s to "
