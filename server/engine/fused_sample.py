@@ -32,22 +32,22 @@ CHUNK = 8192
 
 @triton.jit
 def _quarter(base, cols, u, vocab, greedy, inv_temp, m, s, best, best_col, WANT_TABLE: tl.constexpr):
-    """Fold one quarter-tile of a row into its chunk's running max and sum (log-sum-exp) and race."""
+    """Fold one quarter-tile of a row into each lane's running max and sum (log-sum-exp) and race. Lane-wise:
+    a reduction across the program's warps per quarter cost more than the arithmetic (H200, 2026-12-02);
+    _race_chunks reduces the lanes once at the end."""
     inside = cols < vocab
     x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
     if WANT_TABLE:
-        m_new = tl.maximum(m, tl.max(x, 0))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of -inf so far: no NaN
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
-        m = m_new
+        # One exponential a column: exp(-|x - m|) rescales the sum when x is the new max, else is x's term.
+        d = tl.exp(-tl.abs(x - m))
+        s = tl.where(x == float("-inf"), s, tl.where(x > m, s * d + 1.0, s + d))
+        m = tl.maximum(m, x)
     # + Gumbel noise; u = 0 (odds 2^-31) would make it -inf, and a row's one allowed token (a grammar's)
     # could then lose to a forbidden one
     score = tl.where(greedy, x, x * inv_temp - tl.log(-tl.log(tl.maximum(u, 1.0e-30))))
     score = tl.where(inside, score, float("-inf"))
-    top = tl.max(score, 0)
-    col = tl.min(tl.where(score == top, cols, 2147483647), 0)  # the first of equal maxima, as torch's argmax
-    better = top > best
-    return m, s, tl.maximum(best, top), tl.where(better, col, best_col)
+    better = score > best  # strictly: a lane meets its columns in order, so it keeps the first of equal maxima
+    return m, s, tl.where(better, score, best), tl.where(better, cols, best_col)
 
 
 # The seed changes every call: specialised (Triton's default for integers: == 1, divisible by 16) it would
@@ -64,10 +64,10 @@ def _race_chunks(logits_ptr, stride_row, temps_ptr, seed, parts_ptr, table_ptr,
     greedy = temp == 0.0
     inv_temp = 1.0 / tl.where(greedy, 1.0, temp)
     q = tl.arange(0, Q)
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_col = tl.zeros((), tl.int32)
+    m = tl.full([Q], float("-inf"), tl.float32)
+    s = tl.zeros([Q], tl.float32)
+    best = tl.full([Q], float("-inf"), tl.float32)
+    best_col = tl.zeros([Q], tl.int32)
     for tile in range(4):
         first = chunk * (16 * Q) + tile * (4 * Q)
         # Philox keyed by the call's 64-bit seed, counting (column / 4, row): no two rows or calls share noise.
@@ -82,11 +82,20 @@ def _race_chunks(logits_ptr, stride_row, temps_ptr, seed, parts_ptr, table_ptr,
                                         WANT_TABLE)
         m, s, best, best_col = _quarter(base, first + 3 * Q + q, u3, VOCAB, greedy, inv_temp, m, s, best, best_col,
                                         WANT_TABLE)
+    top = tl.max(best, 0)
+    col = tl.min(tl.where(best == top, best_col, 2147483647), 0)  # the first of equal maxima, as torch's argmax
+    if WANT_TABLE:
+        chunk_max = tl.max(m, 0)
+        shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)  # a chunk of -inf: no NaN
+        total = tl.sum(s * tl.exp(m - shift), 0)
+    else:
+        chunk_max = tl.full((), float("-inf"), tl.float32)
+        total = tl.zeros((), tl.float32)
     out = parts_ptr + (row * CHUNKS + chunk) * 4
-    tl.store(out, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, best)
-    tl.store(out + 3, best_col.to(tl.float32))  # exact: a column is below 2^24
+    tl.store(out, chunk_max)
+    tl.store(out + 1, total)
+    tl.store(out + 2, top)
+    tl.store(out + 3, col.to(tl.float32))  # exact: a column is below 2^24
     if WANT_TABLE and chunk == 0:
         tl.store(table_ptr + row * 3 + 2, 1.0)  # the rank: 1 + what _rank_chunks counts
 
