@@ -5,7 +5,8 @@ Each case is a batch of rows of a 128k vocabulary (the 1B and 8B Llama shapes), 
 RL rollouts (temperature 1, logprobs=0), plain sampling (no log-probs), greedy with log-probs; the logits in
 bfloat16 by default, as a decode graph hands them over (the torch path converts them to float32 first, the
 fused one reads them as they are; --dtype float32 for an eager step's). Times are the
-device's (CUDA events around 20 calls, the median of 5 runs), the host's launches not included.
+device's (the kernels' durations over 20 calls as torch.profiler records them, the median of 5 runs), the
+host's launches not included.
 
     python bench/sampler.py --out $OUT
 """
@@ -31,17 +32,22 @@ CASES = {  # name: (temperature, logprobs)
 
 
 def device_ms(fn, calls: int = 20, runs: int = 5) -> float:
+    """The device's busy time per call: the sum of the kernels' and copies' durations that torch.profiler
+    records over `calls` calls (median of `runs`). CUDA events around the calls would time the host instead
+    wherever its launches are slower than the kernels (one row: ~0.2 ms a call either way, H200 2026-12-02)."""
+    from torch.profiler import ProfilerActivity, profile
+
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        busy_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+        times.append(busy_us / 1e3 / calls)
     return statistics.median(times)
 
 
