@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import hardware, in_thread, now_iso, server_steps, table, write_json  # noqa: E402
 from bench.roofline import Device, ModelCost, StepRecorder  # noqa: E402
 
-SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
+SHAPES = ("llama-micro", "llama-tiny", "llama-1b", "llama-8b")  # micro: the host's work alone, on CPU
 
 
 def make_prompts(num: int, length: int, range_ratio: float, vocab: int, seed: int) -> list[list[int]]:
@@ -405,6 +405,11 @@ def main() -> None:
             progress("HTTP" + (" async" if on else ""), result[key])
         finally:
             server.stop()
+        stalls = [line for line in server.log_text().splitlines() if "took" in line and "engine step" in line
+                  or "did not read its channel" in line or "event loop was blocked" in line]
+        result[key]["server_stall_warnings"] = stalls
+        for line in stalls:
+            print("  server:", line.strip(), flush=True)
 
     from server import LLM
 

@@ -23,6 +23,7 @@ from server import __version__
 from server.api import admin, docs, health, openai, profiling, weight_transfer
 from server.api.errors import install_error_handlers
 from server.api.guard import check_dev_request
+from server.api.loop_watch import watch_loop
 from server.api.middleware import BodyLimit, ContainErrors
 from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
@@ -51,9 +52,11 @@ def create_app(engine: EngineClient, settings: ServerSettings, others: OtherApiS
             await asyncio.to_thread(others.wait_ready, START_TIMEOUT_S)
         freeze_startup_heap("API process")
         publisher = asyncio.ensure_future(app.state.metrics.publish_every(1.0)) if metrics_dir else None
+        watch = asyncio.ensure_future(watch_loop(f"API process {os.getpid()}"))
         try:
             yield
         finally:
+            watch.cancel()
             if publisher is not None:
                 publisher.cancel()
             if others is not None:  # their requests in flight use the engine until they end

@@ -54,6 +54,10 @@ MAX_CONSECUTIVE_FAILURES = 3
 ADMIT_QUIET_S = 0.003
 ADMIT_WINDOW_S = 0.05
 COMMAND_THREADS = 8  # THREAD commands at once (a transfer waiting on a trainer, a slow disk read, compiles)
+# A step, or a frame's send to the API, that takes longer than this is logged (a warning): the engine thread
+# stalled, on the device or on an API process that does not read its channel. The 1B rollout through HTTP
+# stalled ~3-4 s once a run (H200, 2026-12-02) with neither process busy; this says which wait it was.
+SLOW_S = 0.5
 
 
 class _Link:
@@ -77,6 +81,7 @@ class EngineServer:
         self._wake = threading.Event()
         self._last_message = 0.0  # time.monotonic() when the reader got the API's last message
         self._last_step = 0.0     # time.monotonic() when the engine thread's last step ended
+        self._steps = 0           # steps the engine thread ran (the slow-step and slow-send warnings name them)
         self._stop = False
         self._engine_thread: threading.Thread | None = None
         self.dead: str | None = None
@@ -282,7 +287,12 @@ class EngineServer:
                 if not link.open or (not items and not ours and not news):
                     continue
                 try:
+                    started = time.monotonic()
                     link.chan.send(Frame(items, status, ours))
+                    if time.monotonic() - started > SLOW_S:
+                        log.warning("sending API process %d a frame (%d items) took %.2f s after step %d: it did "
+                                    "not read its channel", link.index, len(items), time.monotonic() - started,
+                                    self._steps)
                 except OSError:
                     link.open = False
                     if link.index == 0:
@@ -307,7 +317,12 @@ class EngineServer:
                     if not core.can_step or self._stop:
                         continue
                 try:
+                    started = time.monotonic()
                     core.step()
+                    self._steps += 1
+                    if time.monotonic() - started > SLOW_S:
+                        log.warning("engine step %d took %.2f s (%d sequences running)", self._steps,
+                                    time.monotonic() - started, len(core.scheduler.running))
                     failures = 0
                     if core.step_tokens:
                         self._step_tokens.append(core.step_tokens)
