@@ -179,9 +179,10 @@ async def create_completion(request: Request) -> Response:
     checked = await _check_prompts(request, prompts, params, body.echo)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    started = await generation.start_many(request, request_id, [(p.text, p.token_ids) for p in checked], params)
+    prompt_pairs = [(p.text, p.token_ids) for p in checked]
 
     if body.stream:
+        started = await generation.start_many(request, request_id, prompt_pairs, params)
         fmt = CompletionChunks(request_id, created, model, body, checked)
         return sse_response(events(generation.merged(started), fmt.chunks, fmt.tail, lambda: engine.state))
 
@@ -189,11 +190,12 @@ async def create_completion(request: Request) -> Response:
     encoded: list[bytes] = [b""] * len(checked)
 
     def encode_choices(i: int, out: RequestOutput) -> None:
-        # As each prompt's final output arrives, while the others still generate: a rollout's 2,048 choices
-        # (1M tokens with log-probs) took over a second to format and encode when all waited for the last.
+        # As each prompt's final output arrives, while the others still generate or wait to start: a
+        # rollout's 2,048 choices (1M tokens with log-probs) took over a second to format and encode when all
+        # waited for the last, and 3-4 s on the event loop when they waited for the last wave to start.
         choices = [whole.choice(i, out, o, o.text, o.token_ids, o.logprobs, True) for o in out.outputs]
         encoded[i] = encode_json(choices)[1:-1]  # the list's items, without its brackets
 
-    finals = await generation.run_to_end(request, started, encode_choices)
+    finals = await generation.finish_many(request, request_id, prompt_pairs, params, encode_choices)
     return Response(encoded_envelope(KIND, request_id, created, model, encoded, usage=usage(finals)),
                     media_type="application/json")

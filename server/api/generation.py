@@ -181,6 +181,56 @@ async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutp
             await gen.aclose()  # type: ignore[attr-defined]
 
 
+async def finish_many(request: Request, request_id: str, prompts: list[tuple[str | None, list[int] | None]],
+                      params: SamplingParams, on_final: Callable[[int, RequestOutput], None]) -> list[RequestOutput]:
+    """A non-streamed request's prompts: submit them all and return the final output of each, calling
+    on_final(i, output) as each prompt finishes, whether or not the others have started. (start_many first
+    would wait for every prompt's first token: with more prompts than the engine runs at once, RL's 256
+    prompts x n=8 at 256 sequences, the first waves' outputs then waited for the last wave to start and were
+    all formatted at once, blocking the event loop 3-4 s, so the engine's sends to it stalled (H200,
+    2026-12-02).) Engine request ids are those start_many gives; any prompt's error aborts the others and
+    is raised; a client that leaves aborts them all."""
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    queue: asyncio.Queue = asyncio.Queue()
+    gens: list[AsyncIterator[RequestOutput]] = []
+
+    async def pump(i: int, rid: str, text: str | None, tokens: list[int] | None) -> None:
+        gen = generate(request, rid, text, tokens, params)
+        gens.append(gen)
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    async def drain() -> list[RequestOutput]:
+        last: dict[int, RequestOutput] = {}
+        left = len(prompts)
+        while left:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                left -= 1
+                continue
+            last[i] = out
+            if out.finished:
+                on_final(i, out)
+                await asyncio.sleep(0)  # a step's many finished prompts: the loop reads the engine between them
+        return [last[i] for i in range(len(prompts))]
+
+    tasks = [asyncio.ensure_future(pump(i, rid, text, tokens)) for i, (rid, (text, tokens)) in enumerate(zip(ids, prompts))]
+    try:
+        return await unless_disconnected(request, drain())
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for gen in gens:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+
 async def run_to_end(request: Request, started: list[Started],
                      on_final: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
     """The final output of every prompt (aborting them all if the client leaves). on_final(i, output) is
