@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -138,31 +139,21 @@ async def start_many(request: Request, request_id: str, prompts: list[tuple[str 
         raise
 
 
-async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Every prompt's outputs as they come, tagged with the prompt's index. Closing it aborts them all."""
-    if len(started) == 1:  # one prompt (chat, most completions): its outputs as they are, no task or queue
-        first, gen = started[0]
-        try:
-            yield 0, first
-            if not first.finished:
-                async for out in gen:
-                    yield 0, out
-        finally:
-            await gen.aclose()  # type: ignore[attr-defined]
-        return
+async def _interleaved(streams: list[Callable[[], AsyncIterator[RequestOutput]]]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every stream's outputs as they come, tagged with the stream's index, each stream opened and read by a
+    task of its own; a stream's error is raised. Closing it cancels the tasks (the callers close the streams)."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, open_stream: Callable[[], AsyncIterator[RequestOutput]]) -> None:
         try:
-            queue.put_nowait((i, first, None))
-            if not first.finished:
-                async for out in gen:
-                    queue.put_nowait((i, out, None))
+            async for out in open_stream():
+                queue.put_nowait((i, out, None))
             queue.put_nowait((i, None, None))
         except Exception as e:
             queue.put_nowait((i, None, e))
 
-    tasks = [asyncio.ensure_future(pump(i, first, gen)) for i, (first, gen) in enumerate(started)]
+    tasks = [asyncio.ensure_future(pump(i, open_stream)) for i, open_stream in enumerate(streams)]
     try:
         left = len(tasks)
         while left:
@@ -177,6 +168,33 @@ async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutp
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _from_first(first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    if not first.finished:
+        async for out in gen:
+            yield out
+
+
+async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every prompt's outputs as they come, tagged with the prompt's index. Closing it aborts them all."""
+    if len(started) == 1:  # one prompt (chat, most completions): its outputs as they are, no task or queue
+        first, gen = started[0]
+        try:
+            yield 0, first
+            if not first.finished:
+                async for out in gen:
+                    yield 0, out
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+        return
+    try:
+        async with contextlib.aclosing(_interleaved([functools.partial(_from_first, first, gen)
+                                                     for first, gen in started])) as outs:
+            async for item in outs:
+                yield item
+    finally:
         for _, gen in started:
             await gen.aclose()  # type: ignore[attr-defined]
 
@@ -191,42 +209,28 @@ async def finish_many(request: Request, request_id: str, prompts: list[tuple[str
     2026-12-02).) Engine request ids are those start_many gives; any prompt's error aborts the others and
     is raised; a client that leaves aborts them all."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    queue: asyncio.Queue = asyncio.Queue()
     gens: list[AsyncIterator[RequestOutput]] = []
 
-    async def pump(i: int, rid: str, text: str | None, tokens: list[int] | None) -> None:
-        gen = generate(request, rid, text, tokens, params)
-        gens.append(gen)
-        try:
-            async for out in gen:
-                queue.put_nowait((i, out, None))
-            queue.put_nowait((i, None, None))
-        except Exception as e:
-            queue.put_nowait((i, None, e))
+    def opener(rid: str, text: str | None, tokens: list[int] | None) -> Callable[[], AsyncIterator[RequestOutput]]:
+        def open_stream() -> AsyncIterator[RequestOutput]:
+            gens.append(generate(request, rid, text, tokens, params))
+            return gens[-1]
+        return open_stream
 
     async def drain() -> list[RequestOutput]:
         last: dict[int, RequestOutput] = {}
-        left = len(prompts)
-        while left:
-            i, out, error = await queue.get()
-            if error is not None:
-                raise error
-            if out is None:
-                left -= 1
-                continue
-            last[i] = out
-            if out.finished:
-                on_final(i, out)
-                await asyncio.sleep(0)  # a step's many finished prompts: the loop reads the engine between them
+        streams = [opener(rid, text, tokens) for rid, (text, tokens) in zip(ids, prompts)]
+        async with contextlib.aclosing(_interleaved(streams)) as outs:
+            async for i, out in outs:
+                last[i] = out
+                if out.finished:
+                    on_final(i, out)
+                    await asyncio.sleep(0)  # a step's many finished prompts: the loop reads the engine between them
         return [last[i] for i in range(len(prompts))]
 
-    tasks = [asyncio.ensure_future(pump(i, rid, text, tokens)) for i, (rid, (text, tokens)) in enumerate(zip(ids, prompts))]
     try:
         return await unless_disconnected(request, drain())
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for gen in gens:
             await gen.aclose()  # type: ignore[attr-defined]
 
