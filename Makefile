@@ -34,9 +34,10 @@ serve: $(STAMP)
 
 # OMP_WAIT_POLICY=PASSIVE: the tests run the test process, servers' API and engine processes and tensor-parallel
 # workers on two cores; torch's OpenMP threads spin-waiting at barriers starve each other there (a CPU
-# forward measured ~5x slower on the loaded 2-core host without it).
+# forward measured ~5x slower on the loaded 2-core host without it). --durations: the slowest tests in every
+# run's log, against the suite's 15-minute budget.
 test: $(DEV_STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not gpu" --timeout=600 $(ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not gpu" --timeout=600 --durations=15 $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(ARGS)
