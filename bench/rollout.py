@@ -405,7 +405,7 @@ def main() -> None:
             progress("HTTP" + (" async" if on else ""), result[key])
         finally:
             server.stop()
-        stalls = [line for line in server.log_text().splitlines() if "took" in line and "engine step" in line
+        stalls = [line for line in server.log_text().splitlines() if ("engine step" in line and "took" in line)
                   or "did not read its channel" in line or "event loop was blocked" in line]
         result[key]["server_stall_warnings"] = stalls
         for line in stalls:

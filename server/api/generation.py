@@ -117,13 +117,17 @@ async def start(request: Request, request_id: str, prompt: str | None, prompt_to
     return (await start_many(request, request_id, [(prompt, prompt_token_ids)], params))[0]
 
 
+def _engine_ids(request_id: str, prompts: int) -> list[str]:
+    """The engine request id of each prompt of one API request: the request's own for one, `<id>-<i>` for several."""
+    return [request_id] if prompts == 1 else [f"{request_id}-{i}" for i in range(prompts)]
+
+
 async def start_many(request: Request, request_id: str, prompts: list[tuple[str | None, list[int] | None]],
                      params: SamplingParams) -> list[Started]:
-    """start() for every prompt at once (engine request ids `<id>-<i>` when there are several). If any
-    fails, the others are aborted and the error is raised."""
-    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    """start() for every prompt at once (engine request ids: _engine_ids). If any fails, the others are
+    aborted and the error is raised."""
     tasks = [asyncio.ensure_future(_first(request, rid, text, tokens, params))
-             for rid, (text, tokens) in zip(ids, prompts)]
+             for rid, (text, tokens) in zip(_engine_ids(request_id, len(prompts)), prompts)]
 
     async def all_started() -> list[Started]:
         return list(await asyncio.gather(*tasks))
@@ -179,17 +183,12 @@ async def _from_first(first: RequestOutput, gen: AsyncIterator[RequestOutput]) -
 
 async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Every prompt's outputs as they come, tagged with the prompt's index. Closing it aborts them all."""
-    if len(started) == 1:  # one prompt (chat, most completions): its outputs as they are, no task or queue
-        first, gen = started[0]
-        try:
-            yield 0, first
-            if not first.finished:
-                async for out in gen:
-                    yield 0, out
-        finally:
-            await gen.aclose()  # type: ignore[attr-defined]
-        return
     try:
+        if len(started) == 1:  # one prompt (chat, most completions): its outputs as they are, no task or queue
+            async with contextlib.aclosing(_from_first(*started[0])) as outs:
+                async for out in outs:
+                    yield 0, out
+            return
         async with contextlib.aclosing(_interleaved([functools.partial(_from_first, first, gen)
                                                      for first, gen in started])) as outs:
             async for item in outs:
@@ -206,9 +205,8 @@ async def finish_many(request: Request, request_id: str, prompts: list[tuple[str
     would wait for every prompt's first token: with more prompts than the engine runs at once, RL's 256
     prompts x n=8 at 256 sequences, the first waves' outputs then waited for the last wave to start and were
     all formatted at once, blocking the event loop 3-4 s, so the engine's sends to it stalled (H200,
-    2026-12-02).) Engine request ids are those start_many gives; any prompt's error aborts the others and
-    is raised; a client that leaves aborts them all."""
-    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    2026-12-02).) Engine request ids: _engine_ids; any prompt's error aborts the others and is raised; a
+    client that leaves aborts them all."""
     gens: list[AsyncIterator[RequestOutput]] = []
 
     def opener(rid: str, text: str | None, tokens: list[int] | None) -> Callable[[], AsyncIterator[RequestOutput]]:
@@ -219,7 +217,8 @@ async def finish_many(request: Request, request_id: str, prompts: list[tuple[str
 
     async def drain() -> list[RequestOutput]:
         last: dict[int, RequestOutput] = {}
-        streams = [opener(rid, text, tokens) for rid, (text, tokens) in zip(ids, prompts)]
+        streams = [opener(rid, text, tokens) for rid, (text, tokens) in zip(_engine_ids(request_id, len(prompts)),
+                                                                              prompts)]
         async with contextlib.aclosing(_interleaved(streams)) as outs:
             async for i, out in outs:
                 last[i] = out

@@ -204,8 +204,8 @@ def prefix_stable(tokenizer) -> bool:
 def detokenize_many(tokenizer, jobs: list[tuple[list[int], list[int]]], skip_special_tokens: bool) -> list[str]:
     """The text of each (prompt ids, output ids)'s output after its prompt, decoded at once (sequences whose
     text is wanted only at their end): the same context as IncrementalDetokenizer, two windows a job, all in
-    one decode_many call, so the sequences that end in the same step (a rollout's wave of 256) decode together (on the 2-core CI host, 256 x 512 tokens: 79 ms
-    one by one, 32 ms at once)."""
+    one decode_many call, so the sequences that end in the same step (a rollout's wave of 256) decode together
+    (on the 2-core CI host, 256 x 512 tokens: 79 ms one by one, 32 ms at once)."""
     windows: list[list[int]] = []
     for prompt_ids, output_ids in jobs:
         context = list(prompt_ids[-_CONTEXT_TOKENS:])

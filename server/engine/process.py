@@ -289,10 +289,10 @@ class EngineServer:
                 try:
                     started = time.monotonic()
                     link.chan.send(Frame(items, status, ours))
-                    if time.monotonic() - started > SLOW_S:
+                    took = time.monotonic() - started
+                    if took > SLOW_S:
                         log.warning("sending API process %d a frame (%d items) took %.2f s after step %d: it did "
-                                    "not read its channel", link.index, len(items), time.monotonic() - started,
-                                    self._steps)
+                                    "not read its channel", link.index, len(items), took, self._steps)
                 except OSError:
                     link.open = False
                     if link.index == 0:
@@ -320,9 +320,10 @@ class EngineServer:
                     started = time.monotonic()
                     core.step()
                     self._steps += 1
-                    if time.monotonic() - started > SLOW_S:
-                        log.warning("engine step %d took %.2f s (%d sequences running)", self._steps,
-                                    time.monotonic() - started, len(core.scheduler.running))
+                    took = time.monotonic() - started
+                    if took > SLOW_S:
+                        log.warning("engine step %d took %.2f s (%d sequences running)", self._steps, took,
+                                    len(core.scheduler.running))
                     failures = 0
                     if core.step_tokens:
                         self._step_tokens.append(core.step_tokens)
