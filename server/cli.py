@@ -299,13 +299,25 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_exposure(settings)
     except ValueError as e:
         parser.error(str(e))
-    from server.app import serve  # heavy: torch, transformers, FastAPI
-    from server.config import EngineConfig
+    # The engine process starts now, so that its imports run while this process makes its own (under torchrun
+    # every rank but 0 joins rank 0's engine instead: rank 0 starts its own once it knows which it is).
+    spawned = None
+    if engine_kwargs.get("tp_launch", "spawn") != "torchrun":
+        from server.engine.spawn import spawn_engine
 
+        spawned = spawn_engine(settings.api_server_count)
     try:
-        config = EngineConfig(**engine_kwargs)
-    except ValueError as e:
-        parser.error(str(e))
+        from server.app import serve  # heavy: torch, transformers, FastAPI
+        from server.config import EngineConfig
+
+        try:
+            config = EngineConfig(**engine_kwargs)
+        except ValueError as e:
+            parser.error(str(e))
+    except BaseException:  # a usage error (parser.error exits) or Ctrl-C: the engine never gets its Start
+        if spawned is not None:
+            spawned.kill()
+        raise
     if config.tp_launch == "torchrun":
         from server.engine.parallel.launch import torchrun_place
 
@@ -317,7 +329,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             from server.engine.parallel.worker import join_torchrun
 
             return join_torchrun(place)
-    return serve(settings, config)
+    return serve(settings, config, spawned)
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -86,3 +86,24 @@ def test_the_engine_exits_with_the_server():
     assert server.proc.returncode == 130
     assert engine_child(server.proc.pid) is None
     wait_for(lambda: not os.path.exists(f"/proc/{engine}"), 30, what="the engine process to be gone")
+
+
+def test_an_engine_spawned_early_ends_quietly_when_the_server_never_starts_it():
+    """The CLI spawns the engine before its own imports (spawn.py); a usage error found after that closes the
+    channel before any Start: the engine process exits 0 with nothing on stderr, having loaded nothing."""
+    import subprocess
+    import sys
+
+    from http_server import REPO, server_env
+
+    # A bad engine flag that only EngineConfig checks (after the spawn): the CLI's usage error, exit 2.
+    done = subprocess.run([sys.executable, "-m", "server", "serve", "--device", "cpu", "--gpu-memory-utilization", "1.5"],
+                          cwd=REPO, env=server_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "gpu_memory_utilization must be in" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+    from server.engine.spawn import spawn_engine
+
+    spawned = spawn_engine()
+    spawned.mine.close()  # as the CLI's exit does
+    assert spawned.proc.wait(120) == 0

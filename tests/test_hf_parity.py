@@ -7,7 +7,7 @@ import torch
 from server import SamplingParams
 from tests.conftest import PROMPTS
 
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,8 @@ def test_batched_matches_transformers(llm, hf_reference):
 
 
 def test_one_by_one_matches_transformers(llm, hf_reference):
-    for prompt, ref in zip(PROMPTS, hf_reference):
+    # Three of the prompts, each alone (the batched test covers all eight; CI's time budget).
+    for prompt, ref in list(zip(PROMPTS, hf_reference))[::3]:
         out = llm.generate(prompt, greedy())[0]
         assert out.outputs[0].token_ids == ref, f"single-request output diverged for {prompt!r}"
 

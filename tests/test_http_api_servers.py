@@ -187,7 +187,7 @@ def test_an_api_process_abort_all_ends_only_its_own_requests():
 
     first = EngineClient.launch(EngineConfig(device="cpu", max_model_len=512, kv_cache_memory="128MiB"), channels=2)
     second = EngineClient.connect(first.spare_channels.pop())
-    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
 
     async def run(client: EngineClient, request_id: str) -> tuple[str, int]:
         last = None
@@ -207,7 +207,7 @@ def test_an_api_process_abort_all_ends_only_its_own_requests():
             assert await second.abort_all() == 2
             assert [f for f, _ in await asyncio.gather(*theirs)] == ["abort", "abort"]
             assert not any(t.done() for t in mine), "the other process's requests ended too"
-            assert await asyncio.gather(*mine) == [("length", 300)] * 2
+            assert await asyncio.gather(*mine) == [("length", 120)] * 2
         finally:
             await second.shutdown()  # only closes its channel
             await first.shutdown()   # stops the engine

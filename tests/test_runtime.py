@@ -37,14 +37,14 @@ def test_prefix_cache_hit_gives_identical_tokens(llm):
 
 
 def test_preemption_under_a_tiny_cache_keeps_tokens(llm, default_model_folder):
-    reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(40))]
+    reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(24))]
     cfg = llm.engine.model_config
     per_block = kv_bytes_per_block(cfg, 16, llm.engine.dtype)
-    # 12 usable blocks = 192 tokens for 8 sequences that need ~50 tokens each: they must take turns.
+    # 12 usable blocks = 192 tokens for 8 sequences that need ~35 tokens (3 blocks) each: they must take turns.
     small = LLM(model=str(default_model_folder), device="cpu", kv_cache_memory=12 * per_block,
                 max_model_len=128, enable_prefix_caching=False)
     try:
-        outs = small.generate(PROMPTS, greedy(40))
+        outs = small.generate(PROMPTS, greedy(24))
         assert small.engine.stats().preemptions > 0, "the cache was meant to be too small for all at once"
         assert [o.outputs[0].token_ids for o in outs] == reference
         assert small.engine.stats().kv_blocks_used == 0

@@ -19,11 +19,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
@@ -38,6 +36,7 @@ from server.engine.logprob_list import LogprobList
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.engine.params import SamplingParams, StructuredOutputs
 from server.engine.sleep_state import SleepReport, SleepState
+from server.engine.spawn import SpawnedEngine, spawn_engine
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -194,18 +193,12 @@ class EngineClient:
 
     @classmethod
     def launch(cls, config: EngineConfig, transfer_config: Any = None, log_level: str = "info",
-               channels: int = 1) -> "EngineClient":
+               channels: int = 1, spawned: SpawnedEngine | None = None) -> "EngineClient":
         """Start the engine process and wait until it has loaded the model (or failed to). channels > 1: the
-        engine also serves channels - 1 other API processes, whose ends wait in `spare_channels`."""
-        pairs = [socket.socketpair() for _ in range(channels)]
-        fds = [theirs.fileno() for _, theirs in pairs]
-        cmd = [sys.executable, "-m", "server.engine.process", "--fd", ",".join(map(str, fds)),
-               "--parent", str(os.getpid())]
-        proc = subprocess.Popen(cmd, pass_fds=fds)
-        for _, theirs in pairs:
-            theirs.close()
-        mine = pairs[0][0]
-        spare = [ours for ours, _ in pairs[1:]]
+        engine also serves channels - 1 other API processes, whose ends wait in `spare_channels`. spawned: an
+        engine process spawn_engine(channels) started earlier (the CLI's, so that its imports ran beside ours)."""
+        spawned = spawned or spawn_engine(channels)
+        proc, mine, spare = spawned.proc, spawned.mine, spawned.spare
         chan = SyncChannel(mine)
         try:
             chan.send(Start(config, transfer_config, log_level))

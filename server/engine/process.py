@@ -424,14 +424,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     chans = [SyncChannel(socket.socket(fileno=int(fd))) for fd in args.fd.split(",")]
     chan = chans[0]
-    start: Start = chan.recv()
-
+    # Imported before the Start arrives: the CLI spawns this process before its own imports (spawn.py).
     from allocator import PoolError
     from server.engine.build import build_engine
     from server.logging_setup import configure_logging
     from server.model.default_model import ModelNotFoundError
     from server.model.loader import WeightLoadError
+    from server.model.tokenizer import import_tokenizer_code
 
+    import_tokenizer_code()  # the engine loads the tokenizer too: most of that load is transformers' imports
+    try:
+        start: Start = chan.recv()
+    except (EOFError, OSError):  # the API process exited before starting the engine (a usage error)
+        return 0
     configure_logging(start.log_level)
     try:
         core = build_engine(start.config)

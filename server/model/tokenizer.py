@@ -17,6 +17,20 @@ def load_tokenizer(folder: Path):
             "of a Hugging Face tokenizer") from None
 
 
+def import_tokenizer_code() -> None:
+    """Import ahead what load_tokenizer's first call imports, e.g. on a thread while the process waits for
+    something else: transformers' tokenizer classes, and the config code from_pretrained reads the model's
+    config with (transformers.activations and what it pulls in, torch.distributed.tensor among them: ~0.8 s of
+    the ~1.5 s a first load took on the CI host). Only a warm-up: what fails here fails again, reported, later."""
+    import importlib
+
+    for name in ("transformers", "transformers.tokenization_utils_fast", "transformers.activations"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - load_tokenizer reports it
+            return
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
     """The chat template's text for these messages; a template error is the client's to fix."""
     from server.engine.errors import InvalidRequestError
