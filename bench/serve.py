@@ -646,7 +646,8 @@ def main() -> None:
     ratios(result)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out, f"serve-{args.device}", result)
-    plot(result, args.out / f"serve-{args.device}.png")
+    if any(r["pass"] == "rate" for r in result["rows"]):  # --rates none: no latency curves to draw
+        plot(result, args.out / f"serve-{args.device}.png")
     report(result)
 
 
@@ -683,15 +684,16 @@ def report(result: dict) -> None:
         return f"{d[q]:.1f}" if d else "-"
 
     rows = [r for r in result["rows"] if r["pass"] == "rate"]
-    print(f"\nserve: latency by request rate ({result['model']}, {result['device']}, {result['num_prompts']} prompts, "
-          f"in {result['input_len']} / out {result['output_len']} tokens ±{100 * result['range_ratio']:.0f}%, "
-          f"{result['date']})")
-    print(table([[_path(r), _rate(r["key"]), f"{r['completed']}/{r['completed'] + r['failed']}",
-                  *(f"{p(r[m], 'p50')} / {p(r[m], 'p90')} / {p(r[m], 'p99')}" for m in ("ttft_ms", "tpot_ms", "itl_ms")),
-                  f"{r['output_tok_s']:.0f}", f"{r['request_throughput']:.2f}",
-                  f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-", _client(r)] for r in rows],
-                ["path", "req/s", "ok", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99",
-                 "out tok/s", "req/s done", "HTTP/engine", "client cores/procs"]))
+    if rows:  # --rates none runs the saturation pass alone
+        print(f"\nserve: latency by request rate ({result['model']}, {result['device']}, {result['num_prompts']} prompts, "
+              f"in {result['input_len']} / out {result['output_len']} tokens ±{100 * result['range_ratio']:.0f}%, "
+              f"{result['date']})")
+        print(table([[_path(r), _rate(r["key"]), f"{r['completed']}/{r['completed'] + r['failed']}",
+                      *(f"{p(r[m], 'p50')} / {p(r[m], 'p90')} / {p(r[m], 'p99')}" for m in ("ttft_ms", "tpot_ms", "itl_ms")),
+                      f"{r['output_tok_s']:.0f}", f"{r['request_throughput']:.2f}",
+                      f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-", _client(r)] for r in rows],
+                    ["path", "req/s", "ok", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99",
+                     "out tok/s", "req/s done", "HTTP/engine", "client cores/procs"]))
     sat = [r for r in result["rows"] if r["pass"] == "saturation"]
     print(f"\nserve: saturation ({result['model']}, {result['device']}, C requests at once, "
           f"{result['output_len']} output tokens each, {result.get('client', 'typed')} client, "
