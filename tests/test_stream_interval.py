@@ -68,7 +68,12 @@ def test_a_streamed_completion_through_the_server(default_model_folder):
                     choice = json.loads(line[len("data: "):])["choices"][0]
                     sizes.append(len(choice.get("token_ids") or []))
                     text += choice["text"]
-        assert [s for s in sizes if s] == [1, 5, 5, 1]
+        # The engine sends 1 (the first token at once), 5, 5, 1. A busy API process may merge two of them
+        # before its stream reads (1, 5, 6): every chunk but the first and the last is still a multiple of 5,
+        # which per-token outputs would be only by chance.
+        sizes = [s for s in sizes if s]
+        assert sizes[0] == 1 and sum(sizes) == 12 and 2 <= len(sizes) <= 4, sizes
+        assert all(s % 5 == 0 for s in sizes[1:-1]) and sizes[-1] % 5 == 1, sizes
         assert text == whole["text"]
     finally:
         server.stop()
