@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import socket
-import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,7 +27,7 @@ from server.api.loop_watch import watch_loop
 from server.api.middleware import BodyLimit, ContainErrors
 from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
-from server.api.tokens import Tokens
+from server.api.tokens import TokenizerPreload, Tokens
 from server.api_servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets, metrics_folder
 from server.config import EngineConfig
 from server.engine.client import EngineClient, EngineStartError
@@ -37,7 +36,6 @@ from server.engine.step_profiler import profiler_dir
 from server.heap import freeze_startup_heap
 from server.logging_setup import AccessLogMiddleware, configure_logging
 from server.metrics import ServerMetrics, share_metrics
-from server.model.tokenizer import import_tokenizer_code
 
 log = logging.getLogger("sleepserve.server")
 
@@ -45,9 +43,10 @@ ENGINE_DIED = 3  # exit code when the engine process died under the server (READ
 
 
 def create_app(engine: EngineClient, settings: ServerSettings, others: OtherApiServers | None = None,
-               metrics_dir: str | None = None) -> FastAPI:
+               metrics_dir: str | None = None, preload: TokenizerPreload | None = None) -> FastAPI:
     """others: the API processes this one started (--api-server-count), which must exit before the engine
-    stops; metrics_dir: the folder where every API process keeps its metrics (None with one API process)."""
+    stops; metrics_dir: the folder where every API process keeps its metrics (None with one API process);
+    preload: the tokenizer this process started loading while the engine loaded."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.attach()
@@ -75,7 +74,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, others: OtherApiS
     app.state.settings = settings
     info = engine.info
     app.state.metrics = ServerMetrics(engine, info.served_model_name, shared=metrics_dir is not None)
-    app.state.tokens = Tokens(Path(info.model_path), info.max_model_len)
+    app.state.tokens = Tokens(Path(info.model_path), info.max_model_len, preload)
     app.state.served_model_name = info.served_model_name
     app.state.started_at = int(time.time())
     app.state.shut_down = False
@@ -193,9 +192,7 @@ def serve(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine
     configure_logging(settings.log_level)
     transfer_config = settings.weight_transfer_config if settings.dev_mode else None
     count = settings.api_server_count
-    # While the engine loads, import what the API's tokenizer needs (~1.3 s of the 2-core host's time at the
-    # first from_pretrained): this process only waits meanwhile.
-    threading.Thread(target=import_tokenizer_code, name="sleepserve-imports", daemon=True).start()
+    preload = TokenizerPreload(config.model)  # while the engine loads: this process only waits meanwhile
     try:
         engine = EngineClient.launch(config, transfer_config, settings.log_level, channels=count, spawned=spawned)
     except EngineStartError as e:
@@ -206,7 +203,7 @@ def serve(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine
     for line in startup_lines(engine, settings):
         log.info(line)
     if count == 1:
-        return run_http(create_app(engine, settings), engine, settings)
+        return run_http(create_app(engine, settings, preload=preload), engine, settings)
     try:
         listeners = listening_sockets(settings.host, settings.port, count)
     except OSError as e:
@@ -220,7 +217,7 @@ def serve(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine
         others = OtherApiServers.start(settings, listeners[1:], engine.spare_channels, metrics_dir)
         log.info("API processes: %d (pids %s), one engine process", count,
                  ", ".join(map(str, [os.getpid(), *others.pids])))
-        app = create_app(engine, settings, others, metrics_dir)
+        app = create_app(engine, settings, others, metrics_dir, preload)
     except BaseException:
         log.exception("could not start the API processes")
         if others is not None:

@@ -37,7 +37,9 @@ def api_pids(server: ServerProcess, connections: int = 24) -> set[int]:
     return {fresh(server, "GET", "/server_info").json()["processes"]["api_pid"] for _ in range(connections)}
 
 
-def completion(server: ServerProcess, prompt: str, stream: bool, tokens: int = TOKENS) -> str:
+def completion(server: ServerProcess, prompt: str, stream: bool, tokens: int = TOKENS,
+               started: threading.Semaphore | None = None) -> str:
+    """started: released once a stream's 200 arrived (the server took the request)."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
     with httpx.Client(base_url=server.url, timeout=120) as c:
         if not stream:
@@ -47,6 +49,8 @@ def completion(server: ServerProcess, prompt: str, stream: bool, tokens: int = T
         text = ""
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
+            if started is not None:
+                started.release()
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     text += json.loads(line[6:])["choices"][0]["text"]
@@ -143,11 +147,14 @@ def test_sigterm_stops_every_process_after_their_requests(server):
     engine = server.engine_pid
     others = api_pids(server) - {server.proc.pid}
     texts: list[str] = []
-    jobs = [threading.Thread(target=lambda: texts.append(completion(server, PROMPTS[1], True, tokens=40)))
+    started = threading.Semaphore(0)
+    jobs = [threading.Thread(target=lambda: texts.append(completion(server, PROMPTS[1], True, 40, started)))
             for _ in range(6)]
     for t in jobs:
         t.start()
-    wait_for(lambda: fresh(server, "GET", "/load").json()["running"] > 0, 60, what="requests to run")
+    # Every stream taken before the signal (a loaded host once sent it with one still connecting: refused).
+    for _ in jobs:
+        assert started.acquire(timeout=60), "a stream did not start"
     server.proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     for t in jobs:

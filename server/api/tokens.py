@@ -10,12 +10,13 @@ context the same way, before they travel to the engine.
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from server.engine.errors import InvalidRequestError
-from server.model.tokenizer import load_tokenizer, render_chat
+from server.model.tokenizer import import_tokenizer_code, load_tokenizer, render_chat
 
 T = TypeVar("T")
 
@@ -37,11 +38,44 @@ def _chars(node: Any) -> int:
     return total
 
 
+class TokenizerPreload:
+    """The API process's tokenizer, loaded on a thread while the engine process loads the model (this process
+    only waits meanwhile): a first load is ~1.5 s of the 2-core CI host's time, most of it transformers'
+    imports. Only from a folder known without converting anything (loader.cached_model_folder); otherwise the
+    thread imports the tokenizer's code alone. Tokens takes the tokenizer if the engine's folder is that one."""
+
+    def __init__(self, model: str | None):
+        self._loaded: tuple[Path, Any] | None = None
+        self._thread = threading.Thread(target=self._load, args=(model,), name="sleepserve-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _load(self, model: str | None) -> None:
+        from server.model.loader import cached_model_folder
+
+        folder = cached_model_folder(model)
+        if folder is None:
+            import_tokenizer_code()
+            return
+        try:
+            self._loaded = (folder.resolve(), load_tokenizer(folder))
+        except Exception:  # noqa: BLE001 - Tokens loads it again, and that load reports the error
+            pass
+
+    def take(self, folder: Path) -> Any:
+        """The tokenizer loaded from `folder`, or None (another folder, or the load failed)."""
+        self._thread.join()
+        if self._loaded is not None and self._loaded[0] == folder.resolve():
+            return self._loaded[1]
+        return None
+
+
 class Tokens:
-    def __init__(self, folder: Path, max_model_len: int):
+    def __init__(self, folder: Path, max_model_len: int, preload: TokenizerPreload | None = None):
         # A tokenizer of our own: the engine thread decodes with its copy while this one encodes,
-        # and a fast tokenizer shared across threads can fail with "Already borrowed".
-        self.tokenizer = load_tokenizer(folder)
+        # and a fast tokenizer shared across threads can fail with "Already borrowed" (one made on the preload's
+        # thread is used on this one's worker thread only, never on two at once).
+        tokenizer = preload.take(folder) if preload is not None else None
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
         self.max_model_len = max_model_len
         self.max_chars = max_model_len * MAX_CHARS_PER_TOKEN
         # One thread: requests tokenize one after another, each bounded by max_chars.

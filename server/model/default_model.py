@@ -53,11 +53,13 @@ def _cache_key(gguf: Path) -> str:
     return f"{gguf.stem}-{h.hexdigest()[:12]}"
 
 
-def converted_folder(gguf: Path) -> Path:
-    """The cached Hugging Face folder for a GGUF file, converting it on first use."""
+def converted_folder(gguf: Path, convert: bool = True) -> Path | None:
+    """The cached Hugging Face folder for a GGUF file, converting it on first use (convert=False: None then)."""
     target = cache_root() / "converted" / _cache_key(gguf)
     if (target / "config.json").is_file():
         return target
+    if not convert:
+        return None
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a scratch folder and rename it into place, so an interrupted conversion
     # never leaves a half-written cache behind that later starts would trust.

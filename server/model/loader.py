@@ -30,6 +30,20 @@ class ModelSource:
     name: str             # the default served-model name
 
 
+def cached_model_folder(model: str | None) -> Path | None:
+    """The folder resolve_model(model) would return, when that needs no conversion; None otherwise (a GGUF
+    file not converted yet, or no such model: resolve_model says why)."""
+    try:
+        if model is None or model == "" or model == DEFAULT_NAME:
+            return converted_folder(default_gguf_path(), convert=False)
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return converted_folder(path, convert=False)
+        return resolve_model(model).folder
+    except (ModelNotFoundError, OSError):
+        return None
+
+
 def resolve_model(model: str | None) -> ModelSource:
     """None -> the embedded default; a folder -> itself; a .gguf file -> its converted cache."""
     if model is None or model == "" or model == DEFAULT_NAME:
