@@ -93,14 +93,15 @@ class OtherApiServers:
 
     @classmethod
     def start(cls, settings: object, listeners: list[socket.socket], channels: list[socket.socket],
-              metrics_dir: str) -> "OtherApiServers":
+              metrics_dir: str, model: str | None = None) -> "OtherApiServers":
+        """model: the --model the engine loads (each process starts loading that folder's tokenizer at once)."""
         procs, pipes = [], []
         for index, (listener, channel) in enumerate(zip(listeners, channels), start=1):
             ready, ready_w = os.pipe()
             fds = [listener.fileno(), channel.fileno(), ready_w]
             cmd = [sys.executable, "-m", "server.api_servers", "--index", str(index), "--listen-fd", str(fds[0]),
                    "--engine-fd", str(fds[1]), "--ready-fd", str(ready_w), "--parent", str(os.getpid()),
-                   "--metrics-dir", metrics_dir]
+                   "--metrics-dir", metrics_dir, *(["--model", model] if model else [])]
             proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.PIPE)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(settings))
@@ -179,11 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-fd", type=int, required=True)
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--metrics-dir", required=True)
+    ap.add_argument("--model", default=None)
     args = ap.parse_args(argv)
     from server.engine.process import _die_with_parent
 
     _die_with_parent(args.parent)
     settings = pickle.loads(sys.stdin.buffer.read())
+    from server.api.tokens import TokenizerPreload
+
+    preload = TokenizerPreload(args.model)  # while the engine loads (this process waits for its Ready)
 
     from server.app import create_app, run_http
     from server.engine.client import EngineClient
@@ -192,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(settings.log_level)
     share_metrics(args.metrics_dir)  # before create_app makes the metrics
-    engine = EngineClient.connect(socket.socket(fileno=args.engine_fd))
+    try:  # the first process starts this one while the engine loads: its Ready comes on this channel
+        engine = EngineClient.connect(socket.socket(fileno=args.engine_fd))
+    except (EOFError, OSError):  # the engine did not start: the first process says why and exits 1
+        return 1
     log.info("API process %d (pid %d) serves beside pid %d", args.index, os.getpid(), args.parent)
-    app = create_app(engine, settings, metrics_dir=args.metrics_dir)
+    app = create_app(engine, settings, metrics_dir=args.metrics_dir, preload=preload)
 
     def started() -> None:
         os.write(args.ready_fd, b"1")

@@ -31,7 +31,7 @@ from server.api.tokens import TokenizerPreload, Tokens
 from server.api_servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets, metrics_folder
 from server.config import EngineConfig
 from server.engine.client import EngineClient, EngineStartError
-from server.engine.spawn import SpawnedEngine
+from server.engine.spawn import SpawnedEngine, spawn_engine
 from server.engine.step_profiler import profiler_dir
 from server.heap import freeze_startup_heap
 from server.logging_setup import AccessLogMiddleware, configure_logging
@@ -190,31 +190,35 @@ def serve(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine
     """Load, then serve until interrupted. Returns the process exit code (see README, "Exit codes").
     spawned: the engine process, started by the CLI before its imports (spawn.py)."""
     configure_logging(settings.log_level)
-    transfer_config = settings.weight_transfer_config if settings.dev_mode else None
     count = settings.api_server_count
+    spawned = spawned or spawn_engine(count)
     preload = TokenizerPreload(config.model)  # while the engine loads: this process only waits meanwhile
-    try:
-        engine = EngineClient.launch(config, transfer_config, settings.log_level, channels=count, spawned=spawned)
-    except EngineStartError as e:
-        log.error("could not start: %s", e)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    for line in startup_lines(engine, settings):
-        log.info(line)
     if count == 1:
+        engine = _launch(settings, config, spawned)
+        if not isinstance(engine, EngineClient):
+            return engine
         return run_http(create_app(engine, settings, preload=preload), engine, settings)
+    # Several API processes: the others start now, while the engine loads (each imports the web stack and loads
+    # its tokenizer, then waits for the engine's Ready on its channel); the address is taken before the load.
     try:
         listeners = listening_sockets(settings.host, settings.port, count)
     except OSError as e:
         log.error("could not listen on %s:%d: %s", settings.host, settings.port, e)
-        engine.shutdown_now()
+        spawned.kill()
         return 1
     metrics_dir = metrics_folder()
     others = None
+    engine = None
     try:
         share_metrics(metrics_dir)
-        others = OtherApiServers.start(settings, listeners[1:], engine.spare_channels, metrics_dir)
+        others = OtherApiServers.start(settings, listeners[1:], spawned.spare, metrics_dir, config.model)
+        spawned.spare = []  # theirs now
+        engine = _launch(settings, config, spawned)
+        if not isinstance(engine, EngineClient):
+            others.stop()
+            others.wait(STOP_TIMEOUT_S)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            return engine
         log.info("API processes: %d (pids %s), one engine process", count,
                  ", ".join(map(str, [os.getpid(), *others.pids])))
         app = create_app(engine, settings, others, metrics_dir, preload)
@@ -223,13 +227,31 @@ def serve(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine
         if others is not None:
             others.stop()
             others.wait(STOP_TIMEOUT_S)
-        engine.shutdown_now()
+        if engine is not None:
+            engine.shutdown_now()
+        else:
+            spawned.kill()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         return 1
     try:
         return run_http(app, engine, settings, listeners[0], others)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _launch(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine) -> EngineClient | int:
+    """The engine, loaded (its start-up lines logged), or the exit code when it could not start."""
+    transfer_config = settings.weight_transfer_config if settings.dev_mode else None
+    try:
+        engine = EngineClient.launch(config, transfer_config, settings.log_level, settings.api_server_count, spawned)
+    except EngineStartError as e:
+        log.error("could not start: %s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    for line in startup_lines(engine, settings):
+        log.info(line)
+    return engine
 
 
 def run_http(app: FastAPI, engine: EngineClient, settings: ServerSettings, listener: socket.socket | None = None,

@@ -1,6 +1,7 @@
 """The command line: flags and SLEEPSERVE_* variables, a fast --help, clear failures, `prepare`."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -103,6 +104,29 @@ def test_bad_model_path_fails_fast_with_exit_1(tmp_path):
     assert out.returncode == 1, out.stderr
     assert "could not start" in out.stderr and str(missing) in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_bad_model_path_with_several_api_processes_fails_with_exit_1_and_leaves_none(tmp_path):
+    """The other API processes start while the engine loads: an engine that cannot start ends them too, quietly."""
+    missing = tmp_path / "no-such-model"
+    out = run_cli("serve", str(missing), "--device", "cpu", "--port", str(free_port()), "--api-server-count", "2")
+    assert out.returncode == 1, out.stderr
+    assert "could not start" in out.stderr and str(missing) in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    leftover = subprocess.run(["pgrep", "-f", f"server.api_servers .*{tmp_path.name}|{missing}"], capture_output=True)
+    assert leftover.returncode == 1, leftover.stdout  # pgrep finds nothing
+
+
+def test_an_address_in_use_with_several_api_processes_fails_before_loading():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        out = run_cli("serve", "--device", "cpu", "--port", str(port), "--api-server-count", "2")
+    assert out.returncode == 1 and "could not listen" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "KV cache" not in out.stderr, out.stderr  # no model was loaded
+    assert time.monotonic() - start < 60
 
 
 def test_bad_size_is_a_usage_error():
