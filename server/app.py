@@ -208,31 +208,31 @@ def serve(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine
         return 1
     metrics_dir = metrics_folder()
     others = None
-    engine = None
+    engine: EngineClient | int | None = None
+    app = None
     try:
         share_metrics(metrics_dir)
         others = OtherApiServers.start(settings, listeners[1:], spawned.spare, metrics_dir, config.model)
         spawned.spare = []  # theirs now
         engine = _launch(settings, config, spawned)
         if not isinstance(engine, EngineClient):
-            others.stop()
-            others.wait(STOP_TIMEOUT_S)
-            shutil.rmtree(metrics_dir, ignore_errors=True)
-            return engine
+            return engine  # the engine could not start (said why)
         log.info("API processes: %d (pids %s), one engine process", count,
                  ", ".join(map(str, [os.getpid(), *others.pids])))
         app = create_app(engine, settings, others, metrics_dir, preload)
     except BaseException:
         log.exception("could not start the API processes")
-        if others is not None:
-            others.stop()
-            others.wait(STOP_TIMEOUT_S)
-        if engine is not None:
-            engine.shutdown_now()
-        else:
-            spawned.kill()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
         return 1
+    finally:
+        if app is None:  # the start failed, one way or the other: end what did start
+            if others is not None:
+                others.stop()
+                others.wait(STOP_TIMEOUT_S)
+            if isinstance(engine, EngineClient):
+                engine.shutdown_now()
+            else:
+                spawned.kill()
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     try:
         return run_http(app, engine, settings, listeners[0], others)
     finally:
