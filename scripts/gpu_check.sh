@@ -39,6 +39,8 @@
 # (serve64 with --stream-interval 4 on the server and the in-process engine: a streamed chunk every 4 steps),
 # sampler (the fused sampler against the torch path, device time per step: bench/sampler.py; < 1 min),
 # decodeattn (the decode-attention kernel against its K/V bytes at copy bandwidth: bench/decode_attention.py),
+# smallgemm (the small-batch matmul: its GPU test, then bench/small_gemm.py: tiles swept per op against cuBLAS with
+# the unfused kernels, 1-8 rows, and a layer's matmuls chained, with and without dependent launch; < 5 min),
 # rollout-timeline (the in-process 1B rollout with 20 steps traced by torch.profiler: the device's busy share).
 #   make gpu-check ARGS="tests pool"
 set -uo pipefail
@@ -130,6 +132,9 @@ for stage in $stages; do
     serve)      run serve $PY bench/serve.py --device cuda --model llama-1b --out "$RESULTS" ;;
     sampler)    run sampler $PY bench/sampler.py --out "$RESULTS" ;;
     decodeattn) run decodeattn $PY bench/decode_attention.py --out "$RESULTS" ;;
+    smallgemm)  run smallgemm-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_small_gemm_gpu.py \
+                  -p no:cacheprovider
+                run smallgemm $PY bench/small_gemm.py --out "$RESULTS" ;;
     rollout-timeline)  # ~20 steps of the 1B rollout traced mid-run, in the server's engine process (through HTTP,
                        # /start_profile and /stop_profile) and in process: the device's busy share of each
                 run rollout-timeline $PY bench/rollout.py --device cuda --model llama-1b --no-hf --timeline \

@@ -61,3 +61,37 @@ def whole_model_error(llm) -> float:
     core.model.ops = TritonOps
     fused = core.runner.logits(hb).double()
     return float((fused - reference).norm() / reference.norm())
+
+
+def check_small_gemm(dtype: torch.dtype, device: str, tol: float, gdc: bool = False, seed: int = 0) -> dict[str, float]:
+    """server/model/small_gemm.py against the unfused reference (TorchOps' norm, F.linear, silu_mul_packed):
+    every combination of residual, norm, bias and SiLU, at 1-5 rows, K walked in one chunk and in several."""
+    import torch.nn.functional as F
+
+    from server.model.small_gemm import small_gemm
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    errs: dict[str, float] = {}
+    for M, K, N, cap in ((1, 576, 100, 2048), (3, 256, 37, 64), (2, 512, 24, 128)):
+        x, r, nw, b = rnd(M, K), rnd(M, K), rnd(K) + 1, rnd(2 * N)
+        w, w2 = rnd(N, K, scale=K ** -0.5), rnd(2 * N, K, scale=K ** -0.5)
+        # Each of residual, bias and norm present and absent, in four combinations (the interpreter is slow).
+        for res, bias, norm in ((None, None, None), (r, b, nw), (r, None, None), (None, b, nw)):
+            h, rsum = TorchOps.add_rmsnorm(x, res, nw, 1e-5) if norm is not None else (
+                x if res is None else x + res, x if res is None else x + res)
+            out, rout = small_gemm(x, w, None if bias is None else bias[:N], residual=res, norm_weight=norm,
+                                   eps=1e-5, gdc=gdc, block_k_cap=cap)
+            errs["linear"] = max(errs.get("linear", 0.0),
+                                 rel(out, F.linear(h, w, None if bias is None else bias[:N])))
+            if res is not None and norm is not None:
+                assert torch.equal(rout, rsum), "the residual sum is the unfused one, bit for bit"
+            out, _ = small_gemm(x, w2, bias, residual=res, norm_weight=norm, eps=1e-5, silu=True, gdc=gdc,
+                                block_n=2, block_k_cap=cap)
+            errs["silu"] = max(errs.get("silu", 0.0), rel(out, TorchOps.silu_mul_packed(F.linear(h, w2, bias))))
+    bad = {k: e for k, e in errs.items() if not e < tol}
+    assert not bad, f"{dtype}: relative errors over {tol:.0e}: {bad}"
+    return errs

@@ -1,0 +1,136 @@
+"""The matmuls of a small decode batch (a few rows) on the CUDA cores, with the work around them folded in.
+
+At batch 1 a matmul reads its whole weight to produce one row: it is bound by the weight's bytes, and what
+it loses against the HBM's rate is the time its loads take to start (ramp-up) and the kernel boundaries
+around it (the norm before it, SiLU × up after it, each a launch). One kernel here does:
+
+    out = epilogue( norm(x + residual) @ W.T + bias )
+
+- NORM: the residual add and RMSNorm of the layer before the matmul (every program recomputes the row's
+  mean square from x: a few KB from L2); program 0 also writes the residual sum out.
+- SILU: W holds gate | up rows (the loader's packed gate_up); a program computes the same rows of both and
+  writes silu(gate) × up, so the activation costs no launch and no [T, 2I] round trip.
+- GDC (programmatic dependent launch, Hopper and newer): the kernel is launched before the one it follows
+  has finished. It issues its weight loads first (weights never depend on the kernel before), then waits
+  for that kernel (griddepcontrol.wait) before it reads x or writes anything, so the weight stream overlaps
+  the previous kernel's tail and the launch gap. It lets the next kernel launch at once: every kernel of
+  a chain waits for its predecessor's completion before writing, so the order is kept transitively.
+
+Rounding follows the unfused ops (TorchOps): the residual sum and the normed row are rounded to the model
+dtype before the matmul, the matmul accumulates in fp32 and rounds once, and SiLU × up rounds as
+silu_mul_packed does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from server.model.decode_kernel import _INTERPRETED
+
+
+@triton.jit
+def _load_x(x_ptr, r_ptr, rout_ptr, m, M, k, stride_x, pid, RESIDUAL: tl.constexpr, WRITE: tl.constexpr):
+    """Row m's chunk k of the matmul's input: x, or x + residual rounded to x's dtype (written out by
+    program 0 when WRITE). Rows past M read as zeros."""
+    ok = (k >= 0) & (m < M)
+    x = tl.load(x_ptr + m * stride_x + k, mask=ok, other=0.0)
+    if RESIDUAL:
+        x = x + tl.load(r_ptr + m * stride_x + k, mask=ok, other=0.0)
+        if WRITE:
+            tl.store(rout_ptr + m * stride_x + k, x, mask=ok & (pid == 0))
+    return x
+
+
+@triton.jit
+def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps, stride_x, stride_o,
+                K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                GDC: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    # Weights first: they do not depend on the kernel before (see GDC above). Streamed once, marked to
+    # leave L2 first, so that the activations stay there.
+    w_rows = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
+    w0 = tl.load(w_rows, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+    u_rows = w_rows + N * K
+    if SILU:
+        u0 = tl.load(u_rows, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    rows = tl.arange(0, ROWS)
+    if NORM:  # each row's 1 / rms, from the whole row (x + residual, as the matmul will read it)
+        inv = tl.zeros([ROWS], tl.float32)
+        for m in tl.static_range(ROWS):
+            sq = tl.zeros([BLOCK_K], tl.float32)
+            for c in tl.static_range(K // BLOCK_K):
+                h = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, stride_x, pid, RESIDUAL,
+                            True).to(tl.float32)
+                sq += h * h
+            inv = tl.where(rows == m, 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps), inv)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for c in tl.static_range(K // BLOCK_K):
+        if c == 0:
+            w = w0.to(tl.float32)
+            if SILU:
+                u = u0.to(tl.float32)
+        else:
+            w = tl.load(w_rows + c * BLOCK_K, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            w = w.to(tl.float32)
+            if SILU:
+                u = tl.load(u_rows + c * BLOCK_K, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                u = u.to(tl.float32)
+        for m in tl.static_range(ROWS):
+            xs = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, stride_x, pid, RESIDUAL, not NORM)
+            if NORM:
+                inv_m = tl.sum(tl.where(rows == m, inv, 0.0), axis=0)
+                xs = tl.load(nw_ptr + c * BLOCK_K + k) * (xs.to(tl.float32) * inv_m).to(xs.dtype)
+            xf = xs.to(tl.float32)[None, :]
+            acc += tl.where(rows[:, None] == m, tl.sum(w * xf, axis=1)[None, :], 0.0)
+            if SILU:
+                acc_u += tl.where(rows[:, None] == m, tl.sum(u * xf, axis=1)[None, :], 0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc_u += tl.load(b_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype)
+    if SILU:
+        g = out.to(tl.float32)
+        out = (g / (1.0 + tl.exp(-g))).to(dtype) * acc_u.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], out, mask=(rows < M)[:, None] & n_ok[None, :])
+
+
+def block_k(K: int, cap: int = 2048) -> int:
+    """The largest power of two that divides K, up to cap: K is walked in whole chunks, unmasked."""
+    b = 1
+    while b * 2 <= cap and K % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+               silu: bool = False, gdc: bool = False, block_n: int = 4, block_k_cap: int = 2048,
+               num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """epilogue(norm(x + residual) @ weight.T + bias) for x [M, K] of a few rows. Returns (out, x + residual),
+    the sum None without a residual. silu: weight is [2I, K] (gate | up) and out [M, I]."""
+    M, K = x.shape
+    assert x.stride(1) == 1 and weight.is_contiguous() and weight.shape[1] == K
+    N = weight.shape[0] // 2 if silu else weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rout = torch.empty_like(x) if residual is not None else x
+    if residual is not None:
+        assert residual.stride() == x.stride()
+    bk = block_k(K, block_k_cap)
+    _small_gemm[(triton.cdiv(N, block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, out, rout, M, N, eps, x.stride(0), out.stride(0),
+        K=K, BLOCK_N=block_n, BLOCK_K=bk, ROWS=triton.next_power_of_2(M), NORM=norm_weight is not None,
+        RESIDUAL=residual is not None, SILU=silu, HAS_BIAS=bias is not None, GDC=gdc, num_warps=num_warps,
+        **({"launch_pdl": True} if gdc else {}))
+    return out, (rout if residual is not None else None)
