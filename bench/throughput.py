@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--async-scheduling", default="on", choices=["off", "on", "both"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--small-gemm", default="on", choices=["on", "both"],
+                    help="both: first the same batches on an engine whose one-row matmuls are cuBLAS's with the "
+                         "unfused kernels around them (server/model/small_gemm.py off), the reference")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
@@ -126,18 +129,33 @@ def main() -> None:
     batches = [int(b) for b in (args.batches or ("1,8" if device.type == "cpu" else "1,8,64")).split(",")]
     new_tokens = args.new_tokens or (64 if device.type == "cpu" else 256)
     dummy = device.type == "cuda" and args.model in (None, "llama-1b", "llama-8b", "llama-tiny")
-    if dummy:
-        name = args.model or "llama-1b"
-        folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
-        llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_num_seqs=max(batches),
-                  max_model_len=2048)
-    else:
-        name = args.model or "SmolLM2-135M-Instruct"
-        llm = LLM(model=args.model, device=args.device, max_num_seqs=max(batches))
-        folder = llm.engine.model_path
+    name = args.model or ("llama-1b" if dummy else "SmolLM2-135M-Instruct")
+    folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072) if dummy else None
+
+    def build():
+        if dummy:
+            llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_num_seqs=max(batches),
+                      max_model_len=2048)
+        else:
+            llm = LLM(model=args.model, device=args.device, max_num_seqs=max(batches))
+        engine_decode_rate(llm, max(batches), 8, device)  # warm-up: allocator, kernels, graphs
+        return llm
+
+    small_off = {}
+    if args.small_gemm == "both":
+        from server.model import small_gemm
+
+        rows_before, small_gemm.SMALL_ROWS = small_gemm.SMALL_ROWS, 0
+        llm = build()
+        llm.engine.set_async_scheduling(modes[-1])
+        small_off = {b: engine_decode_rate(llm, b, new_tokens, device)["decode_tok_s"] for b in batches}
+        llm.close()
+        small_gemm.SMALL_ROWS = rows_before
+        torch.cuda.empty_cache()
+    llm = build()
+    folder = folder or llm.engine.model_path
     dtype = llm.engine.dtype
     vocab = llm.engine.model_config.vocab_size
-    engine_decode_rate(llm, max(batches), 8, device)  # warm-up: allocator, kernels, graphs
 
     hf = None if args.no_hf else load_hf(folder, dtype, device, llm.engine.model if dummy else None)
     hf_batches = [] if hf is None else batches if device.type == "cuda" else [1]
@@ -151,7 +169,8 @@ def main() -> None:
         ref = hf_decode_rate(hf, b, new_tokens, vocab, device) if b in hf_batches else None
         rows.append({"batch": b, "async_scheduling": modes[-1], "sleepserve_tok_s": ours["decode_tok_s"],
                      "sleepserve_e2e_tok_s": ours["e2e_tok_s"], "hf_tok_s": ref["decode_tok_s"] if ref else None,
-                     "sleepserve_sync_tok_s": rates[False]["decode_tok_s"] if False in rates else None})
+                     "sleepserve_sync_tok_s": rates[False]["decode_tok_s"] if False in rates else None,
+                     "small_gemm_off_tok_s": small_off.get(b)})
     hf_b1 = next(r["hf_tok_s"] for r in rows if r["batch"] == 1) if 1 in hf_batches else None
     for r in rows:
         same = r["hf_tok_s"]
@@ -166,6 +185,8 @@ def main() -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
         result.update(copy_bandwidth_GBs=bw / 1e9, weight_bytes=weight_bytes, roofline_tok_s_batch1=bw / weight_bytes)
         result["batch1_fraction_of_roofline"] = rows[0]["sleepserve_tok_s"] / result["roofline_tok_s_batch1"]
+        if small_off:
+            result["batch1_fraction_of_roofline_small_gemm_off"] = rows[0]["small_gemm_off_tok_s"] / result["roofline_tok_s_batch1"]
         if rows[0]["sleepserve_sync_tok_s"] and len(modes) > 1:
             result["batch1_fraction_of_roofline_sync"] = rows[0]["sleepserve_sync_tok_s"] / result["roofline_tok_s_batch1"]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -175,17 +196,20 @@ def main() -> None:
 
     print(f"\nthroughput ({result['model']}, {result['dtype']}, {result['hardware']}, {result['date']})")
     print(table([[r["batch"], f"{r['sleepserve_sync_tok_s']:.1f}" if r["sleepserve_sync_tok_s"] else "-",
-                  f"{r['sleepserve_tok_s']:.1f}", f"{r['hf_tok_s']:.1f}" if r["hf_tok_s"] else "-",
+                  f"{r['sleepserve_tok_s']:.1f}", f"{r['small_gemm_off_tok_s']:.1f}" if r["small_gemm_off_tok_s"] else "-",
+                  f"{r['hf_tok_s']:.1f}" if r["hf_tok_s"] else "-",
                   f"{r['x_vs_hf_same_batch']:.2f}x" if r["x_vs_hf_same_batch"] else "-",
                   f"{r['x_vs_hf_batch1']:.2f}x" if r["x_vs_hf_batch1"] else "-"] for r in rows],
                 ["batch", "sync tok/s", f"sleepserve tok/s (async {'on' if modes[-1] else 'off'})",
-                 "HF generate tok/s", "vs HF same batch", "vs HF batch 1"]))
+                 "small_gemm off tok/s", "HF generate tok/s", "vs HF same batch", "vs HF batch 1"]))
     if device.type == "cuda":
         print(f"HBM roofline at batch 1: {result['roofline_tok_s_batch1']:.0f} tok/s "
               f"({result['weight_bytes'] / 1e9:.2f} GB of weights at {result['copy_bandwidth_GBs']:.0f} GB/s); "
               f"sleepserve reaches {100 * result['batch1_fraction_of_roofline']:.0f}% (target 60% for 1B, 80% for 8B)"
               + (f", {100 * result['batch1_fraction_of_roofline_sync']:.0f}% without async scheduling"
-                 if "batch1_fraction_of_roofline_sync" in result else ""))
+                 if "batch1_fraction_of_roofline_sync" in result else "")
+              + (f", {100 * result['batch1_fraction_of_roofline_small_gemm_off']:.0f}% with small_gemm off"
+                 if "batch1_fraction_of_roofline_small_gemm_off" in result else ""))
 
 
 if __name__ == "__main__":

@@ -47,14 +47,16 @@ def check_all(fused, dtype: torch.dtype, device: str, tol: float, seed: int = 0)
     return errs
 
 
-def whole_model_error(llm) -> float:
+def whole_model_error(llm, prompt_len: int = 50) -> float:
     """Relative error of one prefill's logits computed with the fused ops (TritonOps) against the
-    PyTorch ops, on an engine's own model and cache."""
+    PyTorch ops, on an engine's own model and cache. A prompt of a few tokens takes the small-batch
+    path (small_gemm.py)."""
     from server import SamplingParams
     from server.model.fused_ops import TritonOps
 
     core = llm.engine
-    core.add_request("fused-check", prompt_token_ids=list(range(100, 150)), params=SamplingParams(max_tokens=1))
+    core.add_request(f"fused-check-{prompt_len}", prompt_token_ids=list(range(100, 100 + prompt_len)),
+                     params=SamplingParams(max_tokens=1))
     hb = core.runner.prepare(core.scheduler.schedule())
     core.model.ops = TorchOps
     reference = core.runner.logits(hb).double()

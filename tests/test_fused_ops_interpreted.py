@@ -34,6 +34,8 @@ assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
 assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.weight.shape[0]:].data_ptr()
 err = whole_model_error(llm)
 assert err < 1e-5, err
+err = whole_model_error(llm, prompt_len=1)  # one row: the small-batch matmuls (small_gemm.py)
+assert err < 1e-5, err
 """
 
 

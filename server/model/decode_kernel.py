@@ -11,12 +11,11 @@ captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from server.model.launch import INTERPRETED, gdc_launch
 from server.model.online_softmax import online_softmax_step
 
 
@@ -44,10 +43,14 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, parts_ptr,
                   GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
                   STAGES: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                  MIN_SPLIT_TILES: tl.constexpr):
+                  MIN_SPLIT_TILES: tl.constexpr, GDC: tl.constexpr):
     """Program (sequence, KV head, split): the split's share of the context, whole tiles of at least
     MIN_SPLIT_TILES. One active split writes the output; several write partial results (m, l, acc), and
-    the last to finish (an atomic count per (sequence, KV head), left at 0 again) combines them."""
+    the last to finish (an atomic count per (sequence, KV head), left at 0 again) combines them.
+    GDC: launched before the kernel before it ends (a small batch's chain, small_gemm.py): waits for it first."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,18 +119,6 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, parts_ptr,
         tl.atomic_xchg(count, 0)  # ready for the next launch (the next layer's, or a graph's replay)
 
 
-def _interpreted() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET: 1, true, on...), as Triton reads
-    it; it is read when a kernel is defined, so it is fixed for the process."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-_INTERPRETED = _interpreted()
-
-
 # A sequence's context is split over programs only while the batch leaves the device idle: up to MAX_SPLITS
 # splits, until batch x KV heads x splits reaches SPLIT_TARGET programs, each split at least MIN_SPLIT_TILES
 # tiles (a short context stays one program: the combine would cost more than it saves).
@@ -148,10 +139,11 @@ def decode_splits(batch: int, kv_heads: int) -> int:
 
 def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            max_context: int | None = None, split_counts: torch.Tensor | None = None) -> torch.Tensor:
+                            max_context: int | None = None, split_counts: torch.Tensor | None = None,
+                            gdc: bool = False) -> torch.Tensor:
     """Same contract as attention.decode_attention_torch: q [B, H, D] -> [B, H, D]. split_counts: int32
     zeros, SPLIT_COUNTS of them, that the caller keeps between launches (AttentionContext.split_counts);
-    without them a sequence's context is one program's."""
+    without them a sequence's context is one program's. gdc: chained by dependent launch (small_gemm.py)."""
     B, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     # K and V are strided views of one block-major cache (kv_layout.py): the kernel reads both with
@@ -182,7 +174,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, PADDED_GROUP=padded, HEAD_DIM=D, BLOCK_SIZE=block_size, TILE=tile,
-        IEEE=q.dtype == torch.float32, STAGES=STAGES, INTERPRETED=_INTERPRETED, MAX_SPLITS=MAX_SPLITS,
-        MIN_SPLIT_TILES=MIN_SPLIT_TILES, num_warps=WARPS,
+        IEEE=q.dtype == torch.float32, STAGES=STAGES, INTERPRETED=INTERPRETED, MAX_SPLITS=MAX_SPLITS,
+        MIN_SPLIT_TILES=MIN_SPLIT_TILES, num_warps=WARPS, **gdc_launch(gdc),
     )
     return out

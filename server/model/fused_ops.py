@@ -1,5 +1,7 @@
 """Fused kernels for CUDA: residual add + RMSNorm, rotary + KV-cache write, SiLU * up, and one GEMM
-for q/k/v and one for gate/up (over weights the loader lays out side by side).
+for q/k/v and one for gate/up (over weights the loader lays out side by side). For a few rows (a small
+decode batch) the norm, the matmul and SiLU × up are one small_gemm launch each (small_gemm.py), chained
+with the rotary and attention kernels by programmatic dependent launch.
 
 Each replaces several PyTorch kernels (TorchOps in ops.py is the reference). Arithmetic is done in
 fp32 and rounded once; the residual sum is rounded to the model dtype before the norm reads it,
@@ -14,6 +16,7 @@ import triton.language as tl
 
 from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
+from server.model.small_gemm import chained, gdc_launch, small_gemm, small_rows
 
 
 @triton.jit
@@ -37,7 +40,10 @@ def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n_cols, eps,
 def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
                     n_heads, n_kv_heads, stride_qt, stride_kt, stride_vt, stride_ct,
                     stride_cb, stride_cs, stride_ch,
-                    HALF: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                    HALF: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, GDC: tl.constexpr):
+    if GDC:  # launched before the q|k|v matmul ends (small_gemm.py): wait for it, let the attention launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_P2)
@@ -113,20 +119,49 @@ class TritonOps:
                                   q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
                                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                   HALF=D // 2, HEADS_P2=triton.next_power_of_2(max(H, KVH)),
-                                  BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+                                  BLOCK_SIZE=k_cache.shape[1], num_warps=4, **gdc_launch(chained(q)))
         return q, k
 
     @staticmethod
     def qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One GEMM over the q|k|v weights (laid out contiguously by the loader), split by views."""
-        out = F.linear(x, attn.qkv_weight, attn.qkv_bias)
-        q = attn.num_heads * attn.head_dim
-        kv = attn.num_kv_heads * attn.head_dim
-        return out[:, :q], out[:, q:q + kv], out[:, q + kv:]
+        return _split_qkv(attn, F.linear(x, attn.qkv_weight, attn.qkv_bias))
+
+    @staticmethod
+    def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
+        """The layer's input norm and q|k|v: one small_gemm launch for a few rows."""
+        if not small_rows(x):
+            h, residual = TritonOps.add_rmsnorm(x, residual, norm.weight, norm.eps)
+            return (*TritonOps.qkv(attn, h), residual)
+        out, rsum = small_gemm(x, attn.qkv_weight, attn.qkv_bias, residual=residual, norm_weight=norm.weight,
+                               eps=norm.eps, gdc=chained(x))
+        return (*_split_qkv(attn, out), x if rsum is None else rsum)
 
     @staticmethod
     def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
         return TritonOps.silu_mul_packed(F.linear(x, mlp.gate_up_weight, mlp.gate_up_bias))
+
+    @staticmethod
+    def norm_gate_up_act(mlp, norm, x: torch.Tensor, residual: torch.Tensor):
+        """The post-attention norm, gate|up and SiLU × up: one small_gemm launch for a few rows."""
+        if not small_rows(x):
+            h, residual = TritonOps.add_rmsnorm(x, residual, norm.weight, norm.eps)
+            return TritonOps.gate_up_act(mlp, h), residual
+        return small_gemm(x, mlp.gate_up_weight, mlp.gate_up_bias, residual=residual, norm_weight=norm.weight,
+                          eps=norm.eps, silu=True, gdc=chained(x))
+
+    @staticmethod
+    def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """o_proj and down_proj (one device)."""
+        if not small_rows(x):
+            return module(x)
+        return small_gemm(x, module.weight, module.bias, gdc=chained(x))[0]
+
+    @staticmethod
+    def lm_head(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if not small_rows(hidden):
+            return torch.mm(hidden, weight.t(), out=out)
+        return small_gemm(hidden, weight, out=out, gdc=chained(hidden))[0]
 
     @staticmethod
     def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
@@ -138,5 +173,14 @@ class TritonOps:
             _silu_mul_packed[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, BLOCK=BLOCK, num_warps=4)
         return out
 
-    decode_attention = staticmethod(triton_decode_attention)
+    @staticmethod
+    def decode_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return triton_decode_attention(q, *args, **kwargs, gdc=chained(q))
+
     prefill_attention = staticmethod(triton_prefill_attention)  # every span of the step in one launch
+
+
+def _split_qkv(attn, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = attn.num_heads * attn.head_dim
+    kv = attn.num_kv_heads * attn.head_dim
+    return out[:, :q], out[:, q:q + kv], out[:, q + kv:]

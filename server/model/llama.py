@@ -54,17 +54,17 @@ class Attention(nn.Module):
     def fused_groups(self) -> dict[str, list[nn.Linear]]:
         return {"qkv": [self.q_proj, self.k_proj, self.v_proj]}
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
-                ops) -> torch.Tensor:
-        T, D = x.shape[0], self.head_dim
-        q, k, v = ops.qkv(self, x)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext, ops) -> torch.Tensor:
+        """q, k, v: the q|k|v matmul's views (ops.norm_qkv) -> o_proj's output."""
+        T, D = q.shape[0], self.head_dim
         q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
         if self.q_norm is not None:  # Qwen3 normalizes each head before the rotation
             q = self.q_norm(q.reshape(-1, D), None, ops)[0].view(T, self.num_heads, D)
             k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
         q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention, ops.prefill_attention)
-        return self.tp.row_parallel(self.o_proj, out.reshape(T, self.num_heads * D))
+        return self.tp.row_parallel(self.o_proj, out.reshape(T, self.num_heads * D), ops.linear)
 
 
 class MLP(nn.Module):
@@ -80,8 +80,9 @@ class MLP(nn.Module):
     def fused_groups(self) -> dict[str, list[nn.Linear]]:
         return {"gate_up": [self.gate_proj, self.up_proj]}
 
-    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.tp.row_parallel(self.down_proj, ops.gate_up_act(self, x))
+    def down(self, act: torch.Tensor, ops) -> torch.Tensor:
+        """down_proj of the activation (ops.norm_gate_up_act computes it with the norm before)."""
+        return self.tp.row_parallel(self.down_proj, act, ops.linear)
 
 
 class DecoderLayer(nn.Module):
@@ -95,12 +96,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext, ops) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream travels beside the hidden state, so each norm also does the add
-        # before it (one fused kernel on CUDA). Float addition commutes, so this is bit for bit
-        # Hugging Face's `residual + hidden`.
-        x, residual = self.input_layernorm(x, residual, ops)
-        x = self.self_attn(x, cos, sin, ctx, ops)
-        x, residual = self.post_attention_layernorm(x, residual, ops)
-        return self.mlp(x, ops), residual
+        # before it (fused with the matmul after it on CUDA). Float addition commutes, so this is bit
+        # for bit Hugging Face's `residual + hidden`.
+        q, k, v, residual = ops.norm_qkv(self.self_attn, self.input_layernorm, x, residual)
+        x = self.self_attn(q, k, v, cos, sin, ctx, ops)
+        act, residual = ops.norm_gate_up_act(self.mlp, self.post_attention_layernorm, x, residual)
+        return self.mlp.down(act, ops), residual
 
 
 class VocabEmbedding(nn.Module):
@@ -171,6 +172,5 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.enabled:  # each rank's vocabulary slice, gathered (in the model's dtype: half the bytes)
             logits = self.tp.gather_vocab(F.linear(hidden, self.output_weight()))
             return logits.float() if out is None else out.copy_(logits)
-        if out is not None:
-            return torch.mm(hidden, self.output_weight().t(), out=out)
-        return F.linear(hidden, self.output_weight()).float()
+        logits = self.ops.lm_head(hidden, self.output_weight(), out)
+        return logits if out is not None else logits.float()

@@ -48,6 +48,28 @@ class TorchOps:
         return F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
 
     @staticmethod
+    def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
+        """The layer's input norm, then q|k|v: (q, k, v, the residual stream)."""
+        h, residual = norm(x, residual, TorchOps)
+        return (*TorchOps.qkv(attn, h), residual)
+
+    @staticmethod
+    def norm_gate_up_act(mlp, norm, x: torch.Tensor, residual: torch.Tensor):
+        """The post-attention norm, then silu(gate) * up: (the activation, the residual stream)."""
+        h, residual = norm(x, residual, TorchOps)
+        return TorchOps.gate_up_act(mlp, h), residual
+
+    @staticmethod
+    def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """o_proj and down_proj on one device."""
+        return module(x)
+
+    @staticmethod
+    def lm_head(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Logits in the model's dtype, written to `out` when given."""
+        return torch.mm(hidden, weight.t(), out=out)
+
+    @staticmethod
     def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] holding gate | up -> silu(gate) * up, [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)

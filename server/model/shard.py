@@ -148,12 +148,13 @@ class TensorParallel:
             self._comm().all_reduce(x)
         return x
 
-    def row_parallel(self, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def row_parallel(self, linear: torch.nn.Linear, x: torch.Tensor, one_device=None) -> torch.Tensor:
         """linear(x) summed over the ranks (o_proj, down_proj: each rank holds some input columns).
         A communicator with a staging buffer (symmetric memory) gets the matmul's output written
-        straight into it, saving the copy an all-reduce of a separate tensor needs."""
+        straight into it, saving the copy an all-reduce of a separate tensor needs. one_device(linear, x):
+        the matmul without tensor parallelism (the ops set's)."""
         if self.world == 1:
-            return linear(x)
+            return linear(x) if one_device is None else one_device(linear, x)
         comm = self._comm()
         staging = getattr(comm, "staging", None)
         out = None if staging is None or x.dim() != 2 else staging(x.shape[0], linear.out_features, x.dtype)

@@ -14,7 +14,7 @@ import triton
 
 from server import LLM, SamplingParams
 from server.engine import fused_sample
-from server.model import decode_kernel, fused_ops, prefill_kernel
+from server.model import decode_kernel, fused_ops, prefill_kernel, small_gemm
 from tests.models import model_folder
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 def compiled_variants() -> dict[str, int]:
     """How many variants of each of our Triton kernels are compiled, every device together."""
-    kernels = {name: fn for module in (decode_kernel, fused_ops, prefill_kernel, fused_sample)
+    kernels = {name: fn for module in (decode_kernel, fused_ops, prefill_kernel, small_gemm, fused_sample)
                for name, fn in vars(module).items() if isinstance(fn, triton.runtime.JITFunction)}
     assert len(kernels) >= 5, f"found only {sorted(kernels)}"
     return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in kernels.items()}
