@@ -129,82 +129,6 @@ def configs(k: int):
         yield {"block_n": block_n, "num_warps": warps, "block_k_cap": cap}
 
 
-def rows_configs(k: int, rows: int, silu: bool):
-    """The several-row kernel's tiles: registers a thread for the accumulators at most 64 (both, with SiLU)."""
-    from server.model.small_gemm import block_k
-
-    for block_n, warps, cap in itertools.product((2, 4, 8), (2, 4), (64, 128, 256)):
-        bk = block_k(k, cap)
-        per_thread = rows * block_n * bk * (2 if silu else 1) // (32 * warps)
-        if bk == cap and 4 <= per_thread <= 64:
-            yield {"block_n": block_n, "num_warps": warps, "block_k_cap": cap, "rows_kernel": True}
-
-
-def rows_part(results: dict, dtype) -> None:
-    """The several-row kernel (small_gemm's rows_kernel) at 2, 4 and 8 rows: its tiles swept on the 1B shape,
-    the best of each (op, rows) then used on the 8B shape; each op and a whole layer against cuBLAS with the
-    unfused kernels."""
-    best: dict = {}
-    for name in ("1b", "8b"):
-        hidden, qkv, inter, vocab = SHAPES[name]
-        probe = Layer(hidden, qkv, inter, dtype)
-        copies = max(2, int(1.5 * 2**30 // probe.bytes()))
-        layers = [probe] + [Layer(hidden, qkv, inter, dtype) for _ in range(copies - 1)]
-        res = results.setdefault("rows_kernel", {})[name] = {"ops": [], "layer": []}
-        out_rows = []
-        for op in ("qkv", "o", "gate_up", "down"):
-            k = inter if op == "down" else hidden
-            for rows in (2, 4, 8):
-                x, r = op_input(op, rows, hidden, inter, dtype)
-
-                def ref_fn(lay, x=x, r=r, op=op):
-                    return ref_op(op, lay, x, r, hidden)
-                t_ref = chain_time([ref_fn], layers, x, r)
-                cands = list(rows_configs(k, rows, op == "gate_up")) if name == "1b" else [best[(op, rows)]]
-                timed_cfgs = []
-                for cfg in cands:
-                    def fn(lay, x=x, r=r, op=op, cfg=cfg):
-                        return ours_op(op, lay, x, r, cfg, True)
-                    try:
-                        timed_cfgs.append((chain_time([fn], layers, x, r), cfg))
-                    except Exception as e:
-                        print(f"  {name} {op} rows {rows} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                timed_cfgs.sort(key=lambda tc: tc[0])
-                t, cfg = timed_cfgs[0]
-                best[(op, rows)] = cfg
-                res["ops"].append({"op": op, "rows": rows, "reference_us": t_ref * 1e6, "us": t * 1e6, "best": cfg,
-                                   "top": [{**c, "us": tt * 1e6} for tt, c in timed_cfgs[:5]]})
-                out_rows.append([op, rows, f"{t_ref * 1e6:.1f}", f"{t * 1e6:.1f}", f"{t_ref / t:.2f}",
-                                 f"{cfg['block_n']}/{cfg['num_warps']}/{cfg['block_k_cap']}"])
-        print(f"{name}: the several-row kernel (GDC on) against cuBLAS with the unfused kernels")
-        print(table(out_rows, ["op", "rows", "cuBLAS+unfused us", "rows kernel us", "speed-up", "tile n/warps/k"]))
-        layer_out = []
-        for rows in (2, 4, 8):
-            x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
-            r = torch.randn(rows, hidden, device="cuda", dtype=dtype)
-
-            def ref_layer(layer, x=x, r=r):
-                qkv_out, r2 = ref_op("qkv", layer, x, r, hidden)
-                o = ref_op("o", layer, qkv_out[:, :hidden], r2, hidden)[0]
-                act, r3 = ref_op("gate_up", layer, o, r2, hidden)
-                return ref_op("down", layer, act, r3, hidden)
-
-            def our_layer(layer, x=x, r=r, rows=rows):
-                qkv_out, r2 = ours_op("qkv", layer, x, r, best[("qkv", rows)], True)
-                o = ours_op("o", layer, qkv_out[:, :hidden], r2, best[("o", rows)], True)[0]
-                act, r3 = ours_op("gate_up", layer, o, r2, best[("gate_up", rows)], True)
-                return ours_op("down", layer, act, r3, best[("down", rows)], True)
-
-            t_ref = chain_time([ref_layer], layers, x, r)
-            t_ours = chain_time([our_layer], layers, x, r)
-            res["layer"].append({"rows": rows, "reference_us": t_ref * 1e6, "rows_kernel_us": t_ours * 1e6})
-            layer_out.append([rows, f"{t_ref * 1e6:.1f}", f"{t_ours * 1e6:.1f}", f"{t_ref / t_ours:.2f}"])
-        print(f"{name}: a layer's four matmuls with their norms and SiLU, several rows")
-        print(table(layer_out, ["rows", "reference us", "rows kernel us", "speed-up"]))
-        del layers, probe
-        torch.cuda.empty_cache()
-
-
 def chain_time(ops, layers, x, r):
     """One call runs every (op, layer) in order; the output of each feeds only the time, not the next."""
     def run():
@@ -218,18 +142,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--shapes", default="1b,8b")
     ap.add_argument("--gib", type=float, default=1.5, help="weights per chain (copies of a layer): past L2")
-    ap.add_argument("--parts", default="one,rows", help="one: the one-row sweep, rows and layer tables; "
-                                                        "rows: the several-row kernel")
     args = ap.parse_args()
-    parts = args.parts.split(",")
     dtype = torch.bfloat16
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev) / 2  # bytes read per second (the copy counts read + write)
     results = {"date": now_iso(), "hardware": hardware(dev), "read_bandwidth": bw, "shapes": {}}
     print(f"read bandwidth (half a device copy's bytes) {bw / 1e9:.0f} GB/s")
-    if "rows" in parts:
-        rows_part(results, dtype)
-    for name in (args.shapes.split(",") if "one" in parts else []):
+    for name in args.shapes.split(","):
         hidden, qkv, inter, vocab = SHAPES[name]
         probe = Layer(hidden, qkv, inter, dtype)
         copies = max(2, int(args.gib * 2**30 // probe.bytes()))

@@ -65,8 +65,7 @@ def whole_model_error(llm, prompt_len: int = 50) -> float:
     return float((fused - reference).norm() / reference.norm())
 
 
-def check_small_gemm(dtype: torch.dtype, device: str, tol: float, gdc: bool = False, seed: int = 0,
-                     rows_kernel: bool = False) -> dict[str, float]:
+def check_small_gemm(dtype: torch.dtype, device: str, tol: float, gdc: bool = False, seed: int = 0) -> dict[str, float]:
     """server/model/small_gemm.py against the unfused reference (TorchOps' norm, F.linear, silu_mul_packed):
     every combination of residual, norm, bias and SiLU, at 1-5 rows, K walked in one chunk and in several."""
     import torch.nn.functional as F
@@ -87,13 +86,13 @@ def check_small_gemm(dtype: torch.dtype, device: str, tol: float, gdc: bool = Fa
             h, rsum = TorchOps.add_rmsnorm(x, res, nw, 1e-5) if norm is not None else (
                 x if res is None else x + res, x if res is None else x + res)
             out, rout = small_gemm(x, w, None if bias is None else bias[:N], residual=res, norm_weight=norm,
-                                   eps=1e-5, gdc=gdc, block_k_cap=cap, rows_kernel=rows_kernel)
+                                   eps=1e-5, gdc=gdc, block_k_cap=cap)
             errs["linear"] = max(errs.get("linear", 0.0),
                                  rel(out, F.linear(h, w, None if bias is None else bias[:N])))
             if res is not None and norm is not None:
                 assert torch.equal(rout, rsum), "the residual sum is the unfused one, bit for bit"
             out, _ = small_gemm(x, w2, bias, residual=res, norm_weight=norm, eps=1e-5, silu=True, gdc=gdc,
-                                block_n=2, block_k_cap=cap, rows_kernel=rows_kernel)
+                                block_n=2, block_k_cap=cap)
             errs["silu"] = max(errs.get("silu", 0.0), rel(out, TorchOps.silu_mul_packed(F.linear(h, w2, bias))))
     bad = {k: e for k, e in errs.items() if not e < tol}
     assert not bad, f"{dtype}: relative errors over {tol:.0e}: {bad}"

@@ -105,67 +105,6 @@ def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps
     tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], out, mask=(rows < M)[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _rows_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps, stride_x, stride_o,
-               K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-               NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-               GDC: tl.constexpr, STAGES: tl.constexpr):
-    """_small_gemm for several rows: every row's products are summed elementwise over the chunks in a
-    [ROWS, BLOCK_N, BLOCK_K] accumulator and reduced once at the end, not once a row and chunk."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, ROWS)
-    x_ok = (rows < M)[:, None] & (k >= 0)[None, :]
-    x_at = rows[:, None] * stride_x + k[None, :]
-    w_rows = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
-    u_rows = w_rows + N * K
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    first = pid == 0
-    if NORM:
-        sq = tl.zeros([ROWS, BLOCK_K], tl.float32)
-        for c in tl.range(0, K, BLOCK_K):
-            h = tl.load(x_ptr + x_at + c, mask=x_ok, other=0.0)
-            if RESIDUAL:
-                h = h + tl.load(r_ptr + x_at + c, mask=x_ok, other=0.0)
-                tl.store(rout_ptr + x_at + c, h, mask=x_ok & first)
-            h = h.to(tl.float32)
-            sq += h * h
-        inv = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    acc_u = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    for c in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        w = tl.load(w_rows + c, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first").to(tl.float32)
-        if SILU:
-            u = tl.load(u_rows + c, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first").to(tl.float32)
-        xs = tl.load(x_ptr + x_at + c, mask=x_ok, other=0.0)
-        if RESIDUAL:
-            xs = xs + tl.load(r_ptr + x_at + c, mask=x_ok, other=0.0)
-            if not NORM:
-                tl.store(rout_ptr + x_at + c, xs, mask=x_ok & first)
-        if NORM:
-            xs = tl.load(nw_ptr + c + k)[None, :] * (xs.to(tl.float32) * inv[:, None]).to(xs.dtype)
-        xf = xs.to(tl.float32)[:, None, :]
-        acc += w[None, :, :] * xf
-        if SILU:
-            acc_u += u[None, :, :] * xf
-    res = tl.sum(acc, axis=2)
-    if HAS_BIAS:
-        res += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    out = res.to(dtype)
-    if SILU:
-        res_u = tl.sum(acc_u, axis=2)
-        if HAS_BIAS:
-            res_u += tl.load(b_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        g = out.to(tl.float32)
-        out = (g / (1.0 + tl.exp(-g))).to(dtype) * res_u.to(dtype)
-    tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], out, mask=(rows < M)[:, None] & n_ok[None, :])
-
-
 # Up to this many rows a matmul runs here (and its neighbours chain by dependent launch); above it cuBLAS wins.
 # bench/small_gemm.py on the H200 (2026-12-02), a layer's four matmuls with their norms and SiLU, against
 # cuBLAS with the unfused kernels: at 1 row 1.45x faster (1B shape: 49.8 -> 34.5 us) and 1.19x (8B: 124.1
@@ -201,8 +140,8 @@ def block_k(K: int, cap: int = 2048) -> int:
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                silu: bool = False, gdc: bool = False, out: torch.Tensor | None = None,
-               block_n: int | None = None, block_k_cap: int | None = None, num_warps: int | None = None,
-               rows_kernel: bool = False, stages: int = 3) -> tuple[torch.Tensor, torch.Tensor | None]:
+               block_n: int | None = None, block_k_cap: int | None = None,
+               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """epilogue(norm(x + residual) @ weight.T + bias) for x [M, K] of a few rows. Returns (out, x + residual),
     the sum None without a residual. silu: weight is [2I, K] (gate | up) and out [M, I]. out: where to write
     (contiguous rows). The tile defaults to default_tile's."""
@@ -219,14 +158,6 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if residual is not None:
         assert residual.stride() == x.stride()
     bk = block_k(K, block_k_cap)
-    if rows_kernel:
-        _rows_gemm[(triton.cdiv(N, block_n),)](
-            x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-            bias if bias is not None else weight, out, rout, M, N, eps, x.stride(0), out.stride(0),
-            K=K, BLOCK_N=block_n, BLOCK_K=bk, ROWS=triton.next_power_of_2(M), NORM=norm_weight is not None,
-            RESIDUAL=residual is not None, SILU=silu, HAS_BIAS=bias is not None, num_warps=num_warps,
-            STAGES=stages, **gdc_launch(gdc))
-        return out, (rout if residual is not None else None)
     _small_gemm[(triton.cdiv(N, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, out, rout, M, N, eps, x.stride(0), out.stride(0),
