@@ -16,7 +16,8 @@ import triton.language as tl
 
 from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
-from server.model.small_gemm import chained, gdc_launch, small_gemm, small_rows
+from server.model.launch import gdc_launch
+from server.model.small_gemm import chained, small_gemm, small_rows
 
 
 @triton.jit

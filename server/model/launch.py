@@ -1,7 +1,7 @@
 """How the Triton kernels are launched: Triton's CPU interpreter or a GPU, and programmatic dependent launch.
 
 Programmatic dependent launch (Hopper and newer) lets a kernel start before the one before it in the stream has
-finished: the new kernel runs what does not depend on its predecessor (small_gemm.py loads its weights), then
+finished: the new kernel runs what does not depend on its predecessor (small_gemm.py loads weights), then
 waits in-kernel for it (griddepcontrol.wait, Triton's gdc_wait) before reading its output or writing anything.
 Each chained kernel also lets its successor launch at once (gdc_launch_dependents). The order of the stream is
 kept: every chained kernel waits for the one before it to complete, so each waits, transitively, for all before.
@@ -30,8 +30,10 @@ INTERPRETED = _interpreted()
 
 @functools.cache
 def dependent_launch_on(device: torch.device) -> bool:
-    """Programmatic dependent launch needs Hopper or newer, and a real GPU (not Triton's interpreter)."""
-    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (9, 0)
+    """Programmatic dependent launch needs NVIDIA's Hopper or newer, and a real GPU (not Triton's interpreter;
+    not ROCm, whose devices torch also calls "cuda")."""
+    return (device.type == "cuda" and not INTERPRETED and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def gdc_launch(on: bool) -> dict:

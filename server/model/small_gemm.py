@@ -11,7 +11,8 @@ around it (the norm before it, SiLU × up after it, each a launch). One kernel h
 - SILU: W holds gate | up rows (the loader's packed gate_up); a program computes the same rows of both and
   writes silu(gate) × up, so the activation costs no launch and no [T, 2I] round trip.
 - GDC (programmatic dependent launch, Hopper and newer): the kernel is launched before the one it follows
-  has finished. It issues its weight loads first (weights never depend on the kernel before), then waits
+  has finished. It issues the loads of its first chunk of weights first (weights never depend on the kernel
+  before; at K <= 2048, or 4096, that is all of a program's weights), then waits
   for that kernel (griddepcontrol.wait) before it reads x or writes anything, so the weight stream overlaps
   the previous kernel's tail and the launch gap. It lets the next kernel launch at once: every kernel of
   a chain waits for its predecessor's completion before writing, so the order is kept transitively.
@@ -30,34 +31,44 @@ from server.model.launch import dependent_launch_on, gdc_launch
 
 
 @triton.jit
-def _load_x(x_ptr, r_ptr, rout_ptr, m, M, k, stride_x, pid, RESIDUAL: tl.constexpr, WRITE: tl.constexpr):
+def _load_x(x_ptr, r_ptr, rout_ptr, m, M, k, K: tl.constexpr, BLOCK_K: tl.constexpr, stride_x, stride_r,
+            stride_ro, pid, RESIDUAL: tl.constexpr, WRITE: tl.constexpr):
     """Row m's chunk k of the matmul's input: x, or x + residual rounded to x's dtype (written out by
-    program 0 when WRITE). Rows past M read as zeros."""
-    ok = (k >= 0) & (m < M)
+    program 0 when WRITE). Rows past M and columns past K read as zeros."""
+    if K % BLOCK_K == 0:  # (unmasked columns keep the loads vectorized)
+        ok = (k >= 0) & (m < M)
+    else:
+        ok = (k < K) & (m < M)
     x = tl.load(x_ptr + m * stride_x + k, mask=ok, other=0.0)
     if RESIDUAL:
-        x = x + tl.load(r_ptr + m * stride_x + k, mask=ok, other=0.0)
+        x = x + tl.load(r_ptr + m * stride_r + k, mask=ok, other=0.0)
         if WRITE:
-            tl.store(rout_ptr + m * stride_x + k, x, mask=ok & (pid == 0))
+            tl.store(rout_ptr + m * stride_ro + k, x, mask=ok & (pid == 0))
     return x
 
 
 @triton.jit
-def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps, stride_x, stride_o,
-                K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps, stride_x, stride_r, stride_ro,
+                stride_o, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                 GDC: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     k = tl.arange(0, BLOCK_K)
-    # Weights first: they do not depend on the kernel before (see GDC above). Streamed once, marked to
-    # leave L2 first, so that the activations stay there.
+    CHUNKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K  # the last one masked when BLOCK_K does not divide K
+    # The first chunk of weights first: it does not depend on the kernel before (see GDC above). Streamed
+    # once, marked to leave L2 first, so that the activations stay there.
     w_rows = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
-    w0 = tl.load(w_rows, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-    u_rows = w_rows + N * K
+    EVEN: tl.constexpr = K % BLOCK_K == 0
+    if EVEN:
+        w_ok = n_ok[:, None] & (k >= 0)[None, :]
+    else:
+        w_ok = n_ok[:, None] & (k < K)[None, :]
+    w0 = tl.load(w_rows, mask=w_ok, other=0.0, eviction_policy="evict_first")
     if SILU:
-        u0 = tl.load(u_rows, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+        u_rows = w_rows + N.to(tl.int64) * K
+        u0 = tl.load(u_rows, mask=w_ok, other=0.0, eviction_policy="evict_first")
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -66,29 +77,36 @@ def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps
         inv = tl.zeros([ROWS], tl.float32)
         for m in tl.static_range(ROWS):
             sq = tl.zeros([BLOCK_K], tl.float32)
-            for c in tl.static_range(K // BLOCK_K):
-                h = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, stride_x, pid, RESIDUAL,
-                            True).to(tl.float32)
+            for c in tl.static_range(CHUNKS):
+                h = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, K, BLOCK_K, stride_x, stride_r, stride_ro, pid,
+                            RESIDUAL, True).to(tl.float32)
                 sq += h * h
             inv = tl.where(rows == m, 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps), inv)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for c in tl.static_range(K // BLOCK_K):
+    if SILU:
+        acc_u = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for c in tl.static_range(CHUNKS):
         if c == 0:
             w = w0.to(tl.float32)
             if SILU:
                 u = u0.to(tl.float32)
         else:
-            w = tl.load(w_rows + c * BLOCK_K, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            w = w.to(tl.float32)
+            if not EVEN:
+                w_ok = n_ok[:, None] & (c * BLOCK_K + k < K)[None, :]
+            w = tl.load(w_rows + c * BLOCK_K, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
             if SILU:
-                u = tl.load(u_rows + c * BLOCK_K, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                u = tl.load(u_rows + c * BLOCK_K, mask=w_ok, other=0.0, eviction_policy="evict_first")
                 u = u.to(tl.float32)
         for m in tl.static_range(ROWS):
-            xs = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, stride_x, pid, RESIDUAL, not NORM)
+            xs = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, K, BLOCK_K, stride_x, stride_r, stride_ro, pid,
+                         RESIDUAL, not NORM)
             if NORM:
                 inv_m = tl.sum(tl.where(rows == m, inv, 0.0), axis=0)
-                xs = tl.load(nw_ptr + c * BLOCK_K + k) * (xs.to(tl.float32) * inv_m).to(xs.dtype)
+                if EVEN:
+                    nw = tl.load(nw_ptr + c * BLOCK_K + k)
+                else:
+                    nw = tl.load(nw_ptr + c * BLOCK_K + k, mask=c * BLOCK_K + k < K, other=0.0)
+                xs = nw * (xs.to(tl.float32) * inv_m).to(xs.dtype)
             xf = xs.to(tl.float32)[None, :]
             acc += tl.where(rows[:, None] == m, tl.sum(w * xf, axis=1)[None, :], 0.0)
             if SILU:
@@ -105,10 +123,10 @@ def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps
     tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], out, mask=(rows < M)[:, None] & n_ok[None, :])
 
 
-# Up to this many rows a matmul runs here (and its neighbours chain by dependent launch); above it cuBLAS wins.
-# bench/small_gemm.py on the H200 (2026-12-02), a layer's four matmuls with their norms and SiLU, against
-# cuBLAS with the unfused kernels: at 1 row 1.45x faster (1B shape: 49.8 -> 34.5 us) and 1.19x (8B: 124.1
-# -> 104.1 us); at 2 rows 1.04x and 0.76x.
+# Up to this many rows a matmul runs here (and its neighbours chain by dependent launch). bench/small_gemm.py
+# on the H200 (2026-12-02), a layer's four matmuls with their norms and SiLU, each op at its best tile, against
+# cuBLAS with the unfused kernels: at 1 row 1.45x faster (1B shape: 49.8 -> 34.5 us) and 1.19x (8B: 124.1 ->
+# 104.1 us); at 2 rows 1.04x (1B) but 0.76x (8B), and slower on both from 4 rows.
 SMALL_ROWS = 1
 
 
@@ -130,11 +148,9 @@ def default_tile(K: int, silu: bool) -> dict:
 
 
 def block_k(K: int, cap: int = 2048) -> int:
-    """The largest power of two that divides K, up to cap: K is walked in whole chunks, unmasked."""
-    b = 1
-    while b * 2 <= cap and K % (b * 2) == 0:
-        b *= 2
-    return b
+    """K is walked in chunks of this many elements: a power of two up to cap (the last chunk masked when it
+    does not divide K; 14336 = 7 x 2048, 576 is one masked chunk of 1024)."""
+    return min(cap, triton.next_power_of_2(K))
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -154,13 +170,14 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     assert out.shape == (M, N) and out.stride(1) == 1
-    rout = torch.empty_like(x) if residual is not None else x
-    if residual is not None:
-        assert residual.stride() == x.stride()
+    rout = torch.empty((M, K), dtype=x.dtype, device=x.device) if residual is not None else x
+    r = residual if residual is not None else x
+    assert r.stride(1) == 1
     bk = block_k(K, block_k_cap)
     _small_gemm[(triton.cdiv(N, block_n),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, out, rout, M, N, eps, x.stride(0), out.stride(0),
+        x, r, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, out, rout, M, N, eps, x.stride(0), r.stride(0), rout.stride(0),
+        out.stride(0),
         K=K, BLOCK_N=block_n, BLOCK_K=bk, ROWS=triton.next_power_of_2(M), NORM=norm_weight is not None,
         RESIDUAL=residual is not None, SILU=silu, HAS_BIAS=bias is not None, num_warps=num_warps,
         **gdc_launch(gdc))
