@@ -145,9 +145,12 @@ def main() -> None:
     args = ap.parse_args()
     dtype = torch.bfloat16
     dev = torch.device("cuda")
-    bw = copy_bandwidth(dev) / 2  # bytes read per second (the copy counts read + write)
-    results = {"date": now_iso(), "hardware": hardware(dev), "read_bandwidth": bw, "shapes": {}}
-    print(f"read bandwidth (half a device copy's bytes) {bw / 1e9:.0f} GB/s")
+    # The HBM's rate as bench/throughput.py's roofline takes it: a device copy's bytes read + written per
+    # second. A matmul's weight bytes over its time, as a share of it (runs before 2026-12-02 06:50 UTC printed
+    # the share of half of it, "of read bw").
+    bw = copy_bandwidth(dev)
+    results = {"date": now_iso(), "hardware": hardware(dev), "copy_bandwidth": bw, "shapes": {}}
+    print(f"copy bandwidth (read + write) {bw / 1e9:.0f} GB/s")
     for name in args.shapes.split(","):
         hidden, qkv, inter, vocab = SHAPES[name]
         probe = Layer(hidden, qkv, inter, dtype)
@@ -181,7 +184,7 @@ def main() -> None:
             sweep.sort(key=lambda s: s["us"])
             best[op] = {c: sweep[0][c] for c in ("block_n", "num_warps", "block_k_cap")}
             res["sweep"][op] = {"reference_us": t_ref * 1e6, "bytes": nbytes, "configs": sweep}
-            print(f"{name} {op}: cuBLAS + unfused {t_ref * 1e6:.1f} us ({nbytes / t_ref / bw:.0%} of read bw); "
+            print(f"{name} {op}: cuBLAS + unfused {t_ref * 1e6:.1f} us ({nbytes / t_ref / bw:.0%} of the copy rate); "
                   f"best {sweep[0]['us']:.1f} us ({nbytes / (sweep[0]['us'] / 1e6) / bw:.0%}) at {best[op]}; "
                   f"top 5: " + ", ".join(f"{s['block_n']}/{s['num_warps']}/{s['block_k_cap']}:{s['us']:.1f}"
                                          for s in sweep[:5]))
@@ -227,7 +230,7 @@ def main() -> None:
                               f"{t_gdc * 1e6:.1f} ({nbytes / t_gdc / bw:.0%})",
                               f"{t_plain * 1e6:.1f} ({nbytes / t_plain / bw:.0%})", f"{t_ref / t_gdc:.2f}"])
         print(f"{name}: a layer's four matmuls with their norms and SiLU ({copies} weight sets)")
-        print(table(layer_out, ["rows", "reference us (of read bw)", "small gdc", "small plain", "speed-up"]))
+        print(table(layer_out, ["rows", "reference us (of the copy rate)", "small gdc", "small plain", "speed-up"]))
         res["best"] = best
         del layers, heads, head, probe
         torch.cuda.empty_cache()
