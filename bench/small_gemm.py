@@ -76,7 +76,7 @@ class Layer:
         return sum(t.numel() * t.element_size() for t in (self.qkv, self.o, self.gate_up, self.down))
 
 
-def ref_op(op: str, layer: Layer, x, r, hidden: int, head=None):
+def ref_op(op: str, layer: Layer, x, r, head=None):
     from server.model.fused_ops import TritonOps
 
     if op == "qkv":
@@ -118,9 +118,9 @@ def op_bytes(op: str, layer: Layer, head) -> int:
 
 
 def configs(k: int):
-    for block_n, warps, cap in itertools.product((1, 2, 4, 8), (2, 4, 8), (1024, 2048, 4096)):
-        from server.model.small_gemm import block_k
+    from server.model.small_gemm import block_k
 
+    for block_n, warps, cap in itertools.product((1, 2, 4, 8), (2, 4, 8), (1024, 2048, 4096)):
         bk = block_k(k, cap)
         if bk != cap and cap > 1024 and block_k(k, cap // 2) == bk:
             continue  # the same chunk as the smaller cap
@@ -168,7 +168,7 @@ def main() -> None:
             nbytes = op_bytes(op, layers[0], head)
 
             def ref_fn(lh, x=x, r=r, op=op):
-                return ref_op(op, lh[0], x, r, hidden, lh[1])
+                return ref_op(op, lh[0], x, r, lh[1])
 
             t_ref = chain_time([ref_fn], ls, x, r)
             sweep = []
@@ -192,7 +192,7 @@ def main() -> None:
                 xr, rr = op_input(op, rows, hidden, inter, dtype)
 
                 def ref_r(lh, x=xr, r=rr, op=op):
-                    return ref_op(op, lh[0], x, r, hidden, lh[1])
+                    return ref_op(op, lh[0], x, r, lh[1])
                 t_ref = chain_time([ref_r], ls, xr, rr)
                 row = {"op": op, "rows": rows, "reference_us": t_ref * 1e6}
                 for gdc in (True, False):
@@ -209,10 +209,10 @@ def main() -> None:
             r = torch.randn(rows, hidden, device="cuda", dtype=dtype)
 
             def ref_layer(layer, x=x, r=r):
-                qkv_out, r2 = ref_op("qkv", layer, x, r, hidden)
-                o = ref_op("o", layer, qkv_out[:, :hidden], r2, hidden)[0]
-                act, r3 = ref_op("gate_up", layer, o, r2, hidden)
-                return ref_op("down", layer, act, r3, hidden)
+                qkv_out, r2 = ref_op("qkv", layer, x, r)
+                o = ref_op("o", layer, qkv_out[:, :hidden], r2)[0]
+                act, r3 = ref_op("gate_up", layer, o, r2)
+                return ref_op("down", layer, act, r3)
 
             def our_layer(layer, x=x, r=r, gdc=True):
                 qkv_out, r2 = ours_op("qkv", layer, x, r, best["qkv"], gdc)

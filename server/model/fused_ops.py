@@ -17,6 +17,7 @@ import triton.language as tl
 from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
 from server.model.launch import gdc_launch
+from server.model.ops import norm_then_gate_up_act, norm_then_qkv
 from server.model.small_gemm import chained, small_gemm, small_rows
 
 
@@ -132,8 +133,7 @@ class TritonOps:
     def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
         """The layer's input norm and q|k|v: one small_gemm launch for a few rows."""
         if not small_rows(x):
-            h, residual = TritonOps.add_rmsnorm(x, residual, norm.weight, norm.eps)
-            return (*TritonOps.qkv(attn, h), residual)
+            return norm_then_qkv(TritonOps, attn, norm, x, residual)
         out, rsum = small_gemm(x, attn.qkv_weight, attn.qkv_bias, residual=residual, norm_weight=norm.weight,
                                eps=norm.eps, gdc=chained(x))
         return (*_split_qkv(attn, out), x if rsum is None else rsum)
@@ -146,8 +146,7 @@ class TritonOps:
     def norm_gate_up_act(mlp, norm, x: torch.Tensor, residual: torch.Tensor):
         """The post-attention norm, gate|up and SiLU × up: one small_gemm launch for a few rows."""
         if not small_rows(x):
-            h, residual = TritonOps.add_rmsnorm(x, residual, norm.weight, norm.eps)
-            return TritonOps.gate_up_act(mlp, h), residual
+            return norm_then_gate_up_act(TritonOps, mlp, norm, x, residual)
         return small_gemm(x, mlp.gate_up_weight, mlp.gate_up_bias, residual=residual, norm_weight=norm.weight,
                           eps=norm.eps, silu=True, gdc=chained(x))
 

@@ -50,14 +50,12 @@ class TorchOps:
     @staticmethod
     def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
         """The layer's input norm, then q|k|v: (q, k, v, the residual stream)."""
-        h, residual = norm(x, residual, TorchOps)
-        return (*TorchOps.qkv(attn, h), residual)
+        return norm_then_qkv(TorchOps, attn, norm, x, residual)
 
     @staticmethod
     def norm_gate_up_act(mlp, norm, x: torch.Tensor, residual: torch.Tensor):
         """The post-attention norm, then silu(gate) * up: (the activation, the residual stream)."""
-        h, residual = norm(x, residual, TorchOps)
-        return TorchOps.gate_up_act(mlp, h), residual
+        return norm_then_gate_up_act(TorchOps, mlp, norm, x, residual)
 
     @staticmethod
     def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +75,18 @@ class TorchOps:
 
     decode_attention = staticmethod(decode_attention_torch)
     prefill_attention = staticmethod(prefill_spans_torch)  # one SDPA per span (attention.attend's prefill_fn)
+
+
+def norm_then_qkv(ops, attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
+    """norm_qkv as two steps of an ops set: its add_rmsnorm, then its qkv."""
+    h, residual = norm(x, residual, ops)
+    return (*ops.qkv(attn, h), residual)
+
+
+def norm_then_gate_up_act(ops, mlp, norm, x: torch.Tensor, residual: torch.Tensor):
+    """norm_gate_up_act as two steps of an ops set: its add_rmsnorm, then its gate_up_act."""
+    h, residual = norm(x, residual, ops)
+    return ops.gate_up_act(mlp, h), residual
 
 
 def ops_for(device: torch.device):

@@ -31,14 +31,22 @@ from server.model.launch import dependent_launch_on, gdc_launch
 
 
 @triton.jit
-def _load_x(x_ptr, r_ptr, rout_ptr, m, M, k, K: tl.constexpr, BLOCK_K: tl.constexpr, stride_x, stride_r,
+def _in_row(k, K: tl.constexpr, EVEN: tl.constexpr):
+    """Which of the columns k lie in a row of K. EVEN (chunks divide K): all of them, a mask the compiler
+    sees as constant, so the loads it guards stay vectorized."""
+    if EVEN:
+        ok = k >= 0
+    else:
+        ok = k < K
+    return ok
+
+
+@triton.jit
+def _load_x(x_ptr, r_ptr, rout_ptr, m, M, k, K: tl.constexpr, EVEN: tl.constexpr, stride_x, stride_r,
             stride_ro, pid, RESIDUAL: tl.constexpr, WRITE: tl.constexpr):
     """Row m's chunk k of the matmul's input: x, or x + residual rounded to x's dtype (written out by
     program 0 when WRITE). Rows past M and columns past K read as zeros."""
-    if K % BLOCK_K == 0:  # (unmasked columns keep the loads vectorized)
-        ok = (k >= 0) & (m < M)
-    else:
-        ok = (k < K) & (m < M)
+    ok = _in_row(k, K, EVEN) & (m < M)
     x = tl.load(x_ptr + m * stride_x + k, mask=ok, other=0.0)
     if RESIDUAL:
         x = x + tl.load(r_ptr + m * stride_r + k, mask=ok, other=0.0)
@@ -61,10 +69,7 @@ def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps
     # once, marked to leave L2 first, so that the activations stay there.
     w_rows = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
     EVEN: tl.constexpr = K % BLOCK_K == 0
-    if EVEN:
-        w_ok = n_ok[:, None] & (k >= 0)[None, :]
-    else:
-        w_ok = n_ok[:, None] & (k < K)[None, :]
+    w_ok = n_ok[:, None] & _in_row(k, K, EVEN)[None, :]
     w0 = tl.load(w_rows, mask=w_ok, other=0.0, eviction_policy="evict_first")
     if SILU:
         u_rows = w_rows + N.to(tl.int64) * K
@@ -78,7 +83,7 @@ def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps
         for m in tl.static_range(ROWS):
             sq = tl.zeros([BLOCK_K], tl.float32)
             for c in tl.static_range(CHUNKS):
-                h = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, K, BLOCK_K, stride_x, stride_r, stride_ro, pid,
+                h = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, K, EVEN, stride_x, stride_r, stride_ro, pid,
                             RESIDUAL, True).to(tl.float32)
                 sq += h * h
             inv = tl.where(rows == m, 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps), inv)
@@ -92,20 +97,20 @@ def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps
                 u = u0.to(tl.float32)
         else:
             if not EVEN:
-                w_ok = n_ok[:, None] & (c * BLOCK_K + k < K)[None, :]
+                w_ok = n_ok[:, None] & _in_row(c * BLOCK_K + k, K, EVEN)[None, :]
             w = tl.load(w_rows + c * BLOCK_K, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
             if SILU:
                 u = tl.load(u_rows + c * BLOCK_K, mask=w_ok, other=0.0, eviction_policy="evict_first")
                 u = u.to(tl.float32)
         for m in tl.static_range(ROWS):
-            xs = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, K, BLOCK_K, stride_x, stride_r, stride_ro, pid,
+            xs = _load_x(x_ptr, r_ptr, rout_ptr, m, M, c * BLOCK_K + k, K, EVEN, stride_x, stride_r, stride_ro, pid,
                          RESIDUAL, not NORM)
             if NORM:
                 inv_m = tl.sum(tl.where(rows == m, inv, 0.0), axis=0)
                 if EVEN:
                     nw = tl.load(nw_ptr + c * BLOCK_K + k)
                 else:
-                    nw = tl.load(nw_ptr + c * BLOCK_K + k, mask=c * BLOCK_K + k < K, other=0.0)
+                    nw = tl.load(nw_ptr + c * BLOCK_K + k, mask=_in_row(c * BLOCK_K + k, K, EVEN), other=0.0)
                 xs = nw * (xs.to(tl.float32) * inv_m).to(xs.dtype)
             xf = xs.to(tl.float32)[None, :]
             acc += tl.where(rows[:, None] == m, tl.sum(w * xf, axis=1)[None, :], 0.0)
