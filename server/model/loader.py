@@ -26,7 +26,8 @@ class WeightLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    folder: Path          # a Hugging Face folder: config.json, safetensors, tokenizer
+    folder: Path | None   # a Hugging Face folder: config.json, safetensors, tokenizer (None: resolve_model's
+                          # convert=False, a GGUF file not converted yet)
     name: str             # the default served-model name
 
 
@@ -34,23 +35,19 @@ def cached_model_folder(model: str | None) -> Path | None:
     """The folder resolve_model(model) would return, when that needs no conversion; None otherwise (a GGUF
     file not converted yet, or no such model: resolve_model says why)."""
     try:
-        if model is None or model == "" or model == DEFAULT_NAME:
-            return converted_folder(default_gguf_path(), convert=False)
-        path = Path(model).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            return converted_folder(path, convert=False)
-        return resolve_model(model).folder
+        return resolve_model(model, convert=False).folder
     except (ModelNotFoundError, OSError):
         return None
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """None -> the embedded default; a folder -> itself; a .gguf file -> its converted cache."""
+def resolve_model(model: str | None, convert: bool = True) -> ModelSource:
+    """None -> the embedded default; a folder -> itself; a .gguf file -> its converted cache (convert=False: the
+    folder is None while the file is not converted yet)."""
     if model is None or model == "" or model == DEFAULT_NAME:
-        return ModelSource(converted_folder(default_gguf_path()), DEFAULT_NAME)
+        return ModelSource(converted_folder(default_gguf_path(), convert), DEFAULT_NAME)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(converted_folder(path), path.stem)
+        return ModelSource(converted_folder(path, convert), path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file")
