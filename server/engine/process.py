@@ -425,11 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     chans = [SyncChannel(socket.socket(fileno=int(fd))) for fd in args.fd.split(",")]
     chan = chans[0]
     # Imported before the Start arrives: the CLI spawns this process before its own imports (spawn.py).
-    from allocator import PoolError
     from server.engine.build import build_engine
     from server.logging_setup import configure_logging
-    from server.model.default_model import ModelNotFoundError
-    from server.model.loader import WeightLoadError
     from server.model.tokenizer import import_tokenizer_code
 
     import_tokenizer_code()  # the engine loads the tokenizer too: most of that load is transformers' imports
@@ -438,6 +435,39 @@ def main(argv: list[str] | None = None) -> int:
     except (EOFError, OSError):  # the API process exited before starting the engine (a usage error)
         return 0
     configure_logging(start.log_level)
+    # Everything that touches the device runs on one thread, the engine thread (not the main one):
+    # torch keeps a cuBLAS handle per thread, and each costs 64 MiB of device memory that no sleep
+    # frees (H200: +64 MiB asleep when start-up ran on the main thread and steps on this one). And
+    # torch's CPU thread team behaves differently from the main thread (on the loaded 2-core CI host,
+    # 8 requests x 8 tokens took 59 s from the main thread and 3.9 s from another one).
+    code: list[int] = []
+
+    def run() -> None:
+        try:
+            code.append(_serve(chans, start, build_engine))
+        except BaseException:  # a bug in the loop itself (steps' own errors are handled there)
+            log.critical("the engine loop crashed", exc_info=True)
+            code.append(1)
+
+    engine = threading.Thread(target=run, name="sleepserve-engine")
+    engine.start()
+    engine.join()
+    # Nothing is left to clean up (the pool is closed, its files were unlinked when made): skip the
+    # interpreter's teardown, which took 6.5 s of the loaded CI host's time after the pool was closed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code[0] if code else 1)
+
+
+def _serve(chans: list[SyncChannel], start: Start, build_engine: Callable[..., EngineCore]) -> int:
+    """Build the engine, say Ready on every channel, serve until shutdown, release the memory; the
+    process's exit code. Runs on the engine thread."""
+    from allocator import PoolError
+    from server.model.default_model import ModelNotFoundError
+    from server.model.loader import WeightLoadError
+
+    chan = chans[0]
     try:
         core = build_engine(start.config)
     except (ModelNotFoundError, WeightLoadError, PoolError, ValueError, OSError) as e:
@@ -461,34 +491,16 @@ def main(argv: list[str] | None = None) -> int:
     for link in server.links:
         threading.Thread(target=server.read_commands, args=(link,), name=f"sleepserve-channel-{link.index}",
                          daemon=True).start()
-    # The engine loop runs on a thread of its own, not the main one, as it did inside the API process:
-    # torch's CPU thread team behaves differently from the main thread (on the loaded 2-core CI host,
-    # 8 requests x 8 tokens took 59 s from the main thread and 3.9 s from another one).
-    crashed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            server.run()
-        except BaseException as e:  # a bug in the loop itself (steps' own errors are handled there)
-            log.critical("the engine loop crashed", exc_info=True)
-            crashed.append(e)
-
-    engine = threading.Thread(target=run, name="sleepserve-engine")
-    engine.start()
-    engine.join()
-    t0 = time.perf_counter()
-    server.close()
-    log.info("engine process stopped (memory released in %.2f s)", time.perf_counter() - t0)
-    if server.shutdown_call is not None and server.shutdown_call.call_id is not None:
-        with contextlib.suppress(OSError):
-            chan.send(Frame([Reply(server.shutdown_call.call_id)], Status(core.stats(), None, server.dead)))
-    # Nothing is left to clean up (the pool is closed, its files were unlinked when made): skip the
-    # interpreter's teardown, which took 6.5 s of the loaded CI host's time after the pool was closed.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if crashed else 0)
-
+    try:
+        server.run()
+    finally:
+        t0 = time.perf_counter()
+        server.close()
+        log.info("engine process stopped (memory released in %.2f s)", time.perf_counter() - t0)
+        if server.shutdown_call is not None and server.shutdown_call.call_id is not None:
+            with contextlib.suppress(OSError):
+                chan.send(Frame([Reply(server.shutdown_call.call_id)], Status(core.stats(), None, server.dead)))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
