@@ -49,7 +49,9 @@ def engine_kernels(index: int) -> None:
 
 
 def device_used(c: httpx.Client) -> int:
-    m = c.get("/memory").json()
+    r = c.get("/memory")
+    assert r.status_code == 200, r.text
+    m = r.json()
     return int(m["device_total"]) - int(m["device_free"])
 
 
@@ -62,7 +64,7 @@ def test_asleep_server_holds_no_more_than_a_process_that_ran_the_same_engine(tmp
     reference = reference_process_used(0, "tests.gpu.test_server_footprint_gpu", "engine_kernels", [str(REPO)])
     server = ServerProcess([str(folder), "--device", "cuda", "--load-format", "dummy",
                             "--max-model-len", str(FLAGS["max_model_len"]),
-                            "--kv-cache-memory", FLAGS["kv_cache_memory"]]).launch()
+                            "--kv-cache-memory", FLAGS["kv_cache_memory"], "--dev-mode"]).launch()
     try:
         server.wait_ready()
         with server.client() as c:
