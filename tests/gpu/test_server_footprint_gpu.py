@@ -77,6 +77,8 @@ def test_asleep_server_holds_no_more_than_a_process_that_ran_the_same_engine(tmp
             assert c.post("/sleep", params={"level": level}).status_code == 200
             asleep = device_used(c)
             beyond = asleep - reference
+            print(f"level {level}: asleep {asleep / MiB:.0f} MiB, same-kernels process {reference / MiB:.0f} MiB, "
+                  f"beyond {beyond / MiB:.0f} MiB")
             assert awake - asleep >= 1024 * MiB, (awake, asleep)  # the KV cache (1 GiB) at least was released
             assert beyond <= 16 * MiB, f"asleep {asleep / MiB:.0f} MiB, reference {reference / MiB:.0f} MiB"
             assert c.post("/wake_up").status_code == 200
