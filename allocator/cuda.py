@@ -36,8 +36,6 @@ from .timing import Clock
 from .types import PoolError, SleepCost, TagUsage, WakeCost
 
 _serial = count()
-# torch's switch between cuBLAS's own workspaces and workspaces from its caching allocator (CudaBackend).
-CUBLAS_WORKSPACE_CACHE_ENV = "TORCH_CUBLAS_WORKSPACE_CACHE"
 
 
 def expandable_segments_requested() -> bool:
@@ -108,12 +106,6 @@ class CudaBackend:
     group_bytes = 512 << 20
 
     def __init__(self, device: torch.device) -> None:
-        # Unless told otherwise, torch 2.11 lets cuBLAS allocate its own workspaces (sized by
-        # CUBLAS_WORKSPACE_CONFIG: 32 MiB on Hopper), outside torch's allocator: ~60 MiB on an H200
-        # (2026-12-02) that neither a sleep's clearing of torch's workspaces nor empty_cache frees. Asked
-        # before the process's first cuBLAS call, torch takes them from its caching allocator instead,
-        # where _release_torch_caches frees them. A user's own setting wins.
-        os.environ.setdefault(CUBLAS_WORKSPACE_CACHE_ENV, "1")
         if not torch.cuda.is_available():
             raise PoolError("CUDA is not available here (torch.cuda.is_available() is False); use create_pool('cpu')")
         index = device.index if device.index is not None else torch.cuda.current_device()
