@@ -42,15 +42,6 @@ MiB, GB = 1 << 20, 1e9
 PROMPT = "The three most important ideas in the history of science are"
 MODEL_ENV = "SLEEPSERVE_LIMITS_MODEL"
 
-_ONE_KERNEL = """
-import json, torch
-torch.cuda.init(); torch.cuda.set_device(0)
-x = torch.ones(1024, device="cuda"); x.add_(1); torch.cuda.synchronize()
-del x; torch.cuda.empty_cache()
-free, total = torch.cuda.mem_get_info(0)
-print(json.dumps({"used": total - free}))
-"""
-
 # What a process holds after each step of what the engine does, every tensor and cache freed
 # between steps: the part of "asleep minus one kernel" that no pool can release.
 _BREAKDOWN = """
@@ -193,7 +184,7 @@ def describe(http_s: float, answer: dict) -> str:
 def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra: list[str] = ()) -> dict:
     """cpu: a smoke run of the same flow on the CPU backend (the embedded model, no references).
     extra: more server flags (e.g. --kv-wake-chunk 0 to map the whole KV cache before a wake returns)."""
-    from tests.footprint import reference_process_used
+    from tests.footprint import one_kernel_process_used, reference_process_used
 
     if cpu:
         one_kernel = reference = 0
@@ -202,7 +193,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
     else:
         folder = model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
         os.environ[MODEL_ENV] = str(folder)
-        one_kernel = run_json(_ONE_KERNEL)["used"]
+        one_kernel = one_kernel_process_used(0)
         reference = reference_process_used(0, "bench.sleep_limits", "engine_kernels",
                                            [str(Path(__file__).resolve().parents[1])])
         serve = [str(folder), "--device", "cuda", "--load-format", "dummy", "--max-model-len", "4096"]

@@ -35,6 +35,18 @@ print(json.dumps({"free": free, "total": total}))
 """
 
 
+_ONE_KERNEL = """
+import json, sys, torch
+i = int(sys.argv[1])
+torch.cuda.init()
+torch.cuda.set_device(i)
+x = torch.ones(1024, device="cuda"); x.add_(1); torch.cuda.synchronize()
+del x; torch.cuda.empty_cache()
+free, total = torch.cuda.mem_get_info(i)
+print(json.dumps({"free": free, "total": total}))
+"""
+
+
 _REFERENCE = """
 import importlib, json, sys, torch
 i, module, function = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -63,14 +75,25 @@ def reference_process_used(index: int, module: str, function: str, paths: list[s
     return int(info["total"]) - int(info["free"])
 
 
+def _probe_used(code: str, index: int, what: str, timeout: float) -> int:
+    out = subprocess.run([sys.executable, "-c", code, str(index)], capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} CUDA probe failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    return int(info["total"]) - int(info["free"])
+
+
 def bare_process_used(index: int, timeout: float = 120.0) -> int:
     """Device bytes in use (total - free) as seen from a fresh process that only created a
     CUDA context on device `index`."""
-    out = subprocess.run([sys.executable, "-c", _BARE, str(index)], capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"bare CUDA probe failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
-    info = json.loads(out.stdout.strip().splitlines()[-1])
-    return int(info["total"]) - int(info["free"])
+    return _probe_used(_BARE, index, "bare", timeout)
+
+
+def one_kernel_process_used(index: int, timeout: float = 120.0) -> int:
+    """Device bytes in use (total - free) while a fresh process that ran one elementwise kernel on device
+    `index` (and freed its tensor and torch's cache) holds its context: issue 16's floor for a sleeping
+    server ("asleep minus a bare process that ran one kernel")."""
+    return _probe_used(_ONE_KERNEL, index, "one-kernel", timeout)
 
 
 def device_used(index: int) -> int:
