@@ -3,8 +3,9 @@
 
 It owns EngineCore (scheduler, pool, sleep state machine, model) and the weight-transfer receiver,
 since both write the model's tensors; the API process never creates a CUDA context. Threads:
-- the engine thread runs commands between steps, steps, and sends one frame per loop turn (every
-  request's delta, the replies, the status);
+- the engine thread builds the engine (every device call of start-up: one cuBLAS handle, see main), then
+  runs commands between steps, steps, and sends one frame per loop turn (every request's delta, the
+  replies, the status);
 - a reader thread receives commands and queues them (ENGINE commands) or hands them to a command
   thread (THREAD commands: compiles, disk reads, joining a transfer group);
 - command threads, and the weight-transfer thread (server/weight_transfer/service.py), which hands a
