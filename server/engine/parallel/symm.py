@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 log = logging.getLogger("sleepserve.engine")
 
-CHOICES = ("auto", "nccl", "symm")
 # Largest message done one-shot, by world size: each rank reads (world - 1) times the message from
 # its peers, so NCCL's ring wins earlier with more ranks.
 ONE_SHOT_LIMIT = {2: 8 << 20, 4: 2 << 20}
