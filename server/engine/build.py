@@ -64,19 +64,6 @@ class RankParts:
     weight_version: str
 
 
-# cuBLAS's workspace (CUBLAS_WORKSPACE_CONFIG, :KiB:count) unless the user set one. At torch's Hopper default
-# (32 MiB) ~60 MiB more stay on the device through a sleep, which neither clearing torch's workspaces nor
-# empty_cache (nor TORCH_CUBLAS_WORKSPACE_CACHE=1) frees on torch 2.11. With one 4 MiB buffer a 1.24B server
-# asleep held 108 MiB over a one-kernel process instead of 168, and decode was as fast (H200, 2026-12-02,
-# docs/results/2026-12-02-h200-s25: batch 1 / 64 / 256 at 1,147 / 49,129 / 78,318 tok/s against 1,143 /
-# 49,176 / 68,890). Read once per process, at its first cuBLAS call: set before the pool and the model.
-CUBLAS_WORKSPACE = ":4096:1"
-
-
-def limit_cublas_workspace() -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-
-
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """Rank r of a tensor-parallel group drives the r-th GPU after the one --device names; under
     torchrun (ranks on several hosts) the LOCAL_RANK-th, torchrun's number for it on its host."""
@@ -96,8 +83,6 @@ def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelCon
         # differ (their KV heads do): with tensor parallelism a wake maps the whole cache on every rank.
         config = replace(config, kv_wake_chunk=0)
     device = rank_device(config, tp.rank)
-    if device.type == "cuda":
-        limit_cublas_workspace()
     # Plain "cuda" (no index) is the current device already; set_device refuses it.
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)

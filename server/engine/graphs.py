@@ -128,7 +128,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self.release()
         try:
-            with torch.cuda.device(self.device):  # whatever device the calling thread has current
+            with torch.cuda.device(self.device):  # this rank's device, whichever the calling thread has current
                 self._reset_inputs()
                 self._capture_all(warmups=1, warm_largest_only=True, error_mode="thread_local")
         except BaseException:

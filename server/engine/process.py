@@ -446,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         try:
             code.append(_serve(chans, start, build_engine))
-        except BaseException:  # a bug in the loop itself (steps' own errors are handled there)
-            log.critical("the engine loop crashed", exc_info=True)
+        except BaseException:  # e.g. a Ready that no API process is left to read
+            log.critical("the engine process failed", exc_info=True)
             code.append(1)
 
     engine = threading.Thread(target=run, name="sleepserve-engine")
@@ -492,16 +492,20 @@ def _serve(chans: list[SyncChannel], start: Start, build_engine: Callable[..., E
     for link in server.links:
         threading.Thread(target=server.read_commands, args=(link,), name=f"sleepserve-channel-{link.index}",
                          daemon=True).start()
+    crashed = False
     try:
         server.run()
-    finally:
-        t0 = time.perf_counter()
-        server.close()
-        log.info("engine process stopped (memory released in %.2f s)", time.perf_counter() - t0)
-        if server.shutdown_call is not None and server.shutdown_call.call_id is not None:
-            with contextlib.suppress(OSError):
-                chan.send(Frame([Reply(server.shutdown_call.call_id)], Status(core.stats(), None, server.dead)))
-    return 0
+    except BaseException:  # a bug in the loop itself (steps' own errors are handled there): said before closing
+        log.critical("the engine loop crashed", exc_info=True)
+        crashed = True
+    t0 = time.perf_counter()
+    server.close()
+    log.info("engine process stopped (memory released in %.2f s)", time.perf_counter() - t0)
+    if server.shutdown_call is not None and server.shutdown_call.call_id is not None:
+        with contextlib.suppress(OSError):
+            chan.send(Frame([Reply(server.shutdown_call.call_id)], Status(core.stats(), None, server.dead)))
+    return 1 if crashed else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
