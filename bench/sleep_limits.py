@@ -8,6 +8,8 @@ For each model shape (default 1.24B and 8B Llama, random weights) at the default
   - level-1 sleep and wake, 4 cycles, each wake right after its sleep: cycle 1 against later ones
     (the host backup is prepared at start-up: --prepare-backups), the wake against
     weights / raw H2D + 50 ms, the first request after the wake against the same request before;
+    every sleep after the previous wake's background KV mapping ended, so each releases the whole
+    cache (and says how many GiB the driver released);
   - level-2 sleep and wake, 3 cycles (wake right after the sleep; then /update_weights);
   - device memory asleep minus both references;
   - per cycle, one line each for the sleep, the wake and the first request after it: the HTTP time split
@@ -146,6 +148,22 @@ def kv_chunks(c) -> dict:
     return c.get("/memory").json().get("chunks", {}).get("kv_cache", {})
 
 
+def wait_for_kv_mapping(c, limit_s: float = 30.0) -> float:
+    """Seconds until the wake's background KV mapper has mapped the whole cache (at most limit_s)."""
+    t = time.perf_counter()
+    while kv_chunks(c).get("mapping") and time.perf_counter() - t < limit_s:
+        time.sleep(0.01)
+    return time.perf_counter() - t
+
+
+def released(answer: dict) -> tuple[float | None, float | None]:
+    """(GiB, ms) the driver released in a sleep (its timings' cuMemRelease totals; None on CPU)."""
+    t = answer.get("timings") or {}
+    pool = t.get("pool") or {}
+    release = ((pool.get("rank0") or pool).get("driver") or {}).get("release")
+    return (release["bytes"] / 2**30, release["ms"]) if release else (None, None)
+
+
 def _ms(phases: dict, floor: float = 0.5) -> str:
     return " ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= floor) or "-"
 
@@ -226,6 +244,11 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
                     chunks_before = kv_chunks(c)
                     text, after_s = complete(c)
                     chunks_after = kv_chunks(c)
+                    # Every sleep releases the whole cache, as after a rollout: the next one waits for this
+                    # wake's background mapping (back to back, a later sleep released 44-86 of 117 GiB at 1B
+                    # and its time compared a partial release with the first cycle's full one).
+                    settle_s = wait_for_kv_mapping(c)
+                    released_gib, release_ms = released(slept)
                     row = {"level": level, "cycle": i + 1, "sleep_s": sleep_s, "wake_s": wake_s,
                            "asleep_used": asleep, "asleep_minus_one_kernel_MiB": (asleep - one_kernel) / MiB,
                            "asleep_minus_reference_MiB": (asleep - reference) / MiB,
@@ -234,9 +257,12 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
                            "sleep_timings": slept.get("timings", {}), "wake_timings": woke.get("timings", {}),
                            "kv_chunks_at_request": [chunks_before.get("ready"), chunks_after.get("ready"),
                                                     chunks_before.get("total")],
-                           "kv_mapping_during_request": bool(chunks_before.get("mapping"))}
+                           "kv_mapping_during_request": bool(chunks_before.get("mapping")),
+                           "kv_mapping_settled_s": settle_s, "released_GiB": released_gib,
+                           "release_ms": release_ms}
                     rows.append(row)
-                    print(f"{name} L{level} cycle {i + 1}: sleep {describe(sleep_s, slept)}", flush=True)
+                    print(f"{name} L{level} cycle {i + 1}: sleep {describe(sleep_s, slept)}"
+                          + (f"; released {released_gib:.1f} GiB" if released_gib is not None else ""), flush=True)
                     print(f"{name} L{level} cycle {i + 1}: wake {describe(wake_s, woke)}", flush=True)
                     print(f"{name} L{level} cycle {i + 1}: 1st request {after_s * 1e3:.1f} ms "
                           f"({after_s / before_s:.2f}x of {before_s * 1e3:.1f}); KV chunks mapped "
@@ -250,10 +276,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
             c.post("/reset_prefix_cache")
             timed_post(c, "/sleep?level=1")
             timed_post(c, "/wake_up")
-            waited = time.perf_counter()
-            while kv_chunks(c).get("mapping") and time.perf_counter() - waited < 30:
-                time.sleep(0.01)
-            waited = time.perf_counter() - waited
+            waited = wait_for_kv_mapping(c)
             _, settled_s = complete(c)
             _, second_s = complete(c)
             res["request_after_mapping_s"] = settled_s
