@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configure_logging(start.log_level)
     # Everything that touches the device runs on one thread, the engine thread (not the main one):
-    # torch keeps a cuBLAS handle per thread, and each costs 64 MiB of device memory that no sleep
-    # frees (H200: +64 MiB asleep when start-up ran on the main thread and steps on this one). And
+    # torch keeps a cuBLAS handle and workspace per thread, 64 MiB of device memory at its default workspace
+    # that no sleep frees (H200: +64 MiB asleep when start-up ran on the main thread and steps here). And
     # torch's CPU thread team behaves differently from the main thread (on the loaded 2-core CI host,
     # 8 requests x 8 tokens took 59 s from the main thread and 3.9 s from another one).
     code: list[int] = []
