@@ -156,11 +156,15 @@ def wait_for_kv_mapping(c, limit_s: float = 30.0) -> float:
     return time.perf_counter() - t
 
 
+def pool_timings(timings: dict) -> dict:
+    """The pool's part of a sleep's or a wake's `timings` (with tensor parallelism, rank 0's pool)."""
+    pool = timings.get("pool") or {}
+    return pool.get("rank0") or pool
+
+
 def released(answer: dict) -> tuple[float | None, float | None]:
     """(GiB, ms) the driver released in a sleep (its timings' cuMemRelease totals; None on CPU)."""
-    t = answer.get("timings") or {}
-    pool = t.get("pool") or {}
-    release = ((pool.get("rank0") or pool).get("driver") or {}).get("release")
+    release = (pool_timings(answer.get("timings") or {}).get("driver") or {}).get("release")
     return (release["bytes"] / 2**30, release["ms"]) if release else (None, None)
 
 
@@ -172,8 +176,7 @@ def describe(http_s: float, answer: dict) -> str:
     """One line: where a sleep's or a wake's milliseconds went (the answer's `timings`)."""
     t = answer.get("timings") or {}
     pool = t.get("pool") or {}
-    rank0 = pool.get("rank0") or {}  # tensor parallelism: the pool facade's phases, then rank 0's
-    inner = rank0 or pool
+    inner = pool_timings(t)  # tensor parallelism: the pool facade's phases, then rank 0's
     gc = t.get("gc") or {}
     ch = t.get("channel") or {}
     to_engine, to_api = ch.get("to_engine_ms", 0.0), ch.get("to_api_ms", 0.0)
@@ -181,7 +184,7 @@ def describe(http_s: float, answer: dict) -> str:
     parts = [f"HTTP {http_s * 1e3:.1f} ms = engine {engine:.1f} + to engine {to_engine:.1f} + back {to_api:.1f}"
              f" + HTTP/API {http_s * 1e3 - engine - to_engine - to_api:.1f}",
              f"engine [{_ms(t.get('phases_ms', {}))}]"]
-    if rank0:
+    if pool.get("rank0"):
         parts.append(f"ranks [{_ms(pool.get('phases_ms', {}))}]")
     parts.append(f"pool [{_ms(inner.get('phases_ms', {}))}]")
     driver = inner.get("driver") or {}
