@@ -62,25 +62,23 @@ print(json.dumps({"free": free, "total": total}))
 """
 
 
+def _probe_used(code: str, index: int, what: str, timeout: float, *args: str) -> int:
+    """Device bytes in use (total - free) as the probe `code` (run in a fresh process with index and args)
+    reports them."""
+    out = subprocess.run([sys.executable, "-c", code, str(index), *args], capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} CUDA probe failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    return int(info["total"]) - int(info["free"])
+
+
 def reference_process_used(index: int, module: str, function: str, paths: list[str] | None = None,
                            timeout: float = 300.0) -> int:
     """Device bytes in use (total - free) while a fresh process that ran `module.function(index)`
     (the kernels the measured process runs, without a pool) holds what it returned, every tensor
     and cache freed. Run it before this process touches CUDA, like bare_process_used."""
-    out = subprocess.run([sys.executable, "-c", _REFERENCE, str(index), module, function, *(paths or [])],
-                         capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"reference CUDA probe failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
-    info = json.loads(out.stdout.strip().splitlines()[-1])
-    return int(info["total"]) - int(info["free"])
-
-
-def _probe_used(code: str, index: int, what: str, timeout: float) -> int:
-    out = subprocess.run([sys.executable, "-c", code, str(index)], capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"{what} CUDA probe failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
-    info = json.loads(out.stdout.strip().splitlines()[-1])
-    return int(info["total"]) - int(info["free"])
+    return _probe_used(_REFERENCE, index, "reference", timeout, module, function, *(paths or []))
 
 
 def bare_process_used(index: int, timeout: float = 120.0) -> int:
