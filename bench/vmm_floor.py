@@ -7,12 +7,17 @@ reserved range (like the pool's allocations); then, timed:
     time of each kind of call summed;
   - re-create at once: cuMemCreate + cuMemMap + cuMemSetAccess of the same handles right after the
     release (what a wake right after a sleep pays), and again after a 1 s pause.
+With --touch every handle is written (a memset) before each release, as a KV cache is before a sleep:
+the engine's level-2 sleeps released at 0.54-0.63 ms/GiB where this bench's untouched handles took
+0.33-0.35 (H200, 2026-12-02), and this tells whether written memory is what costs more.
 Calls go through ctypes to libcuda, which drops the GIL, so threads really overlap in the driver.
 Prints a table (ms per GiB) and the best release of --gib, and writes vmm-floor.json under --out.
 --aftermath instead measures what the driver's work on that memory costs the kernels running next: a
-1 GiB device-to-device copy (HBM-bound, like a decode step) timed back to back for 400 ms after creating
---gib in 2 GiB handles, and after releasing them (H200, 2026-11-30: creating costs the copy nothing;
-after a release of 100 GiB it runs 11% slower for 200-300 ms while the driver clears the memory).
+1 GiB device-to-device copy (HBM-bound) timed back to back for 400 ms after creating --gib in 2 GiB
+handles, and after releasing them (H200, 2026-11-30: creating costs the copy nothing; after a release of
+100 GiB it runs 11% slower for 200-300 ms while the driver clears the memory); then the same for a
+train of 64 tiny kernels (launch- and latency-bound, like a small model's decode step), which tells
+whether the first request after a wake right after a sleep is slow because of that work.
 
     python bench/vmm_floor.py --gib 100 --out $OUT/results
     python bench/vmm_floor.py --gib 100 --aftermath
@@ -77,6 +82,12 @@ class Driver:
 
     def reserve(self, size: int) -> int:
         return int(self._check(self.cu.cuMemAddressReserve(size, self.gran, 0, 0)))
+
+    def touch(self, pieces: list[tuple[int, int, int]]) -> None:
+        """Write every byte of every piece (as a KV cache is written before a sleep) and wait."""
+        for va, size, _ in pieces:
+            self._check(self.cu.cuMemsetD8(self.cu.CUdeviceptr(va), 1, size))
+        assert self.lib.cuCtxSynchronize() == 0
 
     def create_map(self, va: int, size: int) -> int:
         cu = self.cu
@@ -148,7 +159,31 @@ def copy_bandwidth_after(label: str, seconds: float = 0.4) -> dict:
     return windows
 
 
-def aftermath(drv: Driver, total: int) -> dict:
+def small_kernels_after(label: str, seconds: float = 0.4, train: int = 64) -> dict:
+    """Microseconds per kernel of trains of `train` tiny kernels, by window of time since the call."""
+    import torch
+
+    x = torch.zeros(4096, device="cuda")
+    rows, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(train):
+            x.add_(1.0)
+        end.record()
+        end.synchronize()
+        rows.append(((time.perf_counter() - t0) * 1e3, start.elapsed_time(end) * 1e3 / train))
+    windows = {}
+    for lo, hi in ((0, 20), (20, 50), (50, 100), (100, 200), (200, 400)):
+        us = [u for t, u in rows if lo <= t < hi]
+        if us:
+            windows[f"{lo}-{hi} ms"] = (statistics.mean(us), max(us))
+    print(f"{label}: tiny kernel us mean/worst " + " | ".join(f"{w} {m:.1f}/{hi:.1f}" for w, (m, hi) in windows.items()),
+          flush=True)
+    return windows
+
+
+def aftermath(drv: Driver, total: int, touch: bool) -> dict:
     size = 2 * GiB
     va = drv.reserve(total)
     pieces = [(va + i * size, size, 0) for i in range(total // size)]
@@ -158,10 +193,24 @@ def aftermath(drv: Driver, total: int) -> dict:
     pieces, s = recreate(drv, pieces)
     print(f"create+map {total / GiB:.0f} GiB: {s * 1e3:.1f} ms")
     out["after create"] = copy_bandwidth_after("after create+map")
+    if touch:
+        drv.touch(pieces)
     rel = release(drv, pieces, 1)
     print(f"unmap+release: {rel['wall_s'] * 1e3:.1f} ms")
     out["after release"] = copy_bandwidth_after("after release")
     out["0.4 s after release"] = copy_bandwidth_after("0.4 s after release")
+    for _ in range(3):
+        small_kernels_after("warm-up", 0.05)
+    out["tiny kernels, baseline"] = small_kernels_after("baseline")
+    pieces, s = recreate(drv, pieces)
+    if touch:
+        drv.touch(pieces)
+    time.sleep(1.0)
+    out["tiny kernels, before release"] = small_kernels_after("1 s after create+map")
+    rel = release(drv, pieces, 1)
+    print(f"unmap+release: {rel['wall_s'] * 1e3:.1f} ms")
+    out["tiny kernels, after release"] = small_kernels_after("after release")
+    out["tiny kernels, 0.4 s after release"] = small_kernels_after("0.4 s after release")
     return out
 
 
@@ -172,15 +221,19 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--aftermath", action="store_true", help="the copy bandwidth after creating and releasing")
+    ap.add_argument("--touch", action="store_true", help="write every handle before each release")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     drv = Driver()
     total = int(args.gib * GiB) // drv.gran * drv.gran
     if args.aftermath:
-        write_json(args.out, "vmm-aftermath", {"date": now_iso(), "gib": total / GiB, **aftermath(drv, total)})
+        write_json(args.out, "vmm-aftermath" + "-touched" * args.touch,
+                   {"date": now_iso(), "gib": total / GiB, "touched": args.touch, **aftermath(drv, total, args.touch)})
         return
     free0 = drv.free_bytes()
-    result = {"date": now_iso(), "gib": total / GiB, "granularity": drv.gran, "free_before": free0, "rows": []}
+    result = {"date": now_iso(), "gib": total / GiB, "granularity": drv.gran, "free_before": free0,
+              "touched": args.touch, "rows": []}
+    name = "vmm-floor" + "-touched" * args.touch
     va = drv.reserve(total)
     units = {"MiB": MiB, "GiB": GiB}
     for size_text in args.sizes.split(","):
@@ -199,6 +252,8 @@ def main() -> None:
         for threads in [int(x) for x in args.threads.split(",")]:
             rel, now, later = [], [], []
             for _ in range(args.repeats):
+                if args.touch:
+                    drv.touch(pieces)
                 rel.append(release(drv, pieces, threads))
                 pieces, s = recreate(drv, pieces)  # right after the release: a wake right after a sleep
                 now.append(s)
@@ -216,11 +271,11 @@ def main() -> None:
             result["rows"].append(row)
             print(row, flush=True)
         release(drv, pieces, 1)
-        write_json(args.out, "vmm-floor", result)
+        write_json(args.out, name, result)
     best = min(result["rows"], key=lambda r: r["release_ms_per_gib"])
     result["best"] = best
-    write_json(args.out, "vmm-floor", result)
-    print(f"\nVMM floor ({result['date']}; {total / GiB:.0f} GiB, granularity {drv.gran // MiB} MiB; "
+    write_json(args.out, name, result)
+    print(f"\nVMM floor ({result['date']}; {total / GiB:.0f} GiB{', written before each release' * args.touch}, granularity {drv.gran // MiB} MiB; "
           "ms per GiB, median)")
     print(table([[f"{r['handle_bytes'] / MiB:.0f} MiB", r["handles"], r["threads"],
                   f"{r['release_ms_per_gib']:.3f}", f"{r['unmap_ms_per_gib']:.3f}", f"{r['release_call_ms_per_gib']:.3f}",
