@@ -7,9 +7,12 @@ For each model shape (default 1.24B and 8B Llama, random weights) at the default
     and then closed its pool (the same kernels and handles, no pool memory);
   - level-1 sleep and wake, 4 cycles, each wake right after its sleep: cycle 1 against later ones
     (the host backup is prepared at start-up: --prepare-backups), the wake against
-    weights / raw H2D + 50 ms, the first request after the wake against the same request before;
+    weights / raw H2D + 50 ms, the first request after the wake against the same request before
+    (streamed: its first token's time apart);
     every sleep after the previous wake's background KV mapping ended, so each releases the whole
-    cache (and says how many GiB the driver released);
+    cache (and says how many GiB the driver released), and --idle-before-sleep seconds after that
+    (default 1 s, where a rollout would be: memory created moments before is released at about half
+    the rate, bench/vmm_floor.py --age);
   - level-2 sleep and wake, 3 cycles (wake right after the sleep; then /update_weights);
   - device memory asleep minus both references;
   - per cycle, one line each for the sleep, the wake and the first request after it: the HTTP time split
@@ -120,12 +123,23 @@ def engine_kernels(index: int):
     return None
 
 
-def complete(c, max_tokens: int = 32) -> tuple[str, float]:
+def complete(c, max_tokens: int = 32) -> tuple[str, float, float]:
+    """(text, seconds, seconds to the first token) of one streamed greedy request: the first token's
+    time is the prefill's share (and anything paid once on the first step), the rest the decode's."""
     t = time.perf_counter()
-    r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-                                        "ignore_eos": True})
-    r.raise_for_status()
-    return r.json()["choices"][0]["text"], time.perf_counter() - t
+    first, parts = None, []
+    with c.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                                                   "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text = json.loads(line[6:])["choices"][0]["text"]
+            if text and first is None:
+                first = time.perf_counter() - t
+            parts.append(text)
+    total = time.perf_counter() - t
+    return "".join(parts), total, total if first is None else first
 
 
 def used(c) -> int:
@@ -202,8 +216,10 @@ def describe(http_s: float, answer: dict) -> str:
     return "; ".join(parts)
 
 
-def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra: list[str] = ()) -> dict:
+def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra: list[str] = (),
+                idle_s: float = 1.0) -> dict:
     """cpu: a smoke run of the same flow on the CPU backend (the embedded model, no references).
+    idle_s: seconds between a wake's end of mapping and the next sleep (a rollout's place).
     extra: more server flags (e.g. --kv-wake-chunk 0 to map the whole KV cache before a wake returns)."""
     from tests.footprint import one_kernel_process_used, reference_process_used
 
@@ -221,7 +237,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
     t0 = time.perf_counter()
     server = ServerProcess([*serve, *extra, "--dev-mode", "--while-asleep", "reject"]).start()
     res: dict = {"model": name, "startup_s": time.perf_counter() - t0, "one_kernel_process_used": one_kernel,
-                 "reference_process_used": reference}
+                 "reference_process_used": reference, "idle_before_sleep_s": idle_s}
     try:
         with server.client(timeout=600) as c:
             mem = c.get("/memory").json()
@@ -230,8 +246,9 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
             res["weight_bytes"] = weights
             complete(c, 8)
             c.post("/reset_prefix_cache")
-            reference_text, before_s = complete(c)
+            reference_text, before_s, before_first_s = complete(c)
             res["request_before_s"] = before_s
+            res["first_token_before_s"] = before_first_s
             # The backup preparation runs in the background; a request now shows it does not
             # delay serving. Give it time to finish before the first sleep (what a trainer's first
             # rollout phase does); the first sleep waits for it anyway.
@@ -245,17 +262,21 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
                     wake_s, woke = timed_post(c, "/wake_up")
                     update_s = timed_post(c, "/update_weights", json={})[0] if level == 2 else 0.0
                     chunks_before = kv_chunks(c)
-                    text, after_s = complete(c)
+                    text, after_s, after_first_s = complete(c)
                     chunks_after = kv_chunks(c)
                     # Every sleep releases the whole cache, as after a rollout: the next one waits for this
                     # wake's background mapping (back to back, a later sleep released 44-86 of 117 GiB at 1B
                     # and its time compared a partial release with the first cycle's full one).
                     settle_s = wait_for_kv_mapping(c)
+                    # and some time passes, as a rollout's would: the driver releases memory created
+                    # moments ago at about half the rate (vmm_floor.py --age)
+                    time.sleep(idle_s)
                     released_gib, release_ms = released(slept)
                     row = {"level": level, "cycle": i + 1, "sleep_s": sleep_s, "wake_s": wake_s,
                            "asleep_used": asleep, "asleep_minus_one_kernel_MiB": (asleep - one_kernel) / MiB,
                            "asleep_minus_reference_MiB": (asleep - reference) / MiB,
                            "request_after_wake_s": after_s, "after_over_before": after_s / before_s,
+                           "first_token_after_wake_s": after_first_s,
                            "same_output": text == reference_text, "update_weights_s": update_s,
                            "sleep_timings": slept.get("timings", {}), "wake_timings": woke.get("timings", {}),
                            "kv_chunks_at_request": [chunks_before.get("ready"), chunks_after.get("ready"),
@@ -268,7 +289,8 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
                           + (f"; released {released_gib:.1f} GiB" if released_gib is not None else ""), flush=True)
                     print(f"{name} L{level} cycle {i + 1}: wake {describe(wake_s, woke)}", flush=True)
                     print(f"{name} L{level} cycle {i + 1}: 1st request {after_s * 1e3:.1f} ms "
-                          f"({after_s / before_s:.2f}x of {before_s * 1e3:.1f}); KV chunks mapped "
+                          f"({after_s / before_s:.2f}x of {before_s * 1e3:.1f}; first token {after_first_s * 1e3:.1f} "
+                          f"ms against {before_first_s * 1e3:.1f}); KV chunks mapped "
                           f"{chunks_before.get('ready')} -> {chunks_after.get('ready')} of {chunks_before.get('total')}"
                           + (" (the wake's background mapper ran during it)" if chunks_before.get("mapping") else "")
                           + (f"; /update_weights {update_s * 1e3:.0f} ms before it" if level == 2 else ""),
@@ -280,8 +302,8 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
             timed_post(c, "/sleep?level=1")
             timed_post(c, "/wake_up")
             waited = wait_for_kv_mapping(c)
-            _, settled_s = complete(c)
-            _, second_s = complete(c)
+            _, settled_s, _ = complete(c)
+            _, second_s, _ = complete(c)
             res["request_after_mapping_s"] = settled_s
             res["second_request_after_wake_s"] = second_s
             print(f"{name}: request after a wake once KV mapping ended ({waited * 1e3:.0f} ms after the wake "
@@ -294,7 +316,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
             timed_post(c, "/sleep?level=1")
             time.sleep(1.0)
             timed_post(c, "/wake_up")
-            _, gap_s = complete(c)
+            _, gap_s, _ = complete(c)
             res["request_after_wake_1s_after_sleep_s"] = gap_s
             print(f"{name}: 1st request after a wake 1 s after its sleep {gap_s * 1e3:.1f} ms "
                   f"({gap_s / before_s:.2f}x)", flush=True)
@@ -323,16 +345,20 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the flow")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--server-args", default="", help="more flags for every server, e.g. '--kv-wake-chunk 0'")
+    ap.add_argument("--idle-before-sleep", type=float, default=1.0,
+                    help="seconds from a wake's end of KV mapping to the next sleep (a rollout's place; 0: back to back)")
     args = ap.parse_args()
     cpu = args.device == "cpu"
     raw = {"d2h": float("nan"), "h2d": float("inf")} if cpu else run_json(_RAW_H2D, str(Path(__file__).resolve().parents[1]))
     breakdown = {"context": 0} if cpu else run_json(_BREAKDOWN)
     result = {"date": now_iso(), "raw_pinned_gbps": raw, "footprint_steps": breakdown, "models": []}
     for name in ["SmolLM2-135M (CPU)"] if cpu else args.models.split(","):
-        result["models"].append(bench_model(name, raw["h2d"], args.cycles, cpu, args.server_args.split()))
+        result["models"].append(bench_model(name, raw["h2d"], args.cycles, cpu, args.server_args.split(),
+                                            args.idle_before_sleep))
         write_json(args.out, "sleep-limits", result)
     print(f"\nsleep limits through HTTP ({result['date']}; raw pinned H2D {raw['h2d']:.1f} GB/s, "
-          f"D2H {raw['d2h']:.1f} GB/s; wakes right after their sleep)")
+          f"D2H {raw['d2h']:.1f} GB/s; wakes right after their sleep, sleeps {args.idle_before_sleep:g} s "
+          "after the previous wake's KV mapping ended)")
     rows = []
     for m in result["models"]:
         rows.append([m["model"], f"{m['weight_bytes'] / GB:.2f} GB",

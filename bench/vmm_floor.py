@@ -18,6 +18,9 @@ handles, and after releasing them (H200, 2026-11-30: creating costs the copy not
 100 GiB it runs 11% slower for 200-300 ms while the driver clears the memory); then the same for a
 train of 64 tiny kernels (launch- and latency-bound, like a small model's decode step), which tells
 whether the first request after a wake right after a sleep is slow because of that work.
+--age instead releases --gib in 2 GiB handles at several times after creating (and writing) them, and
+times writing each handle's memory right after it was created against 1 s later: on 2026-12-02 a
+release right after re-creating cost 0.67 ms/GiB and one 0.4 s later 0.34.
 
     python bench/vmm_floor.py --gib 100 --out $OUT/results
     python bench/vmm_floor.py --gib 100 --aftermath
@@ -214,6 +217,38 @@ def aftermath(drv: Driver, total: int, touch: bool) -> dict:
     return out
 
 
+def by_age(drv: Driver, total: int, ages: list[float], repeats: int) -> dict:
+    """ms/GiB of releasing 2 GiB handles `age` seconds after they were created and written, and ms/GiB
+    of writing them right after creating against 1 s later."""
+    size = 2 * GiB
+    va = drv.reserve(total)
+    pieces = [(va + i * size, size, 0) for i in range(total // size)]
+    gib = len(pieces) * size / GiB
+    rows = []
+    for age in ages:
+        release_ms, fresh_ms, settled_ms = [], [], []
+        for _ in range(repeats):
+            time.sleep(1.0)  # the previous release's aftermath is over
+            pieces, _ = recreate(drv, pieces)
+            t = time.perf_counter()
+            drv.touch(pieces)
+            fresh_ms.append((time.perf_counter() - t) * 1e3 / gib)
+            time.sleep(age)
+            release_ms.append(release(drv, pieces, 1)["wall_s"] * 1e3 / gib)
+        time.sleep(1.0)
+        pieces, _ = recreate(drv, pieces)
+        time.sleep(1.0)
+        t = time.perf_counter()
+        drv.touch(pieces)
+        settled_ms.append((time.perf_counter() - t) * 1e3 / gib)
+        release(drv, pieces, 1)
+        row = {"age_s": age, "release_ms_per_gib": statistics.median(release_ms),
+               "write_fresh_ms_per_gib": statistics.median(fresh_ms), "write_after_1s_ms_per_gib": settled_ms[0]}
+        rows.append(row)
+        print(row, flush=True)
+    return {"handle_bytes": size, "gib": gib, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=100.0)
@@ -222,6 +257,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--aftermath", action="store_true", help="the copy bandwidth after creating and releasing")
     ap.add_argument("--touch", action="store_true", help="write every handle before each release")
+    ap.add_argument("--age", default="", help="e.g. 0,0.1,0.4,1: release times by seconds since creation")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     drv = Driver()
@@ -229,6 +265,10 @@ def main() -> None:
     if args.aftermath:
         write_json(args.out, "vmm-aftermath" + "-touched" * args.touch,
                    {"date": now_iso(), "gib": total / GiB, "touched": args.touch, **aftermath(drv, total, args.touch)})
+        return
+    if args.age:
+        ages = [float(a) for a in args.age.split(",")]
+        write_json(args.out, "vmm-age", {"date": now_iso(), **by_age(drv, total, ages, args.repeats)})
         return
     free0 = drv.free_bytes()
     result = {"date": now_iso(), "gib": total / GiB, "granularity": drv.gran, "free_before": free0,
