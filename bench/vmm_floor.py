@@ -18,6 +18,10 @@ handles, and after releasing them (H200, 2026-11-30: creating costs the copy not
 100 GiB it runs 11% slower for 200-300 ms while the driver clears the memory); then the same for a
 train of 64 tiny kernels (launch- and latency-bound, like a small model's decode step), which tells
 whether the first request after a wake right after a sleep is slow because of that work.
+--contention instead times trains of tiny kernels from the host (launch and wait, like an eager
+prefill) right after a release of --gib, alone and beside a thread that creates and maps that memory
+again in pieces of 2 GiB or 256 MiB at full speed (what a wake's background KV mapper does): is it the
+driver's clearing of released memory or the mapper's calls beside it that slows a request then?
 --age instead releases --gib in 2 GiB handles at several times after creating (and writing) them, and
 times writing each handle's memory right after it was created against 1 s later: on 2026-12-02 a
 release right after re-creating cost 0.67 ms/GiB and one 0.4 s later 0.34.
@@ -217,6 +221,58 @@ def aftermath(drv: Driver, total: int, touch: bool) -> dict:
     return out
 
 
+def host_trains_after(label: str, seconds: float = 0.3, train: int = 64) -> dict:
+    """Host microseconds per kernel (launches and the wait for them) of trains of tiny kernels, by window."""
+    import torch
+
+    x = torch.zeros(4096, device="cuda")
+    rows, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        t = time.perf_counter()
+        for _ in range(train):
+            x.add_(1.0)
+        torch.cuda.synchronize()
+        rows.append(((t - t0) * 1e3, (time.perf_counter() - t) * 1e6 / train))
+    windows = {}
+    for lo, hi in ((0, 20), (20, 50), (50, 100), (100, 200), (200, 300)):
+        us = [u for t, u in rows if lo <= t < hi]
+        if us:
+            windows[f"{lo}-{hi} ms"] = (statistics.mean(us), max(us))
+    print(f"{label}: host us per tiny kernel mean/worst "
+          + " | ".join(f"{w} {m:.1f}/{hi:.1f}" for w, (m, hi) in windows.items()), flush=True)
+    return windows
+
+
+def contention(drv: Driver, total: int) -> dict:
+    """Tiny kernels right after a release: alone, and beside a thread re-creating the memory in pieces."""
+    va = drv.reserve(total)
+    out = {}
+    for _ in range(3):
+        host_trains_after("warm-up", 0.05)
+    out["baseline"] = host_trains_after("baseline")
+    for label, piece in (("alone", 0), ("beside re-creating in 2 GiB pieces", 2 * GiB),
+                         ("beside re-creating in 256 MiB pieces", 256 * MiB), ("alone, again", 0)):
+        size = piece or 2 * GiB
+        pieces, _ = recreate(drv, [(va + i * size, size, 0) for i in range(total // size)])
+        drv.touch(pieces)
+        time.sleep(1.0)
+        release(drv, pieces, 1)
+        created: list = []
+        mapper = None
+        if piece:
+            def remap() -> None:
+                drv.set_current()
+                created.extend(recreate(drv, pieces)[0])
+            mapper = threading.Thread(target=remap)
+            mapper.start()
+        out[label] = host_trains_after(f"after release, {label}")
+        if mapper is not None:
+            mapper.join()
+            release(drv, created, 1)
+        time.sleep(1.0)
+    return out
+
+
 def by_age(drv: Driver, total: int, ages: list[float], repeats: int) -> dict:
     """ms/GiB of releasing 2 GiB handles `age` seconds after they were created and written, and ms/GiB
     of writing them right after creating against 1 s later."""
@@ -257,6 +313,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--aftermath", action="store_true", help="the copy bandwidth after creating and releasing")
     ap.add_argument("--touch", action="store_true", help="write every handle before each release")
+    ap.add_argument("--contention", action="store_true", help="tiny kernels after a release, beside re-creating")
     ap.add_argument("--age", default="", help="e.g. 0,0.1,0.4,1: release times by seconds since creation")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
@@ -265,6 +322,9 @@ def main() -> None:
     if args.aftermath:
         write_json(args.out, "vmm-aftermath" + "-touched" * args.touch,
                    {"date": now_iso(), "gib": total / GiB, "touched": args.touch, **aftermath(drv, total, args.touch)})
+        return
+    if args.contention:
+        write_json(args.out, "vmm-contention", {"date": now_iso(), "gib": total / GiB, **contention(drv, total)})
         return
     if args.age:
         ages = [float(a) for a in args.age.split(",")]
