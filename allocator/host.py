@@ -163,6 +163,9 @@ class HostBackend:
                     return tag
         return None
 
+    def clearing_seconds(self, nbytes: int) -> float:
+        return 0.0  # munmap'd pages are the kernel's business: nothing here waits for them
+
     def released(self, tag: str) -> bool:
         return any(not a.resident or any(not p[1] for p in (a.pieces or {}).values()) for a, _ in self._live(tag))
 

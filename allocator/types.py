@@ -135,6 +135,11 @@ class Backend(Protocol):
 
     def sleep(self, offload: Sequence[str], discard: Sequence[str]) -> SleepCost: ...
 
+    # Seconds the device goes on working on memory this backend has just released (the CUDA driver
+    # clears it), during which creating memory waits for it and slows the kernels running beside it;
+    # 0 where nothing does.
+    def clearing_seconds(self, nbytes: int) -> float: ...
+
     # defer: piece addresses (from empty_chunked) of the remapped tags to leave unmapped for now;
     # the pool maps them later with map_pieces(). warm_caches: this wake leaves nothing asleep, so the
     # backend may give back caches outside the pool that sleep returned (CUDA: torch's own allocator).

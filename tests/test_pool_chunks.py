@@ -159,6 +159,46 @@ def test_the_mapper_gives_way_while_busy_unless_someone_waits(tmp_path):
         pool.close()
 
 
+class ClearingBackend(HostBackend):
+    """The real CPU backend, as if the device went on clearing released memory for `seconds`."""
+
+    def __init__(self, folder: Path, seconds: float) -> None:
+        super().__init__(folder)
+        self.seconds = seconds
+
+    def clearing_seconds(self, nbytes: int) -> float:
+        return self.seconds if nbytes else 0.0
+
+
+def test_the_mapper_starts_once_the_device_cleared_what_the_sleep_released(tmp_path):
+    """A wake right after a sleep maps its first chunk at once and the rest only after the device's
+    clearing of the released memory (backend.clearing_seconds from the sleep's end), unless a thread
+    waits for chunks, which gets them at once."""
+    backend = ClearingBackend(tmp_path, 0.8)
+    pool = MemoryPool(backend)
+    try:
+        t = chunked(pool)
+        pool.sleep(discard_tags=["kv_cache"])
+        slept = time.perf_counter()
+        pool.wake_up()
+        time.sleep(0.3)
+        assert pool.chunks_ready("kv_cache") == 1
+        deadline = time.monotonic() + 30
+        while pool.chunks_ready("kv_cache") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polled: wait_chunks would make the mapper start at once
+        assert pool.chunks_ready("kv_cache") == 3
+        assert time.perf_counter() - slept >= 0.8
+        backend.seconds = 60.0
+        pool.sleep(discard_tags=["kv_cache"])
+        pool.wake_up()
+        assert pool.wait_chunks("kv_cache", 2, timeout=30) >= 2  # a waiter does not wait for the clearing
+        assert pool.wait_chunks("kv_cache", 3, timeout=30) == 3
+        t.fill_(6.0)
+        assert torch.all(t == 6.0)
+    finally:
+        pool.close()
+
+
 def test_a_chunk_above_the_largest_piece_is_several_pieces_mapped_in_order(tmp_path, monkeypatch):
     """A chunk bigger than MAX_PIECE_BYTES is made of pieces of at most that size (CUDA: the driver
     releases huge handles slower per GiB, and the background mapper can only give way between pieces);
