@@ -11,8 +11,7 @@ For each model shape (default 1.24B and 8B Llama, random weights) at the default
     (streamed: its first token's time apart);
     every sleep after the previous wake's background KV mapping ended, so each releases the whole
     cache (and says how many GiB the driver released), and --idle-before-sleep seconds after that
-    (default 1 s, where a rollout would be: memory created moments before is released at about half
-    the rate, bench/vmm_floor.py --age);
+    (default 1 s, where a rollout would be; 0 runs the cycles back to back);
   - level-2 sleep and wake, 3 cycles (wake right after the sleep; then /update_weights);
   - device memory asleep minus both references;
   - per cycle, one line each for the sleep, the wake and the first request after it: the HTTP time split
@@ -268,8 +267,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
                     # wake's background mapping (back to back, a later sleep released 44-86 of 117 GiB at 1B
                     # and its time compared a partial release with the first cycle's full one).
                     settle_s = wait_for_kv_mapping(c)
-                    # and some time passes, as a rollout's would: the driver releases memory created
-                    # moments ago at about half the rate (vmm_floor.py --age)
+                    # and some time passes, as a rollout's would
                     time.sleep(idle_s)
                     released_gib, release_ms = released(slept)
                     row = {"level": level, "cycle": i + 1, "sleep_s": sleep_s, "wake_s": wake_s,
