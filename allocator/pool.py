@@ -308,10 +308,11 @@ class MemoryPool:
         """Before the background mapper's first piece: while the device still clears the memory the last
         sleep released (a wake right after it), creating memory waits inside the driver for that
         clearing, where no busy() check can hold it back, and a request running beside it is slow (H200,
-        2026-12-02, 1B: the first request after a level-2 wake right after its sleep 1.45-1.64x of one
+        2026-12-02, 1B: the first request after a level-2 wake right after its sleep 1.44-1.57x of one
         before, its first token 1.5-2x; 0.93-1.01x when the wake itself mapped the whole cache, waiting
         313-337 ms for the clearing). So it starts once the device is done (backend.clearing_seconds),
-        unless someone waits for chunks."""
+        unless someone waits for chunks: measured with it, 1.24-1.48x, and 1.22-1.23x after level 1
+        (1.22-1.65x before); the rest is what the clearing itself costs the kernels beside it."""
         while (chunks.waiters == 0 and not chunks.cancel.is_set() and not self._closed
                and time.perf_counter() < self._cleared_at):
             chunks.cancel.wait(0.002)
