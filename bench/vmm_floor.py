@@ -144,6 +144,16 @@ def recreate(drv: Driver, pieces: list[tuple[int, int, int]]) -> tuple[list[tupl
     return out, time.perf_counter() - t
 
 
+def by_window(rows: list[tuple[float, float]], seconds: float) -> dict[str, tuple[float, float]]:
+    """(mean, largest) of the values of (ms since the start, value) rows, by window of time since the start."""
+    windows = {}
+    for lo, hi in ((0, 20), (20, 50), (50, 100), (100, 200), (200, seconds * 1e3)):
+        values = [v for t, v in rows if lo <= t < hi]
+        if values:
+            windows[f"{lo}-{hi:.0f} ms"] = (statistics.mean(values), max(values))
+    return windows
+
+
 def copy_bandwidth_after(label: str, seconds: float = 0.4) -> dict:
     """GB/s of a 1 GiB device copy run back to back for `seconds`, by window of time since the call."""
     import torch
@@ -158,37 +168,38 @@ def copy_bandwidth_after(label: str, seconds: float = 0.4) -> dict:
         end.record()
         end.synchronize()
         rows.append(((time.perf_counter() - t0) * 1e3, start.elapsed_time(end)))
-    windows = {}
-    for lo, hi in ((0, 20), (20, 50), (50, 100), (100, 200), (200, 400)):
-        ms = [m for t, m in rows if lo <= t < hi]
-        if ms:  # bytes read + written over the mean and the slowest copy
-            windows[f"{lo}-{hi} ms"] = (2 * GiB / 1e6 / statistics.mean(ms), 2 * GiB / 1e6 / max(ms))
+    # bytes read + written over the mean and the slowest copy
+    windows = {w: (2 * GiB / 1e6 / mean, 2 * GiB / 1e6 / slowest)
+               for w, (mean, slowest) in by_window(rows, seconds).items()}
     print(f"{label}: copy GB/s mean/worst " + " | ".join(f"{w} {m:.0f}/{lo:.0f}" for w, (m, lo) in windows.items()),
           flush=True)
     return windows
 
 
-def small_kernels_after(label: str, seconds: float = 0.4, train: int = 64) -> dict:
-    """Microseconds per kernel of trains of `train` tiny kernels, by window of time since the call."""
+def tiny_kernels_after(label: str, seconds: float = 0.4, train: int = 64, host: bool = False) -> dict:
+    """Microseconds per kernel of trains of `train` tiny kernels, by window of time since the call: their
+    device time (CUDA events), or with host=True the host's time to launch them and wait for them."""
     import torch
 
     x = torch.zeros(4096, device="cuda")
     rows, t0 = [], time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while time.perf_counter() - t0 < seconds:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        t = time.perf_counter()
+        if not host:
+            start.record()
         for _ in range(train):
             x.add_(1.0)
-        end.record()
-        end.synchronize()
-        rows.append(((time.perf_counter() - t0) * 1e3, start.elapsed_time(end) * 1e3 / train))
-    windows = {}
-    for lo, hi in ((0, 20), (20, 50), (50, 100), (100, 200), (200, 400)):
-        us = [u for t, u in rows if lo <= t < hi]
-        if us:
-            windows[f"{lo}-{hi} ms"] = (statistics.mean(us), max(us))
-    print(f"{label}: tiny kernel us mean/worst " + " | ".join(f"{w} {m:.1f}/{hi:.1f}" for w, (m, hi) in windows.items()),
-          flush=True)
+        if host:
+            torch.cuda.synchronize()
+            rows.append(((t - t0) * 1e3, (time.perf_counter() - t) * 1e6 / train))
+        else:
+            end.record()
+            end.synchronize()
+            rows.append(((time.perf_counter() - t0) * 1e3, start.elapsed_time(end) * 1e3 / train))
+    windows = by_window(rows, seconds)
+    print(f"{label}: {'host us per tiny kernel' if host else 'tiny kernel us'} mean/worst "
+          + " | ".join(f"{w} {m:.1f}/{hi:.1f}" for w, (m, hi) in windows.items()), flush=True)
     return windows
 
 
@@ -209,40 +220,18 @@ def aftermath(drv: Driver, total: int, touch: bool) -> dict:
     out["after release"] = copy_bandwidth_after("after release")
     out["0.4 s after release"] = copy_bandwidth_after("0.4 s after release")
     for _ in range(3):
-        small_kernels_after("warm-up", 0.05)
-    out["tiny kernels, baseline"] = small_kernels_after("baseline")
+        tiny_kernels_after("warm-up", 0.05)
+    out["tiny kernels, baseline"] = tiny_kernels_after("baseline")
     pieces, s = recreate(drv, pieces)
     if touch:
         drv.touch(pieces)
     time.sleep(1.0)
-    out["tiny kernels, before release"] = small_kernels_after("1 s after create+map")
+    out["tiny kernels, before release"] = tiny_kernels_after("1 s after create+map")
     rel = release(drv, pieces, 1)
     print(f"unmap+release: {rel['wall_s'] * 1e3:.1f} ms")
-    out["tiny kernels, after release"] = small_kernels_after("after release")
-    out["tiny kernels, 0.4 s after release"] = small_kernels_after("0.4 s after release")
+    out["tiny kernels, after release"] = tiny_kernels_after("after release")
+    out["tiny kernels, 0.4 s after release"] = tiny_kernels_after("0.4 s after release")
     return out
-
-
-def host_trains_after(label: str, seconds: float = 0.3, train: int = 64) -> dict:
-    """Host microseconds per kernel (launches and the wait for them) of trains of tiny kernels, by window."""
-    import torch
-
-    x = torch.zeros(4096, device="cuda")
-    rows, t0 = [], time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        t = time.perf_counter()
-        for _ in range(train):
-            x.add_(1.0)
-        torch.cuda.synchronize()
-        rows.append(((t - t0) * 1e3, (time.perf_counter() - t) * 1e6 / train))
-    windows = {}
-    for lo, hi in ((0, 20), (20, 50), (50, 100), (100, 200), (200, 300)):
-        us = [u for t, u in rows if lo <= t < hi]
-        if us:
-            windows[f"{lo}-{hi} ms"] = (statistics.mean(us), max(us))
-    print(f"{label}: host us per tiny kernel mean/worst "
-          + " | ".join(f"{w} {m:.1f}/{hi:.1f}" for w, (m, hi) in windows.items()), flush=True)
-    return windows
 
 
 def contention(drv: Driver, total: int) -> dict:
@@ -250,8 +239,8 @@ def contention(drv: Driver, total: int) -> dict:
     va = drv.reserve(total)
     out = {}
     for _ in range(3):
-        host_trains_after("warm-up", 0.05)
-    out["baseline"] = host_trains_after("baseline")
+        tiny_kernels_after("warm-up", 0.05, host=True)
+    out["baseline"] = tiny_kernels_after("baseline", 0.3, host=True)
     for label, piece in (("alone", 0), ("beside re-creating in 2 GiB pieces", 2 * GiB),
                          ("beside re-creating in 256 MiB pieces", 256 * MiB), ("alone, again", 0)):
         size = piece or 2 * GiB
@@ -267,7 +256,7 @@ def contention(drv: Driver, total: int) -> dict:
                 created.extend(recreate(drv, pieces)[0])
             mapper = threading.Thread(target=remap)
             mapper.start()
-        out[label] = host_trains_after(f"after release, {label}")
+        out[label] = tiny_kernels_after(f"after release, {label}", 0.3, host=True)
         if mapper is not None:
             mapper.join()
             release(drv, created, 1)
