@@ -141,11 +141,6 @@ def complete(c, max_tokens: int = 32) -> tuple[str, float, float]:
     return "".join(parts), total, total if first is None else first
 
 
-def used(c) -> int:
-    m = c.get("/memory").json()
-    return int(m["device_total"]) - int(m["device_free"])
-
-
 def timed_post(c, path: str, **kw) -> tuple[float, dict]:
     """(seconds through HTTP, the answer's JSON)."""
     t = time.perf_counter()
@@ -220,7 +215,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
     """cpu: a smoke run of the same flow on the CPU backend (the embedded model, no references).
     idle_s: seconds between a wake's end of mapping and the next sleep (a rollout's place).
     extra: more server flags (e.g. --kv-wake-chunk 0 to map the whole KV cache before a wake returns)."""
-    from tests.footprint import one_kernel_process_used, reference_process_used
+    from tests.footprint import one_kernel_process_used, reference_process_used, server_device_used
 
     if cpu:
         one_kernel = reference = 0
@@ -257,7 +252,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
                 for i in range(n):
                     c.post("/reset_prefix_cache")
                     sleep_s, slept = timed_post(c, f"/sleep?level={level}")
-                    asleep = used(c)
+                    asleep = server_device_used(c)
                     wake_s, woke = timed_post(c, "/wake_up")
                     update_s = timed_post(c, "/update_weights", json={})[0] if level == 2 else 0.0
                     chunks_before = kv_chunks(c)

@@ -94,6 +94,15 @@ def one_kernel_process_used(index: int, timeout: float = 120.0) -> int:
     return _probe_used(_ONE_KERNEL, index, "one-kernel", timeout)
 
 
+def server_device_used(client) -> int:
+    """Device bytes in use (total - free) as a server started with --dev-mode reads them from the driver in
+    its engine process (GET /memory), through an httpx client of it."""
+    r = client.get("/memory")
+    assert r.status_code == 200, r.text
+    m = r.json()
+    return int(m["device_total"]) - int(m["device_free"])
+
+
 def device_used(index: int) -> int:
     import torch
 

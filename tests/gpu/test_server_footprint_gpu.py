@@ -13,20 +13,16 @@ server inherit CUBLAS_WORKSPACE_CONFIG, which each case sets.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from tests.footprint import one_kernel_process_used, reference_process_used, server_device_used
+from tests.http_server import ServerProcess
+from tests.models import model_folder
 
-from tests.footprint import one_kernel_process_used, reference_process_used  # noqa: E402
-from tests.http_server import ServerProcess  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]  # for the reference process, which imports this file
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,13 +45,6 @@ def engine_kernels(index: int) -> None:
     llm.generate([PROMPT] * 4, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     llm.generate(PROMPT * 20, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     llm.close()
-
-
-def device_used(c: httpx.Client) -> int:
-    r = c.get("/memory")
-    assert r.status_code == 200, r.text
-    m = r.json()
-    return int(m["device_total"]) - int(m["device_free"])
 
 
 TORCH_HOPPER_WORKSPACE, SMALL_WORKSPACE = ":4096:8", ":4096:1"  # CUBLAS_WORKSPACE_CONFIG: 32 MiB, 4 MiB
@@ -83,9 +72,9 @@ def test_asleep_server_holds_no_more_than_a_process_that_ran_the_same_engine(tmp
             long = c.post("/v1/completions", json={"prompt": PROMPT * 20, "max_tokens": 4, "temperature": 0,
                                                    "ignore_eos": True})
             assert batch.status_code == long.status_code == 200, (batch.text, long.text)
-            awake = device_used(c)
+            awake = server_device_used(c)
             assert c.post("/sleep", params={"level": level}).status_code == 200
-            asleep = device_used(c)
+            asleep = server_device_used(c)
             beyond = asleep - reference
             print(f"level {level}, CUBLAS_WORKSPACE_CONFIG={workspace}: asleep {asleep / MiB:.0f} MiB, "
                   f"same-kernels process {reference / MiB:.0f} MiB, one-kernel process {one_kernel / MiB:.0f} MiB")
