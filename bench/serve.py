@@ -290,9 +290,12 @@ def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: boo
 # -- in-process ------------------------------------------------------------------------------------
 
 def run_engine(core, reqs: list[Req], temperature: float, tag: str,
-               counts: dict | None = None) -> tuple[list[Result], float]:
+               counts: dict | None = None, stream: bool = True) -> tuple[list[Result], float]:
     """The same arrivals through EngineCore directly: a request is added at the first step boundary
     after its arrival time, and its latencies count from the arrival time (as a queue would).
+    stream: the engine makes what the server's engine makes for a streamed request (an output every step);
+    otherwise what it makes for a plain one (FINAL_ONLY: its first tokens and its end), the reference of the
+    HTTP pass of the same mode (a plain request's steps cost the engine's host less at 256 sequences).
     The outputs are read as the server's engine process makes them (EngineCore.wire_outputs, each advanced
     request's new part encoded by channel.encode_delta), not as RequestOutputs: those copy every sequence's
     whole token list at every step, a host cost of the in-process LLM API that the server's engine does not
@@ -302,7 +305,9 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
     counts: receives "steps", the engine steps that ran tokens (as the server's iteration histogram counts)."""
     from server import SamplingParams
     from server.engine.channel import encode_delta
+    from server.engine.params import RequestOutputKind
 
+    kind = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
     results = [Result(sent=math.nan) for _ in reqs]
     last: dict[int, float] = {}
     index = {f"{tag}-{i}": i for i in range(len(reqs))}
@@ -334,7 +339,8 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
             while nxt < len(order) and start + reqs[order[nxt]].at <= now:
                 i = order[nxt]
                 results[i].sent = start + reqs[i].at
-                params = SamplingParams(temperature=temperature, max_tokens=reqs[i].max_tokens, ignore_eos=True)
+                params = SamplingParams(temperature=temperature, max_tokens=reqs[i].max_tokens, ignore_eos=True,
+                                        output_kind=kind)
                 core.add_request(f"{tag}-{i}", prompt_token_ids=reqs[i].prompt, params=params, on_output=on_output)
                 nxt += 1
             if core.has_unfinished:
@@ -630,7 +636,7 @@ def main() -> None:
             # prompts in its prefix cache (the HTTP passes get fresh prompts, see Fresh; a server per mode).
             core.reset_prefix_cache()
             counts: dict = {}
-            results, duration = in_thread(run_engine, core, reqs, args.temperature, f"r{next(counter)}", counts)
+            results, duration = in_thread(run_engine, core, reqs, args.temperature, f"r{next(counter)}", counts, stream)
             return results, duration, counts
 
         for on in modes:
@@ -639,9 +645,10 @@ def main() -> None:
             engine(warm, True)  # warm-up
             for row in run_pass("rate", args, by_rate, engine):
                 rows.append({"path": path, **row})
-            for c, reqs in by_conc:  # streaming is an HTTP notion: one in-process run per concurrency
-                rows.append({"path": path, "pass": "saturation", "key": c, "stream": None,
-                             **median_run(engine, lambda k: reqs.of(IN_PROCESS, k), True, args.repeat)})
+            for c, reqs in by_conc:  # the outputs a streamed and a plain request get, each its HTTP pass's reference
+                for stream in (True, False):
+                    rows.append({"path": path, "pass": "saturation", "key": c, "stream": stream,
+                                 **median_run(engine, lambda k: reqs.of(IN_PROCESS, k), stream, args.repeat)})
         llm.close()
     ratios(result)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -652,12 +659,14 @@ def main() -> None:
 
 
 def ratios(result: dict) -> None:
-    """HTTP output tok/s over in-process output tok/s, for the same pass and key (and async scheduling)."""
-    engine = {(r["path"].replace("engine", "http"), r["pass"], r["key"]): r["output_tok_s"]
+    """HTTP output tok/s over in-process output tok/s, for the same pass, key, mode (streamed or not) and
+    async scheduling."""
+    engine = {(r["path"].replace("engine", "http"), r["pass"], r["key"], r["stream"]): r["output_tok_s"]
               for r in result["rows"] if r["path"].startswith("engine")}
     for r in result["rows"]:
-        if r["path"].startswith("http") and (r["path"], r["pass"], r["key"]) in engine:
-            r["http_over_engine"] = r["output_tok_s"] / engine[(r["path"], r["pass"], r["key"])]
+        key = (r["path"], r["pass"], r["key"], r["stream"])
+        if r["path"].startswith("http") and key in engine:
+            r["http_over_engine"] = r["output_tok_s"] / engine[key]
 
 
 def _rate(key) -> str:
@@ -676,7 +685,7 @@ def _path(row: dict) -> str:
 
 
 def _mode(row: dict) -> str:
-    return {True: "stream", False: "no stream", None: "-"}[row["stream"]]
+    return "stream" if row["stream"] else "no stream"
 
 
 def report(result: dict) -> None:
@@ -709,7 +718,9 @@ def report(result: dict) -> None:
                  "all first tokens ms", "tokens/chunk", "span ms", "client cores/procs"]))
     print("engine steps: steps that ran tokens during the pass (the server's vllm:iteration_tokens_total count); "
           "above the output length, the steps admission was spread over. all first tokens: from the first send "
-          "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. span: first send to last answer, both paths.")
+          "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. span: first send to last answer, both paths. "
+          "In process, stream: an output for every request at every step, as the server's engine makes for streamed "
+          "requests; no stream: first tokens and ends only, as for plain requests. HTTP/engine divides by the same mode.")
     for r in result["rows"]:
         for proc, prof in (r.get("spy") or {}).items():
             mode = _mode(r)
@@ -726,11 +737,12 @@ def report(result: dict) -> None:
         print(f"WARNING: the benchmark's client processes were >80% busy in {len(busy)} HTTP pass(es): their HTTP "
               "figures may be the client's limit, not the server's (raise --client-procs)")
     for path in ("engine", "engine+async"):
-        eng = {r["key"]: r["output_tok_s"] for r in sat if r["path"] == path}
-        if len(eng) > 1:
-            lo, hi = min(eng), max(eng)
-            print(f"{path}: in-process tok/s at {hi} concurrent / at {lo}: {eng[hi] / eng[lo]:.2f}x "
-                  "(target >= 2.5x for 256 / 64)")
+        for stream in (True, False):
+            eng = {r["key"]: r["output_tok_s"] for r in sat if r["path"] == path and r["stream"] is stream}
+            if len(eng) > 1:
+                lo, hi = min(eng), max(eng)
+                print(f"{path}, {_mode({'stream': stream})}: in-process tok/s at {hi} concurrent / at {lo}: "
+                      f"{eng[hi] / eng[lo]:.2f}x (target >= 2.5x for 256 / 64)")
     on = {(r["path"].removesuffix("+async"), r.get("api_servers"), r["pass"], r["key"], r["stream"]): r
           for r in result["rows"] if r["path"].endswith("+async")}
     pairs = [(r, on[(r["path"], r.get("api_servers"), r["pass"], r["key"], r["stream"])]) for r in result["rows"]
