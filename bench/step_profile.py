@@ -1,7 +1,9 @@
 """Where a decode step's time goes: GPU time of the graph replay (CUDA) against the host-side work
 around it (input preparation, sampling, bookkeeping), at batch 1, 64 and 256. The parts are the
 engine's own step functions (EngineCore.step = scheduler.schedule -> runner.prepare ->
-runner.logits -> runner.sample -> EngineCore.postprocess), called one by one and synchronized.
+runner.logits -> runner.sample -> EngineCore.postprocess), called one by one and synchronized. With
+--kernels N (CUDA), N more free-running steps under torch.profiler: the device's busy time a step, and the
+kernels that took the most of it (graph-launched ones included), per step, to say what a batch size pays for.
 
     python bench/step_profile.py --out $OUT
     python bench/step_profile.py --device cpu --model llama-tiny --batches 1,64   # indicative only
@@ -23,13 +25,13 @@ from tests.models import model_folder  # noqa: E402
 
 
 def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int | None = None,
-            prompt_len: int = 32) -> dict:
+            prompt_len: int = 32, kernels: int = 0) -> dict:
     from server import SamplingParams
 
     core, runner = llm.engine, llm.engine.runner
     dev = core.device
     cuda = dev.type == "cuda"
-    params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True, logprobs=logprobs)
+    params = SamplingParams(temperature=temperature, max_tokens=steps + kernels + 8, ignore_eos=True, logprobs=logprobs)
     for i in range(batch):
         core.add_request(f"p{batch}-{i}", prompt_token_ids=list(range(1000 + i, 1000 + prompt_len + i)), params=params)
     while any(r.first_token_time is None for r in core.requests.values()):
@@ -67,9 +69,33 @@ def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int
         gpu += start.elapsed_time(end) / 1e3 if cuda else 0.0
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             parts[k] += v
+    traced = kernel_times(core, kernels) if kernels and cuda else {}
     core.abort_all()
     return {"batch": batch, "prompt_len": prompt_len, "wall_ms": 1e3 * wall, "graph_gpu_ms": 1e3 * gpu / n,
-            **{f"{k}_ms": 1e3 * v / n for k, v in parts.items()}}
+            **{f"{k}_ms": 1e3 * v / n for k, v in parts.items()}, **traced}
+
+
+def kernel_times(core, steps: int, top: int = 16) -> dict:
+    """`steps` free-running steps under torch.profiler (device activity only): the device's busy ms and
+    span a step, and the `top` kernels by device time, in microseconds a step (name, us, launches a step)."""
+    from torch.profiler import ProfilerActivity, profile as traced
+
+    from server.engine.step_profiler import device_busy
+
+    with traced(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        sync(core.device)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy, span = device_busy(events)
+    total: dict[str, list] = {}
+    for e in events:
+        t = total.setdefault(e.name, [0.0, 0])
+        t[0] += e.time_range.end - e.time_range.start
+        t[1] += 1
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"device_busy_ms": busy / steps / 1e3, "device_span_ms": span / steps / 1e3,
+            "kernels": [(name[:90], us / steps, count / steps) for name, (us, count) in ranked]}
 
 
 def main() -> None:
@@ -82,6 +108,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens: the decode steps' context (RL "
                     "rollouts: 128 prompt + up to 512 new tokens)")
+    ap.add_argument("--kernels", type=int, default=0, help="trace this many more steps: the top kernels (CUDA)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     from server import LLM
@@ -92,7 +119,8 @@ def main() -> None:
     llm = LLM(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches),
               max_model_len=2048, **kv)
     # On a thread, as the server drives the engine (bench/common.in_thread says why it matters on CPU).
-    rows = [in_thread(profile, llm, b, args.steps, args.temperature, args.logprobs, args.prompt_len) for b in batches]
+    rows = [in_thread(profile, llm, b, args.steps, args.temperature, args.logprobs, args.prompt_len, args.kernels)
+            for b in batches]
     llm.close()
     sampled = args.temperature or args.logprobs is not None
     write_json(args.out, "step_profile" + ("" if args.device == "cuda" else "-cpu") + ("-sampled" if sampled else "")
@@ -102,6 +130,12 @@ def main() -> None:
     print(f"\nstep profile ({args.model}, {args.device}, temperature {args.temperature}, logprobs {args.logprobs}, "
           f"{args.prompt_len}-token prompts)")
     print(table([[r["batch"]] + [f"{r[k]:.3f}" for k in keys] for r in rows], ["batch"] + keys))
+    for r in rows:
+        if "kernels" in r:
+            print(f"\nbatch {r['batch']}: device busy {r['device_busy_ms']:.3f} of {r['device_span_ms']:.3f} ms a step; "
+                  "top kernels, us a step (launches a step)")
+            print(table([[name, f"{us:.1f}", f"{count:g}"] for name, us, count in r["kernels"]],
+                        ["kernel", "us/step", "launches/step"]))
 
 
 if __name__ == "__main__":
