@@ -368,8 +368,12 @@ def summarize(results: list[Result], duration: float) -> dict:
     # When the last request got its first token, from the first send: how long admission took (streamed; a
     # request not streamed gets its first byte with its last).
     firsts = [r.sent + r.ttft for r in ok if not math.isnan(r.ttft)]
+    sends = [r.sent for r in ok]
     summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
                "all_first_token_ms": 1e3 * (max(firsts) - min(r.sent for r in ok)) if firsts else None,
+               # From the first request sent to the last: at saturation, how long the clients took to send the
+               # burst (each client process sends its requests one after another; in process all at once).
+               "send_spread_ms": 1e3 * (max(sends) - min(sends)) if sends else None,
                "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
                # Streamed: output tokens per content chunk (above 1: the server merged steps a client was behind on,
                # or --stream-interval grouped them; ITL is then per chunk, not comparable across intervals).
@@ -713,12 +717,14 @@ def report(result: dict) -> None:
                   r["steps"] if r.get("steps") is not None else "-",
                   f"{r['all_first_token_ms']:.0f}" if r["stream"] is not False and r.get("all_first_token_ms") else "-",
                   f"{r['tokens_per_chunk']:.2f}" if r.get("tokens_per_chunk") and r["stream"] else "-",
+                  f"{r['send_spread_ms']:.0f}" if r.get("send_spread_ms") is not None else "-",
                   f"{1e3 * r['duration_s']:.0f}", _client(r)] for r in sat],
                 ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)", "engine steps",
-                 "all first tokens ms", "tokens/chunk", "span ms", "client cores/procs"]))
+                 "all first tokens ms", "tokens/chunk", "sends ms", "span ms", "client cores/procs"]))
     print("engine steps: steps that ran tokens during the pass (the server's vllm:iteration_tokens_total count); "
           "above the output length, the steps admission was spread over. all first tokens: from the first send "
-          "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. span: first send to last answer, both paths. "
+          "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. sends: first send to last send (the clients' own "
+          "pace; 0 in process). span: first send to last answer, both paths. "
           "In process, stream: an output for every request at every step, as the server's engine makes for streamed "
           "requests; no stream: first tokens and ends only, as for plain requests. HTTP/engine divides by the same mode.")
     for r in result["rows"]:
