@@ -370,7 +370,7 @@ def summarize(results: list[Result], duration: float) -> dict:
     firsts = [r.sent + r.ttft for r in ok if not math.isnan(r.ttft)]
     sends = [r.sent for r in ok]
     summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-               "all_first_token_ms": 1e3 * (max(firsts) - min(r.sent for r in ok)) if firsts else None,
+               "all_first_token_ms": 1e3 * (max(firsts) - min(sends)) if firsts else None,
                # From the first request sent to the last: at saturation, how long the clients took to send the
                # burst (each client process sends its requests one after another; in process all at once).
                "send_spread_ms": 1e3 * (max(sends) - min(sends)) if sends else None,
@@ -688,8 +688,8 @@ def _path(row: dict) -> str:
     return row["path"] if count == 1 else f"{row['path']} x{count} API"
 
 
-def _mode(row: dict) -> str:
-    return "stream" if row["stream"] else "no stream"
+def _mode(stream: bool) -> str:
+    return "stream" if stream else "no stream"
 
 
 def report(result: dict) -> None:
@@ -711,7 +711,7 @@ def report(result: dict) -> None:
     print(f"\nserve: saturation ({result['model']}, {result['device']}, C requests at once, "
           f"{result['output_len']} output tokens each, {result.get('client', 'typed')} client, "
           f"the median of {result.get('repeat', 1)} run(s))")
-    print(table([[r["key"], _path(r), _mode(r),
+    print(table([[r["key"], _path(r), _mode(r["stream"]),
                   f"{r['completed']}/{r['completed'] + r['failed']}", f"{r['output_tok_s']:.0f}",
                   f"{r['http_over_engine']:.2f}" if "http_over_engine" in r else "-",
                   r["steps"] if r.get("steps") is not None else "-",
@@ -729,7 +729,7 @@ def report(result: dict) -> None:
           "requests; no stream: first tokens and ends only, as for plain requests. HTTP/engine divides by the same mode.")
     for r in result["rows"]:
         for proc, prof in (r.get("spy") or {}).items():
-            mode = _mode(r)
+            mode = _mode(r["stream"])
             head = f"py-spy, {r['path']} {r['pass']} {r['key']} {mode}, {proc} process: {prof['cpu_cores']} cores busy"
             if "error" in prof:
                 print(f"{head}; not recorded: {prof['error']}")
@@ -747,7 +747,7 @@ def report(result: dict) -> None:
             eng = {r["key"]: r["output_tok_s"] for r in sat if r["path"] == path and r["stream"] is stream}
             if len(eng) > 1:
                 lo, hi = min(eng), max(eng)
-                print(f"{path}, {_mode({'stream': stream})}: in-process tok/s at {hi} concurrent / at {lo}: "
+                print(f"{path}, {_mode(stream)}: in-process tok/s at {hi} concurrent / at {lo}: "
                       f"{eng[hi] / eng[lo]:.2f}x (target >= 2.5x for 256 / 64)")
     on = {(r["path"].removesuffix("+async"), r.get("api_servers"), r["pass"], r["key"], r["stream"]): r
           for r in result["rows"] if r["path"].endswith("+async")}
@@ -756,7 +756,7 @@ def report(result: dict) -> None:
     if pairs:
         print("\nserve: async scheduling off vs on (output tok/s; TPOT p50 ms)")
         print(table([[_path(a), a["pass"], _rate(a["key"]) if a["pass"] == "rate" else a["key"],
-                      _mode(a),
+                      _mode(a["stream"]),
                       f"{a['output_tok_s']:.0f}", f"{b['output_tok_s']:.0f}", f"{b['output_tok_s'] / a['output_tok_s']:.2f}x",
                       p(a["tpot_ms"], "p50"), p(b["tpot_ms"], "p50")] for a, b in pairs],
                     ["path", "pass", "rate / C", "mode", "off tok/s", "on tok/s", "on / off", "off TPOT", "on TPOT"]))
