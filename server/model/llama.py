@@ -1,4 +1,5 @@
-"""The Llama family (Llama / SmolLM2, Mistral, Qwen2, Qwen3) in plain PyTorch over a flat token batch.
+"""The Llama family (Llama / SmolLM2, Mistral, Qwen2, Qwen3, and with sparse MLPs Qwen3-MoE and Mixtral:
+moe.py) in plain PyTorch over a flat token batch.
 
 Module and parameter names mirror Hugging Face checkpoints, so loading and in-place weight updates
 are a by-name copy. Parameters are created on the meta device and materialized by the loader inside
@@ -12,6 +13,7 @@ from torch import nn
 
 from server.model.attention import AttentionContext, attend
 from server.model.config import ModelConfig
+from server.model.moe import EXPERT_NAMES, SparseMoeBlock
 from server.model.ops import TorchOps
 from server.model.rope import cos_sin_table
 from server.model.shard import TensorParallel
@@ -86,10 +88,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg, tp)
-        self.mlp = MLP(cfg, tp)
+        # A sparse layer's experts go under the checkpoint's module name (mlp, Mixtral's block_sparse_moe).
+        self.moe_name: str | None = None
+        if cfg.is_sparse_layer(index):
+            self.moe_name = EXPERT_NAMES[cfg.model_type][0]
+            self.add_module(self.moe_name, SparseMoeBlock(cfg, tp, index))
+        else:
+            self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -100,6 +108,9 @@ class DecoderLayer(nn.Module):
         # for bit Hugging Face's `residual + hidden`.
         q, k, v, residual = ops.norm_qkv(self.self_attn, self.input_layernorm, x, residual)
         x = self.self_attn(q, k, v, cos, sin, ctx, ops)
+        if self.moe_name is not None:
+            h, residual = self.post_attention_layernorm(x, residual, ops)
+            return self._modules[self.moe_name](h, ops), residual
         act, residual = ops.norm_gate_up_act(self.mlp, self.post_attention_layernorm, x, residual)
         return self.mlp.down(act, ops), residual
 
@@ -126,7 +137,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
