@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from server.model.loader import checkpoint_targets, unit_names
 from server.weight_transfer import handles, rendezvous
 from server.weight_transfer.broadcast_receive import BroadcastReceive
 from server.weight_transfer.config import WeightTransferConfig
@@ -64,7 +65,10 @@ class WeightReceiver:
         config.check_device(device.type)
         self.config = config
         self.device = device
-        params = dict(model.named_parameters())
+        # Every name a trainer may send: the parameters', and a sparse layer's per-expert names (views
+        # of its stacked experts) and transformers 5's names of the stacks (loader.checkpoint_targets).
+        params = checkpoint_targets(model)
+        self.model = model
         # Tensor parallel: the trainer sends whole tensors to every rank; a rank keeps its slice of
         # each split one (`sharded`: its parameter and Shard) and the whole of the rest (`targets`).
         tp = getattr(model, "tp", None)
@@ -198,8 +202,8 @@ class WeightReceiver:
                     self._receiving.drain()
                     self._receiving = None
             raise TransferFailedError(f"the weight transfer failed after {len(loaded)} of {len(update.metas)} "
-                                      f"tensors: {type(e).__name__}: {e}", loaded) from e
-        return loaded
+                                      f"tensors: {type(e).__name__}: {e}", unit_names(self.model, loaded)) from e
+        return unit_names(self.model, loaded)  # a stacked expert tensor counts as the experts it holds
 
     def _on_device(self) -> Any:
         """This thread's current CUDA device must be the model's (IPC rebuilds and streams use it)."""
