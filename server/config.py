@@ -40,6 +40,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = True
     enforce_eager: bool = False               # no CUDA graphs
+    # Mixture-of-experts models: every step writes the experts each token was routed to into a device
+    # buffer; requests that ask (return_routed_experts) get them with their output (docs/moe.md).
+    enable_return_routed_experts: bool = False
     # Launch step t+1 before step t's tokens reach the host, and do t's host work while t+1 runs
     # (server/engine/core.py); on by default: batch 1 1.24x and batch 64 1.36-1.55x faster on an H200, the
     # same tokens. At TP > 1 rank 0 broadcasts each step's sampled tokens to the workers (parallel/runner.py).

@@ -3,6 +3,7 @@ transformers' own classes give transformers' greedy tokens, in process and throu
 experts are stacked per layer in the pool under `weights`; --load-format dummy serves the shape."""
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from http_server import BASE_ARGS, ServerProcess
@@ -121,5 +122,11 @@ def test_greedy_text_equals_transformers_through_the_server(checkpoints, referen
                                         extra_body={"min_tokens": NEW_TOKENS})
         texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
         assert texts == [tok.decode(r, skip_special_tokens=True) for r in references[family]]
+        # Routed experts need --enable-return-routed-experts (test_moe_routed_experts.py): a 400 naming the field.
+        for route, body in [("completions", {"prompt": "Hi"}),
+                            ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})]:
+            r = httpx.post(f"{server.url}/v1/{route}", json={**body, "max_tokens": 2, "return_routed_experts": True},
+                           timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts", r.text
     finally:
         server.stop()

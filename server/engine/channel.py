@@ -112,7 +112,8 @@ class Reply:
 #               prompt_logprobs (once, when the prefill computed them all, else None),
 #               metrics (when it finishes: (arrival, first_scheduled, first_token, last_token) times, else None))
 #   SeqDelta = (index, new token ids, new text, new log-probs (WireLogprobs each) or None, cumulative_logprob,
-#               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None))
+#               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None),
+#               routed experts (once, when it finishes, if asked: a numpy array, routed_experts.py; else None))
 #   WireLogprobs: logprob_list.py (plain values: Logprob objects pickle ~10x slower, and a FINAL_ONLY
 #               request's last delta carries all of its log-probs at once).
 Delta = tuple
@@ -134,9 +135,10 @@ def encode_delta(req: "Request") -> Delta:
                 continue  # the API has its end already
             s.end_sent = True
         text, new_text, new_ids, new_logprobs = s.delta()
+        ended = s.finish_reason is not None
         seqs.append((s.index, new_ids, new_text, new_logprobs,
                      s.cumulative_logprob if s.logprobs is not None else None, s.finish_reason, s.stop_reason,
-                     text if s.finish_reason is not None else None))
+                     text if ended else None, s.routed_output() if ended else None))
     finished = req.finished
     metrics = None
     if finished:

@@ -19,6 +19,7 @@ import torch
 
 from allocator import PoolError
 from server.engine.grammar_masks import GrammarMasks, bit_values_on
+from server.engine.routed_experts import RoutedExperts, RoutedItem
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.logprob_list import WireLogprobs
 from server.engine.outputs import TokenLogprobs
@@ -61,6 +62,8 @@ class HostBatch:
     # same rows of the tokens rank 0 broadcast to it).
     ids_from: torch.Tensor | None = None
     ids_rows: list[int] | None = None
+    # Sequences that asked for their routed experts (routed_experts.py): which rows of the batch are theirs.
+    routed: list[RoutedItem] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -167,6 +170,13 @@ class ModelRunner:
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
         self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
         self.decode_tables = DecodeTables()  # the last decode batch's padded block tables, kept up to date
+        # --enable-return-routed-experts: the buffer the sparse layers write their top-k ids into (enable_routed_experts).
+        self.routed: RoutedExperts | None = None
+
+    def enable_routed_experts(self, max_tokens: int) -> None:
+        """Record routed experts (before finish_setup: the decode graphs capture the sparse layers' writes)."""
+        warm_up = 1 + min(2 * self.block_size, self.model.max_positions)  # _warm_up's batch
+        self.routed = RoutedExperts(self.model, self.pool, max(max_tokens, warm_up))
 
     def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
@@ -236,6 +246,7 @@ class ModelRunner:
         items = sorted(batch.items, key=lambda it: it[1] != 1)
         hb = HostBatch([], [], [], [], [], [], [], [])
         next_scored: dict[str, int] = {}  # per request: the first prompt token still without a log-prob
+        routed = self.routed is not None
         for seq, n in items:
             start = seq.num_computed
             offset = len(hb.ids)
@@ -250,6 +261,8 @@ class ModelRunner:
                     hb.prompt_targets.extend(req.prompt_token_ids[first:end + 1])
                     hb.prompt_groups.append((req, end + 1 - first))
                     next_scored[req.request_id] = end + 1
+            if routed and seq.params.return_routed_experts:
+                hb.routed.append((seq, offset, start, n))
             table = seq.block_table
             if n == 1:
                 hb.ids.append(seq.token_ids[start])
@@ -284,7 +297,13 @@ class ModelRunner:
         # one token long and not be).
         rows = [i for i, (s, n) in enumerate(zip(seqs, lens)) if n == len(s.token_ids)]
         sample_seqs = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
-        return HostBatch(ids, starts, slots, tables, lens, [], rows, sample_seqs)
+        return HostBatch(ids, starts, slots, tables, lens, [], rows, sample_seqs, routed=self._routed_rows(seqs, starts))
+
+    def _routed_rows(self, seqs: list[Sequence], starts: list[int]) -> list[RoutedItem]:
+        """A one-token-per-sequence batch's rows of the sequences that asked for their routed experts."""
+        if self.routed is None:
+            return []
+        return [(s, i, p, 1) for i, (s, p) in enumerate(zip(seqs, starts)) if s.params.return_routed_experts]
 
     def prepare_ahead(self, batch: ScheduledBatch, after: "Launched", rows: list[int]) -> HostBatch:
         """prepare() for a batch scheduled before the previous step's tokens reached the host (async
@@ -298,7 +317,8 @@ class ModelRunner:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
         lens = [p + 1 for p in starts]
         return HostBatch([0] * len(seqs), starts, slots, tables, lens, [], list(range(len(seqs))), seqs,
-                         ids_from=continuing(after.tokens, rows), ids_rows=rows)  # type: ignore[arg-type]
+                         ids_from=continuing(after.tokens, rows), ids_rows=rows,  # type: ignore[arg-type]
+                         routed=self._routed_rows(seqs, starts))
 
     def to_device(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """(input ids, positions, attention context, sample rows) on the device, from ONE host-to-
@@ -379,6 +399,8 @@ class ModelRunner:
         (async scheduling; a tensor-parallel runner then broadcasts them to every rank)."""
         hb = self.prepare(batch) if after is None else self.prepare_ahead(batch, after, rows or [])
         logits, prompt_hidden = self.forward(hb)
+        # Asked-for routed experts: their copy to the host, queued behind the forward (no wait here).
+        routed = (self.routed, *self.routed.copy_out(len(hb.ids)), hb.routed) if hb.routed and self.routed else None
         scored: list[tuple[Request, list[TokenLogprobs]]] = []
         if prompt_hidden is not None:  # synchronizes (a prefill with prompt log-probs is never overlapped)
             ks = [req.params.prompt_logprobs or 0 for req, count in hb.prompt_groups for _ in range(count)]
@@ -388,14 +410,14 @@ class ModelRunner:
                 scored.append((req, entries[at:at + count]))
                 at += count
         if not hb.sample_seqs:
-            return Launched(batch, hb, None, None, scored, tokenizer)
+            return Launched(batch, hb, None, None, scored, tokenizer, routed=routed)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
             meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
         if meta.grammar:  # the grammar first: what it forbids is never sampled, whatever else applies
             self.masks.apply(logits, hb.sample_seqs)
         ds = sample_on_device(logits, hb.sample_seqs, eos_ids, meta)
-        return Launched(batch, hb, ds, meta, scored, tokenizer)
+        return Launched(batch, hb, ds, meta, scored, tokenizer, routed=routed)
 
     @torch.inference_mode()
     def sample(self, hb: HostBatch, logits: torch.Tensor, eos_ids: frozenset[int], tokenizer) -> list[Sampled]:
@@ -421,6 +443,7 @@ class Launched:
     scored: list[tuple[Request, list[TokenLogprobs]]]
     tokenizer: object
     mark: tuple = ()  # Scheduler.removals when it was launched (EngineCore: whether all its sequences still run)
+    routed: tuple | None = None  # (RoutedExperts, host rows, copy event, items): asked-for routed experts in flight
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -429,6 +452,13 @@ class Launched:
 
     def collect(self) -> tuple[list[Sampled], list[tuple[Request, list[TokenLogprobs]]]]:
         if self.sampled is None:
+            self._record_routed()
             return [], self.scored
         tokens, logprobs = read_sample(self.sampled, self.hb.sample_seqs, self.meta, self.tokenizer)  # type: ignore[arg-type]
+        self._record_routed()
         return list(zip(self.hb.sample_seqs, tokens, logprobs)), self.scored
+
+    def _record_routed(self) -> None:
+        if self.routed is not None:
+            capture, host, event, items = self.routed
+            capture.record(host, event, items)
