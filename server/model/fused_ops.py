@@ -17,7 +17,7 @@ import triton.language as tl
 from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
 from server.model.launch import gdc_launch
-from server.model.moe import experts_torch, route_torch
+from server.model.fused_moe import fused_experts, route as fused_route
 from server.model.ops import norm_then_gate_up_act, norm_then_qkv
 from server.model.small_gemm import chained, small_gemm, small_rows
 
@@ -179,8 +179,9 @@ class TritonOps:
         return triton_decode_attention(q, *args, **kwargs, gdc=chained(q))
 
     prefill_attention = staticmethod(triton_prefill_attention)  # every span of the step in one launch
-    moe_route = staticmethod(route_torch)
-    moe_experts = staticmethod(experts_torch)
+    # The sparse MLP (fused_moe.py): the router's top-k in one kernel, the experts in five, no host sync.
+    moe_route = staticmethod(fused_route)
+    moe_experts = staticmethod(fused_experts)
 
 
 def _split_qkv(attn, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
