@@ -130,7 +130,7 @@ def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs], k: int,
 
 def routed_experts_json(routed: Any) -> dict[str, Any]:
     """A choice's routed experts, compactly: the array's bytes (C order, little-endian) in base64, with its
-    dtype and shape [tokens, sparse layers, top-k] (docs/moe.md). A JSON list of lists would be ~8x larger."""
+    dtype and shape [tokens, sparse layers, top-k] (docs/moe.md). A JSON list of lists would be ~3x larger."""
     arr = np.ascontiguousarray(routed)
     little = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
     return {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": base64.b64encode(little.tobytes()).decode()}
