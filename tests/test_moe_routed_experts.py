@@ -16,7 +16,7 @@ from http_server import BASE_ARGS, ServerProcess
 from moe_models import PROMPTS, hf_model, write_checkpoint
 
 from server import LLM, SamplingParams
-from server.engine.params import InvalidRequestError
+from server.wire.params import InvalidRequestError
 
 pytestmark = pytest.mark.timeout(600)
 ARGS = dict(device="cpu", kv_cache_memory="32MiB", max_model_len=512)

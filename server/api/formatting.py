@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from server.engine.logprob_list import LogprobList, WireLogprobs
-from server.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from server.wire.logprob_list import LogprobList, WireLogprobs
+from server.wire.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 
 def usage(outs: list[RequestOutput]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from server.engine.tags import CUDA_GRAPH
+from server.wire.tags import CUDA_GRAPH
 from server.model.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class RoutedExperts:
         self.hosts = [torch.empty(shape, dtype=torch.int32, pin_memory=cuda) for _ in range(HOST_BUFFERS)]
         self.turn = 0
 
-    def copy_out(self, num_tokens: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def copy_out(self, num_tokens: int) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         """Queue the copy of this step's rows to a host buffer (behind the forward that writes them)."""
         self.turn = (self.turn + 1) % len(self.hosts)
         host = self.hosts[self.turn][:num_tokens]
@@ -64,21 +64,23 @@ class RoutedExperts:
             event.record()
         return host, event
 
-    def record(self, host: torch.Tensor, event: torch.cuda.Event | None, items: list[RoutedItem]) -> None:
-        """Once the step's tokens are on the host: each asking sequence's rows, by position."""
+    def rows_of(self, host: torch.Tensor, event: "torch.cuda.Event | None",
+                items: list[RoutedItem]) -> list[tuple[int, int, np.ndarray]]:
+        """Once the step's tokens are on the host: (seq id, first position, rows) of each asking sequence, in
+        the narrow dtype (Scheduler.update_from_output stores them in the sequence)."""
         if event is not None:
             event.synchronize()  # done already when the step sampled tokens (their copy was queued after it)
         rows = host.numpy()
-        for seq, offset, start, n in items:
-            store(seq, start, rows[offset:offset + n], self.dtype)
+        return [(seq.seq_id, start, rows[offset:offset + n].astype(self.dtype)) for seq, offset, start, n in items]
 
 
-def store(seq: "Sequence", start: int, rows: np.ndarray, dtype: np.dtype) -> None:
+def store(seq: "Sequence", start: int, rows: np.ndarray) -> None:
+    """Rows of positions [start, start + len(rows)) of seq, kept by position (a recomputation rewrites them)."""
     held = seq.routed_experts
     end = start + len(rows)
     if held is None or held.shape[0] < end:
         grown = np.zeros((max(end, seq.num_prompt_tokens + 16, 2 * (0 if held is None else held.shape[0])),
-                          *rows.shape[1:]), dtype=dtype)
+                          *rows.shape[1:]), dtype=rows.dtype)
         if held is not None:
             grown[:held.shape[0]] = held
         held = seq.routed_experts = grown

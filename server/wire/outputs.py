@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# The lowest log-prob reported: -inf (a token masked out) and NaN are sent as this, since JSON has neither.
+LOGPROB_FLOOR = -9999.0
+
+
 @dataclass
 class Logprob:
     logprob: float
