@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from server.engine.core import EngineCore
+from server.model.loader import receiver_names
 from server.wire.errors import EngineUnavailableError, InvalidRequestError
 from server.weight_transfer import safe_pickle
 from server.weight_transfer.config import WeightTransferConfig
@@ -75,7 +76,7 @@ class WeightTransferService:
         self.core = core
         self.on_engine = on_engine   # from a command thread: run on the engine thread, wait for it
         self.defer = defer           # from the transfer thread: run on the engine thread, do not wait
-        self.receiver = WeightReceiver(config, core.model, core.device)
+        self.receiver = WeightReceiver(config, core.model, core.device, *receiver_names(core.model))
         self.workers = getattr(core.runner, "workers", None)  # parallel/executor.Workers at TP > 1
         self._thread = _Worker()
         self.packed_default: bool | None = None   # init_info.packed of the last init

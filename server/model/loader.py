@@ -348,6 +348,12 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     model.init_buffers()
 
 
+def receiver_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], Callable[[Iterable[str]], set[str]]]:
+    """What a weight-transfer receiver takes: the names a trainer may send (checkpoint_targets) and how its
+    writes count (unit_names)."""
+    return checkpoint_targets(model), lambda names: unit_names(model, names)
+
+
 def parameter_names(model: nn.Module) -> set[str]:
     """The names a complete load covers: every parameter's, a sparse layer's experts by their
     per-expert checkpoint names (unit_names maps the stacked names onto them)."""

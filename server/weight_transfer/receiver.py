@@ -14,12 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from server.model.loader import checkpoint_targets, unit_names
 from server.weight_transfer import handles, rendezvous
 from server.weight_transfer.broadcast_receive import BroadcastReceive
 from server.weight_transfer.config import WeightTransferConfig
@@ -61,14 +60,18 @@ class Update:
 
 
 class WeightReceiver:
-    def __init__(self, config: WeightTransferConfig, model: nn.Module, device: torch.device):
+    def __init__(self, config: WeightTransferConfig, model: nn.Module, device: torch.device,
+                 targets: dict[str, torch.Tensor] | None = None,
+                 units: Callable[[Iterable[str]], set[str]] | None = None):
+        """targets: every name a trainer may send -> the tensor it lands in (default: the parameters; the
+        engine passes model/loader.checkpoint_targets: a sparse layer's per-expert names are views of its
+        stacked experts). units: the names a write counts as (loader.unit_names: a stacked expert tensor
+        counts as the experts it holds)."""
         config.check_device(device.type)
         self.config = config
         self.device = device
-        # Every name a trainer may send: the parameters', and a sparse layer's per-expert names (views
-        # of its stacked experts) and transformers 5's names of the stacks (loader.checkpoint_targets).
-        params = checkpoint_targets(model)
-        self.model = model
+        params = targets if targets is not None else dict(model.named_parameters())
+        self.units = units or set
         # Tensor parallel: the trainer sends whole tensors to every rank; a rank keeps its slice of
         # each split one (`sharded`: its parameter and Shard) and the whole of the rest (`targets`).
         tp = getattr(model, "tp", None)
@@ -202,8 +205,8 @@ class WeightReceiver:
                     self._receiving.drain()
                     self._receiving = None
             raise TransferFailedError(f"the weight transfer failed after {len(loaded)} of {len(update.metas)} "
-                                      f"tensors: {type(e).__name__}: {e}", unit_names(self.model, loaded)) from e
-        return unit_names(self.model, loaded)  # a stacked expert tensor counts as the experts it holds
+                                      f"tensors: {type(e).__name__}: {e}", self.units(loaded)) from e
+        return self.units(loaded)
 
     def _on_device(self) -> Any:
         """This thread's current CUDA device must be the model's (IPC rebuilds and streams use it)."""

@@ -208,11 +208,13 @@ class Worker:
     # -- weight transfer: this rank's receiver, driven by rank 0 (weight_transfer/service.py) ---------
 
     def op_wt_init(self, arg: tuple) -> dict:
+        from server.model.loader import receiver_names
         from server.weight_transfer.receiver import WeightReceiver
 
         config, address, port, rank, world = arg
         if self.receiver is None or self.receiver.config != config:
-            self.receiver = WeightReceiver(config, self.runner.model, self.runner.device)
+            self.receiver = WeightReceiver(config, self.runner.model, self.runner.device,
+                                           *receiver_names(self.runner.model))
         return self.receiver.init(address, port, rank, world)
 
     def op_wt_receive(self, update) -> dict:
