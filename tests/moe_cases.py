@@ -53,3 +53,30 @@ def check_align(device: str) -> None:
     for b in range(n // bm):
         block = rows[b * bm:(b + 1) * bm]
         assert (flat[block[block < M].long()] == block_expert[b]).all()
+
+
+def check_moe_layer(dtype: torch.dtype, device: str, tol: float, shapes=None) -> str:
+    """fused_moe.moe on a sparse layer against moe_torch: the one-program route+align of a decode batch
+    (T <= SMALL_TOKENS) and the kernels of a larger one; the routed ids it records equal the reference's."""
+    from types import SimpleNamespace
+
+    from server.model.fused_moe import SMALL_TOKENS, moe
+    from server.model.moe import moe_torch
+
+    report = []
+    for T, E, K, H, I, renorm, rounded in shapes or [(1, 8, 2, 64, 48, True, True), (3, 16, 4, 32, 48, False, False),
+                                                     (SMALL_TOKENS, 8, 2, 64, 48, True, False),
+                                                     (SMALL_TOKENS + 1, 8, 2, 64, 48, True, True)]:
+        x, gate, w13, w2 = moe_inputs(T, E, K, H, I, dtype, device, seed=T)
+        layers = []
+        for _ in range(2):
+            experts = SimpleNamespace(w13_weight=w13, w2_weight=w2)
+            layers.append(SimpleNamespace(gate=SimpleNamespace(weight=gate), experts=experts, top_k=K,
+                                          norm_topk_prob=renorm, round_weights=rounded,
+                                          routed=torch.full((T + 3, K), -1, dtype=torch.int32, device=device)))
+        got, want = moe(x, layers[0]), moe_torch(x, layers[1])
+        assert torch.equal(layers[0].routed, layers[1].routed), (T, layers[0].routed, layers[1].routed)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err <= tol, f"T={T} E={E} K={K}: relative error {err:.2e} > {tol}"
+        report.append(f"T={T}: {err:.1e}")
+    return ", ".join(report)

@@ -10,8 +10,9 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from tests.moe_cases import check_align, check_fused_moe
+from tests.moe_cases import check_align, check_fused_moe, check_moe_layer
 check_align("cpu")
+print(check_moe_layer(torch.float32, "cpu", 1e-5))
 print(check_fused_moe(torch.float32, "cpu", 1e-5))
 # the prefill tiles (64-row blocks) on a batch that spans several blocks per expert
 print(check_fused_moe(torch.float32, "cpu", 1e-5, shapes=[(70, 4, 2, 32, 48, True)],
@@ -33,7 +34,7 @@ def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from server.model.fused_moe import _grouped_gemm, _offsets, _route
+    from server.model.fused_moe import _grouped_gemm, _offsets, _route, _route_align_small
 
     def build(fn, sig, const):
         sig = {**sig, **{name: "constexpr" for name in const}}
@@ -57,4 +58,8 @@ def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile):
     offsets = build(_offsets, {"counts_ptr": "*i32", "cursor_ptr": "*i32", "block_expert_ptr": "*i32",
                                "padded_ptr": "*i32", "E": "i32", "max_blocks": "i32"},
                     dict(BLOCK_M=16, BLOCK_E=128, BLOCK_B=64))
-    assert route.asm["cubin"] and offsets.asm["cubin"]
+    small = build(_route_align_small, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+                                       "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "padded_ptr": "*i32",
+                                       "T": "i32", "E": "i32", "stride": "i32", "max_blocks": "i32"},
+                  dict(K=8, BLOCK_E=128, BLOCK_K=8, BLOCK_A=64, RENORM=True, ROUND=True, BLOCK_M=16, BLOCK_B=64))
+    assert route.asm["cubin"] and offsets.asm["cubin"] and small.asm["cubin"]

@@ -24,10 +24,9 @@ def measure_activation_peak(model: LlamaForCausalLM, num_tokens: int, block_size
     attach(model.model.layers, scratch)
     saved_ops = model.ops
     if cfg.num_experts:  # the fused MoE's buffers ([tokens*k, I] and [tokens*k, H]) are the peak, not the reference's
-        from server.model.fused_moe import fused_experts, route
+        from server.model.fused_moe import moe
 
-        model.ops = type("FusedMoeOps", (saved_ops,), {"moe_route": staticmethod(route),
-                                                       "moe_experts": staticmethod(fused_experts)})
+        model.ops = type("FusedMoeOps", (saved_ops,), {"moe": staticmethod(moe)})
     try:
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)

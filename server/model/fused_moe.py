@@ -4,6 +4,8 @@
     align       the T*k (token, expert) assignments grouped by expert, each group padded to BLOCK_M rows:
                 a histogram (atomics), one program's prefix sum (each block's expert, the padded total),
                 then a scatter (atomics give each assignment its row in its group)
+    (route and align are one program for a decode batch of up to SMALL_TOKENS tokens, _route_align_small:
+    at batch 1 a layer's launches, not its bytes, are what a step waits for)
     gate|up     one grouped GEMM: each block of BLOCK_M rows is one expert's; it reads the expert's gate
                 and up rows (w13) and writes silu(gate) * up, rounded as Hugging Face's bf16 layer rounds
     down        one grouped GEMM over w2, each row scaled by its routing weight
@@ -46,6 +48,64 @@ def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, K: tl.constexpr, BLOCK_E
         top_p = top_p.to(logits_ptr.dtype.element_ty).to(tl.float32)
     tl.store(ids_ptr + t * K + kk, top_i, mask=kk < K)
     tl.store(weights_ptr + t * K + kk, top_p, mask=kk < K)
+
+
+@triton.jit
+def _route_align_small(logits_ptr, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, padded_ptr, T, E, stride,
+                       max_blocks, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_A: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_B: tl.constexpr):
+    """_route for each of T tokens, then the align step, in one program and registers: each assignment's row in
+    its group is how many earlier ones (in token order) chose the same expert, so no atomics and no re-read."""
+    e = tl.arange(0, BLOCK_E)
+    kk = tl.arange(0, BLOCK_K)
+    a = tl.arange(0, BLOCK_A)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    all_ids = tl.zeros([BLOCK_A], dtype=tl.int32)
+    all_rank = tl.zeros([BLOCK_A], dtype=tl.int32)
+    t = 0
+    while t < T:
+        x = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        top_p = tl.zeros([BLOCK_K], dtype=tl.float32)
+        top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for k in tl.static_range(K):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+            hit = e == idx
+            rank = tl.sum(tl.where(hit, counts, 0), axis=0)
+            counts += hit.to(tl.int32)
+            top_p = tl.where(kk == k, best, top_p)
+            top_i = tl.where(kk == k, idx, top_i)
+            all_ids = tl.where(a == t * K + k, idx, all_ids)
+            all_rank = tl.where(a == t * K + k, rank, all_rank)
+            p = tl.where(hit, -1.0, p)
+        if RENORM:
+            top_p = top_p / tl.sum(tl.where(kk < K, top_p, 0.0), axis=0)
+        if ROUND:
+            top_p = top_p.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(ids_ptr + t * K + kk, top_i, mask=kk < K)
+        tl.store(weights_ptr + t * K + kk, top_p, mask=kk < K)
+        t += 1
+    M = T * K
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(padded_ptr, tl.sum(padded, axis=0))
+    # Each group's padding rows, all at once ([experts, BLOCK_M], masked to the padding).
+    j = tl.arange(0, BLOCK_M)
+    pad_mask = (j[None, :] < (padded - counts)[:, None]) & (e < E)[:, None]
+    tl.store(sorted_ptr + (starts + counts)[:, None] + j[None, :], tl.zeros([BLOCK_E, BLOCK_M], tl.int32) + M,
+             mask=pad_mask)
+    b0 = 0
+    while b0 < max_blocks:
+        b = b0 + tl.arange(0, BLOCK_B)
+        expert = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.minimum(expert, E - 1), mask=b < max_blocks)
+        b0 += BLOCK_B
+    start_of = tl.sum(tl.where(all_ids[:, None] == e[None, :], starts[None, :], 0), axis=1)
+    tl.store(sorted_ptr + start_of + all_rank, a, mask=a < M)
 
 
 @triton.jit
@@ -145,13 +205,20 @@ def _combine(parts_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
     tl.store(out_ptr + t.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program (_route_align_small)
+
+
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
           round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids [T, k] int32, weights [T, k] fp32): the router's matmul (cuBLAS), then one kernel."""
-    logits = torch.nn.functional.linear(x, gate)
+    return route_logits(torch.nn.functional.linear(x, gate), top_k, renormalize, round_weights)
+
+
+def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
     T, E = logits.shape
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     if T:
         _route[(T,)](logits, ids, weights, E, logits.stride(0), K=top_k, BLOCK_E=triton.next_power_of_2(E),
                      BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, ROUND=round_weights, num_warps=1)
@@ -188,21 +255,64 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_rows, block_expert, padded
 
 
+def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool, block_m: int):
+    """route_logits and align in one launch (a decode batch of up to SMALL_TOKENS tokens): (ids, weights,
+    sorted rows, each block's expert, the padded total)."""
+    T, E = logits.shape
+    M = T * top_k
+    dev = logits.device
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    max_blocks = triton.cdiv(M + E * (block_m - 1), block_m)
+    sorted_rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _route_align_small[(1,)](logits, ids, weights, sorted_rows, block_expert, padded, T, E, logits.stride(0),
+                             max_blocks, K=top_k, BLOCK_E=triton.next_power_of_2(E),
+                             BLOCK_K=triton.next_power_of_2(top_k), BLOCK_A=triton.next_power_of_2(M),
+                             RENORM=renormalize, ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=64, num_warps=4)
+    return ids, weights, sorted_rows, block_expert, padded
+
+
+def moe(x: torch.Tensor, block) -> torch.Tensor:
+    """A sparse layer (model/moe.py SparseMoeBlock) on CUDA: the router's matmul, routing and grouping, the
+    routed ids into the capture buffer when the server records them, the experts."""
+    w13, w2 = block.experts.w13_weight, block.experts.w2_weight
+    logits = torch.nn.functional.linear(x, block.gate.weight)
+    T, K = x.shape[0], block.top_k
+    cfg = tiles(T * K, max(w2.shape[1], w2.shape[2]))
+    if 0 < T <= SMALL_TOKENS:
+        ids, weights, *grouped = route_align_small(logits, K, block.norm_topk_prob, block.round_weights,
+                                                   cfg["BLOCK_M"])
+    else:
+        ids, weights = route_logits(logits, K, block.norm_topk_prob, block.round_weights)
+        grouped = list(align(ids, w13.shape[0], cfg["BLOCK_M"])) if T else []
+    if block.routed is not None:
+        block.routed[:T].copy_(ids)
+    return experts(x, w13, w2, weights, grouped, K, cfg)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                   weights: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; x [T, H], w13 [E, 2I, H],
     w2 [E, H, I] (contiguous), ids [T, k] int32, weights [T, k]."""
-    T, H = x.shape
-    E, I = w13.shape[0], w2.shape[2]
     K = ids.shape[1]
+    cfg = config or tiles(ids.numel(), max(w2.shape[1], w2.shape[2]))
+    grouped = list(align(ids, w13.shape[0], cfg["BLOCK_M"])) if x.shape[0] else []
+    return experts(x, w13, w2, weights, grouped, K, cfg)
+
+
+def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, grouped: list,
+            K: int, cfg: dict[str, int]) -> torch.Tensor:
+    """The two grouped GEMMs and the combine, over assignments already grouped by expert (align)."""
+    T, H = x.shape
+    I = w2.shape[2]
     out = torch.empty_like(x)
     if T == 0:
         return out
     M = T * K
     x = x.contiguous()
-    cfg = config or tiles(M, max(I, H))
-    bm = cfg["BLOCK_M"]
-    sorted_rows, block_expert, padded = align(ids, E, bm)
+    sorted_rows, block_expert, padded = grouped
     blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
     act = torch.empty((M, I), dtype=x.dtype, device=x.device)
@@ -220,4 +330,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     return out
 
 
-__all__ = ["align", "fused_experts", "route", "tiles"]
+__all__ = ["SMALL_TOKENS", "align", "fused_experts", "moe", "route", "route_align_small", "tiles"]

@@ -75,11 +75,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: the post-attention-normed hidden states [T, H] -> the experts' weighted sum [T, H]."""
-        ids, weights = ops.moe_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, self.round_weights)
-        if self.routed is not None:
-            self.routed[:x.shape[0]].copy_(ids)
-        out = ops.moe_experts(x, self.experts.w13_weight, self.experts.w2_weight, ids, weights)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(ops.moe(x, self))
+
+
+def moe_torch(x: torch.Tensor, block: SparseMoeBlock) -> torch.Tensor:
+    """The sparse MLP as Hugging Face computes it: route, record the ids if asked, the experts' sum."""
+    ids, weights = route_torch(x, block.gate.weight, block.top_k, block.norm_topk_prob, block.round_weights)
+    if block.routed is not None:
+        block.routed[:x.shape[0]].copy_(ids)
+    return experts_torch(x, block.experts.w13_weight, block.experts.w2_weight, ids, weights)
 
 
 def route_torch(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from server.model.attention import decode_attention_torch, prefill_spans_torch, write_kv
-from server.model.moe import experts_torch, route_torch
+from server.model.moe import moe_torch
 from server.model.rope import apply_rotary
 
 
@@ -77,8 +77,7 @@ class TorchOps:
     decode_attention = staticmethod(decode_attention_torch)
     prefill_attention = staticmethod(prefill_spans_torch)  # one SDPA per span (attention.attend's prefill_fn)
     # A sparse layer (moe.py): the router's top-k, then the experts' weighted sum.
-    moe_route = staticmethod(route_torch)
-    moe_experts = staticmethod(experts_torch)
+    moe = staticmethod(moe_torch)
 
 
 def norm_then_qkv(ops, attn, norm, x: torch.Tensor, residual: torch.Tensor | None):

@@ -8,7 +8,7 @@ import torch
 
 from server import LLM, SamplingParams
 from tests.models import moe_model_folder
-from tests.moe_cases import check_align, check_fused_moe, moe_inputs
+from tests.moe_cases import check_align, check_fused_moe, check_moe_layer, moe_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -19,32 +19,35 @@ A3B = (2048, 768, 128, 8)  # hidden, expert width, experts, top-k
 def test_fused_moe_matches_the_reference(dtype, tol):
     check_align("cuda")
     check_fused_moe(dtype, "cuda", tol)
+    check_moe_layer(dtype, "cuda", tol)
     H, I, E, K = A3B
     shapes = [(T, E, K, H, I, True) for T in (1, 7, 64, 256, 1000)]  # decode tiles to prefill tiles
     print(check_fused_moe(dtype, "cuda", tol, shapes=shapes))
+    # the whole layer (the one-program route+align up to 8 tokens, the separate kernels above)
+    print(check_moe_layer(dtype, "cuda", tol, shapes=[(T, E, K, H, I, True, True) for T in (1, 8, 9, 256)]))
 
 
-def test_a_cuda_graph_replays_the_eager_layer():
-    from server.model.fused_moe import fused_experts, route
+@pytest.mark.parametrize("T", [4, 64])  # the one-program route+align, and the separate kernels
+def test_a_cuda_graph_replays_the_eager_layer(T):
+    from types import SimpleNamespace
+
+    from server.model.fused_moe import moe
 
     H, I, E, K = A3B
-    T = 64
     x, gate, w13, w2 = moe_inputs(T, E, K, H, I, torch.bfloat16, "cuda")
     static_x = x.clone()
-
-    def layer() -> torch.Tensor:
-        ids, weights = route(static_x, gate, K, True, True)
-        return fused_experts(static_x, w13, w2, ids, weights)
-
-    expected = layer()
+    layer = SimpleNamespace(gate=SimpleNamespace(weight=gate), experts=SimpleNamespace(w13_weight=w13, w2_weight=w2),
+                            top_k=K, norm_topk_prob=True, round_weights=True,
+                            routed=torch.zeros((T, K), dtype=torch.int32, device="cuda"))
+    expected = moe(static_x, layer)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        layer()  # warm-up off the default stream, as graph capture wants
+        moe(static_x, layer)  # warm-up off the default stream, as graph capture wants
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = layer()
+        out = moe(static_x, layer)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
@@ -52,7 +55,9 @@ def test_a_cuda_graph_replays_the_eager_layer():
     static_x.copy_(other)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, layer()), "the graph did not route the new inputs as eager does"
+    captured_ids = layer.routed.clone()
+    assert torch.equal(out, moe(static_x, layer)), "the graph did not route the new inputs as eager does"
+    assert torch.equal(captured_ids, layer.routed), "the graph recorded other routed experts than eager"
 
 
 @pytest.fixture(scope="module")
