@@ -7,7 +7,9 @@
 - level-1 sleep and wake seconds per cycle, the first included, beside the raw pinned copy bandwidth for
   the same bytes; level 2 and a reload; device memory in use while asleep;
 - the cost of routed-expert capture at batch 256: the same decode with the flag off (another engine), on
-  without asking (the sparse layers' buffer writes), and on with every request asking.
+  without asking (the sparse layers' buffer writes), and on with every request asking;
+- CUDA: one sparse layer alone (fused_moe.py) at 1, 64, 256 and 8192 tokens, its default tiles against a few
+  others, beside the bytes of the experts it read (the tile table is where to tune).
 
 Prints one JSON object (stdout, also --out/moe.json) and its progress on stderr; a phase that runs past
 --phase-timeout prints what it has and exits 124.
@@ -133,6 +135,52 @@ def step_bytes(model, batch: int, context: float, experts: float) -> tuple[float
     return nbytes, flops
 
 
+TILES = [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64),
+         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)]
+
+
+def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth: float, flops: float) -> list[dict]:
+    """One sparse layer's experts (align + both GEMMs + combine) per token count: the default tiles and each of
+    TILES, timed with CUDA events (median of 20), beside the bytes of the distinct experts the tokens chose."""
+    from server.model.fused_moe import fused_experts, route, tiles
+
+    H, I, E, K = (config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
+                  config["num_experts_per_tok"])
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, device=device, dtype=torch.bfloat16, generator=g) / I ** 0.5
+    gate = torch.randn(E, H, device=device, dtype=torch.bfloat16, generator=g) / H ** 0.5
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16, generator=g)
+        ids, weights = route(x, gate, K, True, True)
+
+        def timed(cfg) -> float:
+            for _ in range(3):
+                fused_experts(x, w13, w2, ids, weights, cfg)
+            times = []
+            for _ in range(20):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fused_experts(x, w13, w2, ids, weights, cfg)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3)
+            return statistics.median(times)
+
+        default = tiles(T * K, max(H, I), E)
+        sweep = {json.dumps(t): timed(t) for t in TILES}
+        best = min(sweep, key=sweep.get)
+        experts = len(torch.unique(ids))
+        nbytes = experts * 3 * H * I * 2
+        floor_us = 1e6 * max(nbytes / bandwidth, 2 * 3 * H * I * T * K / flops)
+        rows.append({"tokens": T, "experts_read": experts, "default_tile": default, "default_us": sweep.get(
+            json.dumps(default), None) or timed(default), "best_tile": json.loads(best), "best_us": sweep[best],
+            "roofline_us": floor_us, "sweep_us": sweep})
+    return rows
+
+
 def sleep_cycles(llm, weight_bytes: int, cycles: int, device: torch.device) -> dict:
     from bench.sleep_wake import used
 
@@ -202,6 +250,12 @@ def main() -> None:
             from bench.sleep_wake import raw_pinned_gbps
 
             RESULT["raw_pinned_gbps"] = raw_pinned_gbps()
+
+    if device.type == "cuda":
+        with phases("one sparse layer, tiles"):
+            RESULT["layer"] = layer_times(MOE_CONFIGS[args.model], device, [1, 64, 256, 8192], dev.bandwidth,
+                                          dev.gemm_flops)
+            torch.cuda.empty_cache()
 
     with phases("start the engine (routed experts on)"):
         t = time.perf_counter()

@@ -225,10 +225,11 @@ def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool,
     return ids, weights
 
 
-def tiles(M: int, N: int) -> dict[str, int]:
-    """Block sizes by the number of assignments: a decode batch's few rows per expert take 16-row blocks (little
-    padding, the weights read once per block); a prefill's take 64. Starting points for bench/moe.py to tune."""
-    if M <= 1024:
+def tiles(M: int, N: int, E: int) -> dict[str, int]:
+    """Block sizes by the assignments per expert: up to 16 on average (a decode batch: Qwen3-30B-A3B's 128
+    experts at batch 256 get 16 each) take 16-row blocks, little padding, each expert's weights read about once;
+    a prefill's take 64-row blocks. Starting points for bench/moe.py to tune on the H200."""
+    if M <= 16 * E:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
     return {"BLOCK_M": 64, "BLOCK_N": 128 if N >= 128 else 64, "BLOCK_K": 64}
 
@@ -280,7 +281,7 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
     w13, w2 = block.experts.w13_weight, block.experts.w2_weight
     logits = torch.nn.functional.linear(x, block.gate.weight)
     T, K = x.shape[0], block.top_k
-    cfg = tiles(T * K, max(w2.shape[1], w2.shape[2]))
+    cfg = tiles(T * K, max(w2.shape[1], w2.shape[2]), w13.shape[0])
     if 0 < T <= SMALL_TOKENS:
         ids, weights, *grouped = route_align_small(logits, K, block.norm_topk_prob, block.round_weights,
                                                    cfg["BLOCK_M"])
@@ -297,7 +298,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; x [T, H], w13 [E, 2I, H],
     w2 [E, H, I] (contiguous), ids [T, k] int32, weights [T, k]."""
     K = ids.shape[1]
-    cfg = config or tiles(ids.numel(), max(w2.shape[1], w2.shape[2]))
+    cfg = config or tiles(ids.numel(), max(w2.shape[1], w2.shape[2]), w13.shape[0])
     grouped = list(align(ids, w13.shape[0], cfg["BLOCK_M"])) if x.shape[0] else []
     return experts(x, w13, w2, weights, grouped, K, cfg)
 
