@@ -60,3 +60,13 @@ def hf_greedy(folder: Path, prompts: list[str] = PROMPTS, n: int = NEW_TOKENS) -
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
             refs.append(out[0, ids.shape[1]:].tolist())
     return refs
+
+
+def hf_routed(model, token_ids: list[int]):
+    """transformers' own top-k experts for every token but the last: [tokens, sparse layers, k] (numpy)."""
+    import numpy as np
+
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids[:-1]]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return np.stack([torch.topk(logits.float(), k, dim=-1).indices.numpy() for logits in out.router_logits], axis=1)

@@ -11,23 +11,14 @@ import json
 import httpx
 import numpy as np
 import pytest
-import torch
 from http_server import BASE_ARGS, ServerProcess
-from moe_models import PROMPTS, hf_model, write_checkpoint
+from moe_models import PROMPTS, hf_model, hf_routed, write_checkpoint
 
 from server import LLM, SamplingParams
 from server.wire.params import InvalidRequestError
 
 pytestmark = pytest.mark.timeout(600)
 ARGS = dict(device="cpu", kv_cache_memory="32MiB", max_model_len=512)
-
-
-def hf_routed(model, token_ids: list[int]) -> np.ndarray:
-    """transformers' own top-k experts for every token but the last: [tokens, sparse layers, k]."""
-    with torch.no_grad():
-        out = model(torch.tensor([token_ids[:-1]]), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    return np.stack([torch.topk(logits.float(), k, dim=-1).indices.numpy() for logits in out.router_logits], axis=1)
 
 
 @pytest.fixture(scope="module")

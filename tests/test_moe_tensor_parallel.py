@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_models import NEW_TOKENS, PROMPTS, hf_greedy, hf_model, write_checkpoint
+from moe_models import NEW_TOKENS, PROMPTS, hf_greedy, hf_model, hf_routed, write_checkpoint
 from safetensors.torch import save_file
 
 from server import LLM, SamplingParams
@@ -24,12 +24,16 @@ def tokens(llm) -> list[list[int]]:
 def test_two_ranks_give_one_ranks_tokens_through_sleep_and_updates(family, tmp_path):
     folder = write_checkpoint(family, tmp_path)
     ref = hf_greedy(folder)
-    llm = LLM(model=str(folder), **ARGS)
+    # Mixtral with routed experts on: rank 0 records them (the router is whole on every rank).
+    llm = LLM(model=str(folder), enable_return_routed_experts=family == "mixtral", **ARGS)
     try:
         cfg = llm.engine.model.config
         assert cfg.moe_intermediate_size == 32 // 2 if family == "qwen3_moe" else cfg.moe_intermediate_size == 48
         assert tokens(llm) == ref
         if family == "mixtral":
+            out = llm.generate(PROMPTS[0], GREEDY)[0]
+            ids = out.prompt_token_ids + out.outputs[0].token_ids
+            assert (out.outputs[0].routed_experts == hf_routed(hf_model(family), ids)).all()
             return  # the update paths are the same code for both families (CI's time)
         llm.sleep(level=1)
         llm.wake_up()
