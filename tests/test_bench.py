@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from http_server import MAIN_KEY, main_server
+from testkit.http_server import MAIN_KEY, main_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 from server.model.decode_kernel import triton_decode_attention
-from tests.kernel_cases import random_case, relative_error, worst_interpreted_errors
+from testkit.kernel_cases import random_case, relative_error, worst_interpreted_errors
 def error_of(case, dtype, seed):
     B, H, KVH, D, BS, L = case
     return relative_error(triton_decode_attention, random_case(B, H, KVH, D, BS, L, dtype, "cpu", seed=seed), D ** -0.5)
@@ -22,7 +22,7 @@ print(worst_interpreted_errors(error_of, [(5, 8, 2, 64, 16, 100), (3, 9, 3, 64, 
 # by the last to finish; the first sequence of each case has 1 token (one split).
 SPLIT_CHECK = r"""
 import torch
-from tests.kernel_cases import random_case, relative_error, split_decode, worst_interpreted_errors
+from testkit.kernel_cases import random_case, relative_error, split_decode, worst_interpreted_errors
 counts = torch.zeros(16, dtype=torch.int32)
 def error_of(case, dtype, seed):
     B, H, KVH, D, BS, L = case

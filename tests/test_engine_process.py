@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from http_server import BASE_ARGS, ServerProcess, engine_child, wait_for
+from testkit.http_server import BASE_ARGS, ServerProcess, engine_child, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,7 +94,7 @@ def test_an_engine_spawned_early_ends_quietly_when_the_server_never_starts_it():
     import subprocess
     import sys
 
-    from http_server import REPO, server_env
+    from testkit.http_server import REPO, server_env
 
     # A bad engine flag that only EngineConfig checks (after the spawn): the CLI's usage error, exit 2.
     done = subprocess.run([sys.executable, "-m", "server", "serve", "--device", "cpu", "--gpu-memory-utilization", "1.5"],

@@ -23,7 +23,7 @@ def test_fused_ops_match_reference_in_interpreter():
 MODEL_CHECK = r"""
 import tempfile
 from pathlib import Path
-from tests.models import model_folder
+from testkit.models import model_folder
 from server import LLM
 from tests.fused_cases import whole_model_error
 llm = LLM(model=str(model_folder("llama-tiny", Path(tempfile.mkdtemp()))), device="cpu", load_format="dummy",

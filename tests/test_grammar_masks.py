@@ -11,7 +11,7 @@ import llguidance.torch as llt
 import numpy as np
 import pytest
 import torch
-from models import tokenizer_folder
+from testkit.models import tokenizer_folder
 
 from server.engine.grammar_masks import GrammarMasks, apply_token_bitmask, forbidden_tokens
 from server.engine.params import StructuredOutputs

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from http_server import BASE_ARGS, ServerProcess, engine_child, wait_for
+from testkit.http_server import BASE_ARGS, ServerProcess, engine_child, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from http_server import MAIN_KEY, main_server, shared_server
+from testkit.http_server import MAIN_KEY, main_server, shared_server
 
 MODEL = "smol"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import httpx
-from http_server import ADMIN_KEY, REPO, dev_server, free_port, server_env
+from testkit.http_server import ADMIN_KEY, REPO, dev_server, free_port, server_env
 
 from server.cli import SERVE_OPTIONS, build_parser, resolve_options, split_options
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from http_server import main_server
+from testkit.http_server import main_server
 
 pytestmark = pytest.mark.timeout(300)
 

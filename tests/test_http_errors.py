@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from http_server import main_server
+from testkit.http_server import main_server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from tests.models import write_trained_checkpoint
-from http_server import HOLD_LIMIT, HOLD_TIMEOUT_S, hold_server, wait_for
+from testkit.models import write_trained_checkpoint
+from testkit.http_server import HOLD_LIMIT, HOLD_TIMEOUT_S, hold_server, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from http_server import main_server, wait_for
+from testkit.http_server import main_server, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from http_server import MAIN_KEY, main_server
+from testkit.http_server import MAIN_KEY, main_server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.models import write_trained_checkpoint
-from http_server import ADMIN_KEY, DEV_KEY, dev_server, wait_for
+from testkit.models import write_trained_checkpoint
+from testkit.http_server import ADMIN_KEY, DEV_KEY, dev_server, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

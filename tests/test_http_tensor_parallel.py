@@ -13,8 +13,8 @@ import sys
 
 import httpx
 import pytest
-from http_server import BASE_ARGS, REPO, ServerProcess, greedy_texts, hold_server, kill_during_a_request
-from models import write_trained_checkpoint
+from testkit.http_server import BASE_ARGS, REPO, ServerProcess, greedy_texts, hold_server, kill_during_a_request
+from testkit.models import write_trained_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 

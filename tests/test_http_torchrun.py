@@ -9,7 +9,7 @@ import sys
 
 import httpx
 import pytest
-from http_server import (BASE_ARGS, REPO, TorchrunServer, free_port, greedy_texts, hold_server, kill_during_a_request,
+from testkit.http_server import (BASE_ARGS, REPO, TorchrunServer, free_port, greedy_texts, hold_server, kill_during_a_request,
                          server_env)
 
 from server.engine.parallel.launch import torchrun_place

@@ -6,7 +6,7 @@ import random
 
 from server.engine.sampler import _cached_pieces, _PieceCache, warm_pieces
 from server.model.tokenizer import load_tokenizer
-from tests.models import model_folder
+from testkit.models import model_folder
 
 
 def test_filled_pieces_are_the_tokenizer_decode(tmp_path):

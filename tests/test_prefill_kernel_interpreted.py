@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 # tile long, GQA groups of 1, 2, 3 and 4 (3: tile rows that are not a power of two), block sizes 8/16.
 CHECK = r"""
 from server.model.prefill_kernel import triton_prefill_attention
-from tests.kernel_cases import prefill_error, random_prefill_case, worst_interpreted_errors
+from testkit.kernel_cases import prefill_error, random_prefill_case, worst_interpreted_errors
 cases = [
     ([(1, 0), (5, 0), (70, 0), (64, 0)], 4, 4, 64, 16),           # group 1: tiles of 64 tokens
     ([(1, 37), (70, 0), (33, 100), (2, 7), (32, 129)], 8, 2, 64, 16),  # group 2: 32 tokens
@@ -38,15 +38,15 @@ def test_kernel_matches_reference_in_interpreter():
 
 
 # The CPU engine with only its prefill attention swapped for the kernel (the rest PyTorch): chunked
-# prefills, prompt log-probs, greedy tokens, prefix-cached spans (tests/kernel_cases.py).
+# prefills, prompt log-probs, greedy tokens, prefix-cached spans (testkit/kernel_cases.py).
 ENGINE_CHECK = r"""
 import tempfile
 from pathlib import Path
 from server import LLM
 from server.model.ops import TorchOps
 from server.model.prefill_kernel import triton_prefill_attention
-from tests.kernel_cases import engine_prefill_check
-from tests.models import model_folder
+from testkit.kernel_cases import engine_prefill_check
+from testkit.models import model_folder
 
 planned = []
 

@@ -14,7 +14,7 @@ import pytest
 from server import SamplingParams
 from server.engine.params import InvalidRequestError
 from server.engine.step_profiler import PROFILER_DIR_ENV, StepProfiler
-from tests.http_server import BASE_ARGS, MAIN_KEY, ServerProcess, main_server
+from testkit.http_server import BASE_ARGS, MAIN_KEY, ServerProcess, main_server
 
 
 def _ops(trace: str) -> set[str]:

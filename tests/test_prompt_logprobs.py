@@ -70,7 +70,7 @@ def test_chunked_prefill_prefix_cache_and_n(chunked, hf_model):
 
 
 def test_echo_logprobs_through_the_server_equal_transformers(hf_model):
-    from http_server import main_server
+    from testkit.http_server import main_server
 
     with main_server().client() as c:
         r = c.post("/v1/completions", json={"prompt": LONG, "max_tokens": 1, "echo": True, "logprobs": 1,

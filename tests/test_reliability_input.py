@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_server import ADMIN_KEY, dev_server, main_server
+from testkit.http_server import ADMIN_KEY, dev_server, main_server
 
 pytestmark = pytest.mark.timeout(300)
 

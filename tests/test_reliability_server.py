@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_server import BASE_ARGS, REPO, ServerProcess, free_port, server_env, wait_for
+from testkit.http_server import BASE_ARGS, REPO, ServerProcess, free_port, server_env, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

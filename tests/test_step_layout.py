@@ -11,7 +11,7 @@ import torch
 from server import LLM, SamplingParams
 from server.engine.kv_cache import NULL_BLOCK
 from server.engine.runner import HostBatch
-from tests.models import model_folder
+from testkit.models import model_folder
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from server import LLM, SamplingParams
 from tests.conftest import PROMPTS
-from tests.http_server import ServerProcess
+from testkit.http_server import ServerProcess
 
 
 def outputs_by_request(llm: LLM, reqs: list[tuple[str, SamplingParams]]) -> dict[str, list]:

@@ -7,7 +7,7 @@ import re
 
 import jsonschema
 import pytest
-from http_server import main_server
+from testkit.http_server import main_server
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,7 +11,7 @@ import torch
 from allocator import PoolError
 from server import LLM, SamplingParams
 from tests.conftest import PROMPTS
-from tests.models import write_trained_checkpoint
+from testkit.models import write_trained_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ARGS = dict(device="cpu", kv_cache_memory="64MiB", max_model_len=512)

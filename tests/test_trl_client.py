@@ -11,7 +11,7 @@ import math
 
 import pytest
 import requests
-from http_server import ADMIN_KEY, DEV_KEY, dev_server
+from testkit.http_server import ADMIN_KEY, DEV_KEY, dev_server
 
 from server import SamplingParams
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from http_server import REPO, ServerProcess, BASE_ARGS, wait_for
+from testkit.http_server import REPO, ServerProcess, BASE_ARGS, wait_for
 
 from server.weight_transfer import safe_pickle
 from server.weight_transfer.config import WeightTransferConfig

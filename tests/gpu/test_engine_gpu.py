@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import model_folder
+from testkit.models import model_folder
 from server import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu

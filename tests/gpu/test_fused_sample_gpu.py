@@ -29,7 +29,7 @@ def test_engine_log_probs_match_a_recomputation(tmp_path):
     Sampled at temperature 1 with logprobs=0 (also fused): each token's log-prob is what scoring the same
     tokens as a prompt gives (prompt_logprobs, the prefill's logits: close, not bit-equal)."""
     from server import LLM, SamplingParams
-    from tests.models import model_folder
+    from testkit.models import model_folder
 
     llm = LLM(model=str(model_folder("llama-tiny", tmp_path)), device="cuda", load_format="dummy",
               kv_cache_memory="256MiB", max_num_seqs=8)

@@ -15,7 +15,7 @@ def test_masks_equal_llguidance_on_cuda():
     from transformers import AutoTokenizer
 
     from server.engine.structured import GrammarCompiler
-    from tests.models import tokenizer_folder
+    from testkit.models import tokenizer_folder
     from tests.test_grammar_masks import walk
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder())

@@ -15,7 +15,7 @@ import triton
 from server import LLM, SamplingParams
 from server.engine import fused_sample
 from server.model import decode_kernel, fused_ops, prefill_kernel, small_gemm
-from tests.models import model_folder
+from testkit.models import model_folder
 
 pytestmark = pytest.mark.gpu
 

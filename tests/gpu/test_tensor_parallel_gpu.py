@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from server import LLM, SamplingParams
-from tests.models import model_folder
+from testkit.models import model_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -28,7 +28,7 @@ def capture(pool: Any, fn: Callable[[torch.Tensor], torch.Tensor], shape: tuple[
     """A CUDA graph of fn over a random static input of `shape`, with the recipe of
     MemoryPool.graph_pool's docstring (warm up inside pool.use() on a side stream, capture outside
     it into pool.graph_pool()), replayed once. pool=None runs the same kernels the same way without
-    a pool (the reference process of tests/footprint.py). Returns (graph, input, output)."""
+    a pool (the reference process of testkit/footprint.py). Returns (graph, input, output)."""
     if pool is not None:
         static_input = pool.empty(shape, dtype, "cuda_graph")
     else:
