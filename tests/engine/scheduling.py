@@ -4,21 +4,24 @@ of vLLM's tests/v1/core/utils.py: create_scheduler, create_requests).
 
 Token ids: request i's prompt is 1000·(i+1) + j, so no two requests share a block unless asked to
 (`same_prompt`). Sampled tokens are SAMPLED (never an EOS unless a test says so), so a sequence ends by
-its max_tokens, by the context limit, or when a test aborts it.
+its max_tokens, by the context limit, or when a test aborts it. The ids are the embedded model's
+vocabulary (49,152 tokens; EOS is its <|im_end|>), whose tokenizer gives the sampled tokens their text.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 from server.engine.kv_cache import NULL_BLOCK, BlockManager, usable_blocks
-from server.engine.params import SamplingParams
-from server.engine.scheduler import ScheduledBatch, Scheduler
+from server.wire.params import SamplingParams
+from server.engine.scheduler import Scheduler
 from server.engine.sequence import Request, Sequence, SeqStatus
+from server.engine.step_types import ScheduledBatch, StepResult
 
 BLOCK_SIZE = 4
 EOS = 2
 EOS_IDS = frozenset([EOS])
-SAMPLED = 7
+SAMPLED = 260  # " the": a plain token (ids below 17 are special tokens)
 MAX_MODEL_LEN = 256
 
 _seq_ids = itertools.count()
@@ -28,7 +31,8 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = BLOCK_SIZE, max_nu
                    max_num_batched_tokens: int = 64, enable_prefix_caching: bool = True) -> Scheduler:
     """A scheduler over a cache of num_blocks blocks (one of them the null block, never handed out)."""
     blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(blocks, max_num_seqs, max_num_batched_tokens)
+    return Scheduler(blocks, max_num_seqs, max_num_batched_tokens, max_model_len=MAX_MODEL_LEN, eos_ids=EOS_IDS,
+                     tokenizer=tokenizer())
 
 
 def make_request(prompt_token_ids: list[int], request_id: str = "req", *, max_tokens: int | None = 16,
@@ -117,27 +121,32 @@ class MappedChunks:
 
 
 # -- after the step ran ---------------------------------------------------------------------------
-# What EngineCore.postprocess does to the scheduler and the sequences once a batch ran, without the
-# text: the KV progress, one sampled token per sequence whose prompt is all computed, and the end of
-# those that reached their length. (Scheduler.update_from_output will take this over: then this is
-# the one function to change.)
+# What the runner hands back (a StepResult: one sampled token for each sequence whose prompt the step
+# finished) and Scheduler.update_from_output applying it: the KV progress, the token and its text, the
+# ends. The text needs a real tokenizer: the embedded model's, loaded once (tokenizer()).
 
-def record_step(scheduler: Scheduler, batch: ScheduledBatch, token: int = SAMPLED,
-                max_model_len: int = MAX_MODEL_LEN) -> list[Sequence]:
-    """Record that `batch` ran and each of its sequences that finished its prompt sampled `token`;
-    returns the sequences that ended (already finished in the scheduler)."""
-    scheduler.advance(batch)
-    ended = []
-    for seq, _ in batch.items:
-        if seq.num_computed < seq.num_tokens:
-            continue  # a prefill chunk that is not the prompt's last: nothing sampled (runner.prepare)
-        if seq.append_token(token, None, EOS_IDS):
-            seq.append_text("", max_model_len)  # the length limits (no tokenizer: no text)
-        if seq.finish_reason is not None:
-            ended.append(seq)
-    for seq in ended:
-        scheduler.finish(seq)
-    return ended
+@functools.cache
+def tokenizer():
+    """The embedded default model's tokenizer, through the server's own loader (no model weights)."""
+    from server.model.tokenizer import load_tokenizer
+    from testkit.models import tokenizer_folder
+
+    return load_tokenizer(tokenizer_folder())
+
+
+def step_result(batch: ScheduledBatch, token: int = SAMPLED) -> StepResult:
+    """What the runner returns for `batch`, sampling `token` for every sequence whose prompt the step
+    finishes (a prefill chunk that is not its prompt's last samples nothing: runner.prepare)."""
+    rows = [seq.seq_id for seq, n in batch.items if seq.num_computed + n == seq.num_tokens]
+    return StepResult(seq_ids=rows, token_ids=[token] * len(rows))
+
+
+def record_step(scheduler: Scheduler, batch: ScheduledBatch, token: int = SAMPLED) -> list[Sequence]:
+    """Apply `batch`'s result as if it ran; returns the sequences that ended (already finished in the
+    scheduler), in the batch's order."""
+    seqs = [seq for seq, _ in batch.items]
+    scheduler.update_from_output(batch, step_result(batch, token))
+    return [seq for seq in seqs if seq.status is SeqStatus.FINISHED]
 
 
 def run_step(scheduler: Scheduler, token: int = SAMPLED) -> tuple[ScheduledBatch, list[Sequence]]:

@@ -1,17 +1,16 @@
 """The scheduler (server/engine/scheduler.py) over a real block manager, with no model: admission under
 the token budget, chunked prefill, preemption and resumption, prefix-cache hits, abort, async
-scheduling's step ahead, and what a sleep's discard leaves. Each step's results are recorded by
-tests.engine.scheduling.record_step, as the engine core does after a batch ran."""
+scheduling's step ahead, and what a sleep's discard leaves. Each step's result is a StepResult applied
+by Scheduler.update_from_output (tests.engine.scheduling.record_step), as the engine core does after a
+batch ran."""
 from __future__ import annotations
 
 import random
 
-from server.engine.kv_cache import BlockManager, usable_blocks
-from server.engine.scheduler import Scheduler
+from server.engine.kv_cache import usable_blocks
 from server.engine.sequence import SeqStatus
-from tests.engine.scheduling import (BLOCK_SIZE, EOS, MAX_MODEL_LEN, MappedChunks, add_requests, check_invariants,
-                                     items, make_request, make_requests, make_scheduler, record_step, run_step,
-                                     seq_of)
+from tests.engine.scheduling import (BLOCK_SIZE, EOS, SAMPLED, MappedChunks, add_requests, check_invariants, items,
+                                     make_request, make_requests, make_scheduler, record_step, run_step, seq_of)
 
 BS = BLOCK_SIZE
 
@@ -27,7 +26,7 @@ def test_admission_fills_the_token_budget_and_chunks_the_last_prompt():
     assert items(batch) == [("req-0/0", 10), ("req-1/0", 6)]  # req-1's prompt is cut at the budget
     assert batch.num_tokens == 16 and not batch.decode_only and batch.preempted == 0
     assert ids(s.running) == ["req-0", "req-1"] and ids(s.waiting) == ["req-2"]
-    assert all(seq.request.first_scheduled_time is None for seq in s.running)  # the core's to set
+    assert all(seq.request.first_scheduled_time is not None for seq in s.running)  # admission stamps it
     ended = record_step(s, batch)
     assert ended == []
     assert [(q.num_computed, q.num_output_tokens) for q in s.running] == [(10, 1), (6, 0)]  # a chunk samples nothing
@@ -126,7 +125,7 @@ def test_when_blocks_run_out_the_newest_is_preempted_and_resumes_later():
     batch = s.schedule()  # old needs a third block for its 9th token: new gives its two back
     assert items(batch) == [("req-0/0", 1)] and batch.preempted == 1 and s.num_preemptions == 1
     assert victim.status is SeqStatus.WAITING and victim.num_computed == 0 and victim.block_table == []
-    assert ids(s.waiting) == ["req-1"] and victim.output_token_ids == [7] * 5  # its tokens are kept
+    assert ids(s.waiting) == ["req-1"] and victim.output_token_ids == [SAMPLED] * 5  # its tokens are kept
     check_invariants(s)
     assert ids(record_step(s, batch)) == ["req-0"]  # old reached max_tokens: all blocks free again
 
@@ -190,26 +189,26 @@ def test_schedule_ahead_decodes_before_the_tokens_reach_the_host():
     seqs = [seq for seq, _ in batch.items]
     # The next step, scheduled while the sampled tokens are still on the device: one each, at position
     # num_tokens, with a block for the token in flight and the next (4 prompt + 1 + 1 = 6: a second block).
-    ahead = s.schedule_ahead(seqs, MAX_MODEL_LEN)
+    ahead = s.schedule_ahead(seqs)
     assert ahead is not None
     batch, rows = ahead
     assert items(batch) == [("req-0/0", 1), ("req-1/0", 1)] and rows == [0, 1]
     assert [len(q.block_table) for q in seqs] == [2, 2]
     record_step(s, batch)  # each has 2 of its 3 tokens; the one in flight is the last by max_tokens
-    assert s.schedule_ahead(seqs, MAX_MODEL_LEN) is None  # nothing to run ahead of the host
+    assert s.schedule_ahead(seqs) is None  # nothing to run ahead of the host
 
     s2 = make_scheduler()
     first = add_requests(s2, make_requests(2, num_tokens=4))
     run_step(s2)
-    assert s2.schedule_ahead(first[:1], MAX_MODEL_LEN) is None  # a running sequence the step did not sample
+    assert s2.schedule_ahead(first[:1]) is None  # a running sequence the step did not sample
     add_requests(s2, make_requests(1, num_tokens=4, first=2))
-    assert s2.schedule_ahead(first, MAX_MODEL_LEN) is None  # a request to admit: schedule() does that
+    assert s2.schedule_ahead(first) is None  # a request to admit: schedule() does that
 
     s3 = make_scheduler()
     seqs3 = add_requests(s3, make_requests(2, num_tokens=4))
     run_step(s3)
     s3.finish(seqs3[1])  # aborted while its token was in flight: the step ahead leaves it out
-    batch, rows = s3.schedule_ahead(seqs3, MAX_MODEL_LEN)
+    batch, rows = s3.schedule_ahead(seqs3)
     assert items(batch) == [("req-0/0", 1)] and rows == [0]
 
 
@@ -226,9 +225,9 @@ def test_an_eos_ends_a_sequence_and_frees_its_blocks():
 def test_a_sleep_that_discards_the_cache_leaves_every_request_to_recompute():
     """mode=keep: the sleep controller preempts every running sequence, resets the prefix index and the
     pool releases the cache's memory; after the wake each request recomputes its tokens from the start."""
-    blocks = BlockManager(16, BS)
-    blocks.residency = residency = MappedChunks((0, 4, 16))
-    s = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
+    s = make_scheduler(num_blocks=16, max_num_seqs=8)
+    blocks = s.blocks
+    blocks.residency = residency = MappedChunks((0, 4, 16))  # as build.py gives a chunked cache its KVChunks
     reqs = make_requests(3, num_tokens=6, max_tokens=20)
     add_requests(s, reqs[:2])
     run_step(s)
