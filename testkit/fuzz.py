@@ -1,5 +1,5 @@
 """The schemathesis run against the real server, driven by the server's own OpenAPI document: the bounded
-run of tests/test_schema_fuzz.py and the long one of `make soak` (scripts/soak.py)."""
+run of tests/http/test_schema_fuzz.py and the long one of `make soak` (scripts/soak.py)."""
 from __future__ import annotations
 
 import json

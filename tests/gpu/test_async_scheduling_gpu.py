@@ -8,7 +8,7 @@ import pytest
 
 from server import LLM, SamplingParams
 from testkit.models import model_folder
-from tests.test_async_scheduling import run, same
+from tests.engine.test_async_scheduling import run, same
 
 pytestmark = pytest.mark.gpu
 

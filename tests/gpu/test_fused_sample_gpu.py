@@ -1,11 +1,11 @@
-"""The fused sampler compiled on the GPU at a model's vocabulary (tests/sampling_checks.py says what is checked),
+"""The fused sampler compiled on the GPU at a model's vocabulary (tests/engine/sampling_checks.py says what is checked),
 and the engine's sampled tokens and log-probs through it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.sampling_checks import check_distribution, check_greedy_and_table, check_model_dtype_reads_as_float32
+from tests.engine.sampling_checks import check_distribution, check_greedy_and_table, check_model_dtype_reads_as_float32
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ def test_masks_equal_llguidance_on_cuda():
 
     from server.engine.structured import GrammarCompiler
     from testkit.models import tokenizer_folder
-    from tests.test_grammar_masks import walk
+    from tests.engine.test_grammar_masks import walk
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder())
     device = torch.device("cuda")

@@ -18,7 +18,7 @@ import allocator.pool as pool_module
 from allocator import MemoryPool, PoolError
 from allocator.host import PAGE, HostBackend
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BLOCKS, ROWS, WIDTH = 8, 3, PAGE // 4  # float32: a block is 3 pages
 BOUNDS = [0, 2, 5, 8]
 
@@ -120,7 +120,7 @@ def test_a_chunk_that_is_not_mapped_yet_cannot_be_read():
         import sys, threading, tempfile
         sys.path.insert(0, {str(REPO)!r})
         import torch
-        from tests.test_pool_chunks import SteppedBackend, chunked, BOUNDS
+        from tests.allocator.test_pool_chunks import SteppedBackend, chunked, BOUNDS
         from allocator import MemoryPool
         from pathlib import Path
         backend = SteppedBackend(Path(tempfile.mkdtemp()))

@@ -19,7 +19,7 @@ from testkit.models import write_trained_checkpoint
 pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-TRAINER = [sys.executable, str(REPO / "tests" / "weight_trainer.py")]
+TRAINER = [sys.executable, str(REPO / "tests" / "weight_transfer" / "weight_trainer.py")]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from allocator import PoolError, build
 from allocator.cumem import CuMemLibrary
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 try:
     build.find_toolchain()

@@ -1,7 +1,7 @@
 """A trainer process for the weight-transfer tests and the CPU example: reads a checkpoint folder
 and pushes its tensors into a running server with WeightSender.
 
-    python tests/weight_trainer.py URL BACKEND CHECKPOINT_DIR ADMIN_KEY [--bucket-bytes N] [--pause-after K]
+    python tests/weight_transfer/weight_trainer.py URL BACKEND CHECKPOINT_DIR ADMIN_KEY [--bucket-bytes N] [--pause-after K]
 
 Prints one JSON line with the send report. --pause-after K: after bucket K has gone, print
 PAUSED and wait forever (the test kills it there, mid-send). --unpacked: one broadcast per tensor
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 ADMIN = "sk-weights-admin"
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-TRAINER = [sys.executable, str(REPO / "tests" / "weight_trainer.py")]
+TRAINER = [sys.executable, str(REPO / "tests" / "weight_transfer" / "weight_trainer.py")]
 BUCKET = str(16 << 20)  # ~34 buckets for the 0.5 GB model: a kill lands mid-send
 
 

@@ -9,7 +9,7 @@ from tests.interpreter import run_interpreted
 pytest.importorskip("triton")
 
 CHECK = r"""
-from tests.sampling_checks import check_draws_cover, check_greedy_and_table, check_model_dtype_reads_as_float32
+from tests.engine.sampling_checks import check_draws_cover, check_greedy_and_table, check_model_dtype_reads_as_float32
 # Chunks of 64 columns (the kernel's programs; 8192 on the GPU) so that small rows span several: the
 # interpreter runs each program in Python (~60 ms each), so the draws' chi-square runs on the GPU only.
 check_greedy_and_table("cpu", rows=4, vocab=200, chunk=64)

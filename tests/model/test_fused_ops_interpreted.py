@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 CHECK = r"""
 import torch
 from server.model.fused_ops import TritonOps
-from tests.fused_cases import check_all
+from tests.model.fused_cases import check_all
 print(check_all(TritonOps, torch.float32, "cpu", 1e-6))
 print(check_all(TritonOps, torch.float16, "cpu", 2e-3))
 """
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from testkit.models import model_folder
 from server import LLM
-from tests.fused_cases import whole_model_error
+from tests.model.fused_cases import whole_model_error
 llm = LLM(model=str(model_folder("llama-tiny", Path(tempfile.mkdtemp()))), device="cpu", load_format="dummy",
           kv_cache_memory="32MiB")
 attn = llm.engine.model.model.layers[0].self_attn

@@ -243,7 +243,7 @@ def tp2_async(tp2):
 def _mixed_requests() -> list:
     """Ends at different steps (rows leave the batch while a step is in flight), a stop string, greedy
     log-probs, n=2 seeded temperature sampling with log-probs."""
-    from tests.test_async_scheduling import greedy
+    from tests.engine.test_async_scheduling import greedy
 
     return [(p, greedy(3 + 4 * i)) for i, p in enumerate(PROMPTS[:3])] + [
         (PROMPTS[3], greedy(16, stop=["\n"])),
@@ -255,7 +255,7 @@ def _mixed_requests() -> list:
 def test_async_scheduling_at_two_ranks_gives_the_synchronous_outputs(tp2_async, reference):
     """Greedy, stops, log-probs and seeded sampling at TP=2 with async on equal TP=2 with it off, token for
     token; the greedy tokens equal one rank's; steps really went ahead (their ids never crossed a pipe)."""
-    from tests.test_async_scheduling import run, same
+    from tests.engine.test_async_scheduling import run, same
 
     eng = tp2_async.engine
     reqs = _mixed_requests()
@@ -277,7 +277,7 @@ def test_async_level1_sleep_with_a_step_in_flight_at_two_ranks(tp2_async, refere
     """A level-1 sleep (mode=keep) while a step is in flight on both ranks: the step is drained first,
     every rank offloads, and after the wake the sequences go on to the uninterrupted synchronous outputs;
     an abort mid-batch drops the row from the next step on both ranks."""
-    from tests.test_async_scheduling import greedy, run, same
+    from tests.engine.test_async_scheduling import greedy, run, same
 
     reqs = [(p, greedy(10 + 2 * i)) for i, p in enumerate(PROMPTS[:4])]
     eng = tp2_async.engine

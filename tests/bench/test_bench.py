@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from testkit.http_server import MAIN_KEY, main_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import server_steps  # noqa: E402
 from bench.roofline import Device, ModelCost, StepRecorder, StepShape  # noqa: E402

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from tests.fused_cases import check_small_gemm
+from tests.model.fused_cases import check_small_gemm
 print(check_small_gemm(torch.float32, "cpu", 1e-5))
 print(check_small_gemm(torch.float16, "cpu", 2e-3))  # (bfloat16 does not compute in the interpreter)
 """

@@ -29,7 +29,7 @@ import pytest
 from server.cli import ENV_PREFIX, SERVE_OPTIONS
 from server.model.default_model import DEFAULT_NAME
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 MAKEFILE = ROOT / "Makefile"
 COMPOSE = ROOT / "docker" / "compose.yaml"
