@@ -22,10 +22,10 @@ from .types import (
     Backend,
     PoolError,
     PoolStats,
-    SleepReport,
+    PoolSleepReport,
     TagState,
     TagStats,
-    WakeReport,
+    PoolWakeReport,
     check_tag,
 )
 
@@ -448,7 +448,7 @@ class MemoryPool:
         self,
         offload_tags: str | Iterable[str] = (),
         discard_tags: str | Iterable[str] = (),
-    ) -> SleepReport:
+    ) -> PoolSleepReport:
         """Release the physical memory of the given tags; returns when it is really free.
 
         Offloaded tags are copied to a host backup first and come back bit-exact on wake;
@@ -484,7 +484,7 @@ class MemoryPool:
                 )
             if not todo_offload and not todo_discard:
                 clock.mark("check")
-                return SleepReport(0, 0, clock.elapsed, timings=clock.report())
+                return PoolSleepReport(0, 0, clock.elapsed, timings=clock.report())
             clock.mark("check")
             try:
                 cost = self._backend.sleep(todo_offload, todo_discard)
@@ -508,7 +508,7 @@ class MemoryPool:
             backend = self._backend_phases(clock)
         # kv_mapper: how far the background mapping of the last wake had got when this sleep came
         # (a sleep right after a wake stops it and releases only what it mapped).
-        return SleepReport(cost.bytes_offloaded, cost.bytes_discarded, clock.elapsed, cost.copy_seconds,
+        return PoolSleepReport(cost.bytes_offloaded, cost.bytes_discarded, clock.elapsed, cost.copy_seconds,
                            timings=clock.report(**backend, kv_mapper=mappers))
 
     def _backend_phases(self, clock: Clock) -> dict[str, Any]:
@@ -528,7 +528,7 @@ class MemoryPool:
         return timings
 
     @_foreground
-    def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
+    def wake_up(self, tags: str | Iterable[str] | None = None) -> PoolWakeReport:
         """Re-create the memory of sleeping tags (all of them when tags is None) and restore
         offloaded content. All or nothing: on failure (e.g. out of memory) everything this call
         re-created is released again, the tags stay asleep, and PoolError says why."""
@@ -541,7 +541,7 @@ class MemoryPool:
             remap = [t for t in targets if self._sleeping[t] is TagState.DISCARDED]
             if not targets:
                 clock.mark("check")
-                return WakeReport(0, 0, clock.elapsed, timings=clock.report())
+                return PoolWakeReport(0, 0, clock.elapsed, timings=clock.report())
             lazy = [t for t in remap if t in self._chunks]
             defer = {a for t in lazy for chunk in self._chunks[t].pieces[1:] for a in chunk}
             clock.mark("check")
@@ -575,7 +575,7 @@ class MemoryPool:
             if not self._keep_backups and restore:
                 self._release_backups(restore)
                 clock.mark("release_backups")
-        return WakeReport(cost.bytes_restored, cost.bytes_mapped, clock.elapsed, cost.copy_seconds,
+        return PoolWakeReport(cost.bytes_restored, cost.bytes_mapped, clock.elapsed, cost.copy_seconds,
                           timings=clock.report(**backend))
 
     def _needs_sleep(self, tag: str, usage: dict) -> bool:
