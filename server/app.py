@@ -39,7 +39,7 @@ from server.metrics import ServerMetrics, share_metrics
 
 log = logging.getLogger("sleepserve.server")
 
-ENGINE_DIED = 3  # exit code when the engine process died under the server (README, "Exit codes")
+ENGINE_DIED = 3  # exit code when the engine process died under the server (docs/operations.md, "Shutdown and exit codes")
 
 
 def create_app(engine: EngineClient, settings: ServerSettings, others: OtherApiServers | None = None,
@@ -187,7 +187,7 @@ class GracefulServer:
 
 
 def serve(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine | None = None) -> int:
-    """Load, then serve until interrupted. Returns the process exit code (see README, "Exit codes").
+    """Load, then serve until interrupted. Returns the process exit code (see docs/operations.md, "Shutdown and exit codes").
     spawned: the engine process, started by the CLI before its imports (spawn.py)."""
     configure_logging(settings.log_level)
     count = settings.api_server_count
