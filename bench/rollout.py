@@ -385,7 +385,7 @@ def main() -> None:
         result["hf"] = hf_in_subprocess(args, folder, prompts)
         result["hf"]["prompts_per_call"] = args.hf_prompts
         progress("transformers", result["hf"])
-    from server.engine.step_profiler import PROFILER_DIR_ENV
+    from server.config import PROFILER_DIR_ENV
     from tests.http_server import ServerProcess
 
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]

@@ -115,7 +115,7 @@ def main() -> int:
     new_tokens = args.new_tokens or (256 if device.type == "cuda" else 64)
 
     from server import LLM
-    from server.engine.params import StructuredOutputs
+    from server.wire.params import StructuredOutputs
 
     kw: dict = dict(device=args.device, max_num_seqs=64, max_model_len=1024)
     if device.type == "cpu":

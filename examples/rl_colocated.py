@@ -153,7 +153,7 @@ def main() -> int:
     elif args.model:
         folder = args.model
     else:
-        from server.model.loader import resolve_model
+        from server.model.source import resolve_model
         folder = str(resolve_model(None).folder)
     serve_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[serve_dtype]

@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model_folder():
-    from server.model.loader import resolve_model
+    from server.model.source import resolve_model
 
     return resolve_model(None).folder
 

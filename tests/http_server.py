@@ -121,7 +121,7 @@ class ServerProcess:
     def api_pids(self) -> list[int]:
         """Every API process: the server's own, then those it started (--api-server-count)."""
         assert self.proc is not None
-        return [self.proc.pid, *children(self.proc.pid, "server.api_servers")]
+        return [self.proc.pid, *children(self.proc.pid, "server.api.replica")]
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

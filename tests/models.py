@@ -35,7 +35,7 @@ def tokenizer_folder() -> Path:
     env = os.environ.get("SLEEPSERVE_TOKENIZER_DIR")
     if env:
         return Path(env)
-    from server.model.loader import resolve_model
+    from server.model.source import resolve_model
 
     return resolve_model(None).folder
 

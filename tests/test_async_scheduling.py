@@ -12,7 +12,7 @@ import pytest
 
 from server import LLM, SamplingParams
 from server.engine.memory_plan import kv_bytes_per_block
-from server.engine.params import StructuredOutputs
+from server.wire.params import StructuredOutputs
 from tests.conftest import PROMPTS
 
 
@@ -111,11 +111,11 @@ def test_eos_stops_without_an_extra_token(llm, async_llm):
     ref = tokens_of(llm, PROMPTS[0], 12)
     saved = (llm.engine.eos_ids, async_llm.engine.eos_ids)
     eos = frozenset({ref[5]})
-    llm.engine.eos_ids = async_llm.engine.eos_ids = eos
+    llm.engine.scheduler.eos_ids = async_llm.engine.scheduler.eos_ids = eos
     try:
         got = compare(llm, async_llm, [(PROMPTS[0], greedy(16)), (PROMPTS[1], greedy(16)), (PROMPTS[2], greedy(8))])
     finally:
-        llm.engine.eos_ids, async_llm.engine.eos_ids = saved
+        llm.engine.scheduler.eos_ids, async_llm.engine.scheduler.eos_ids = saved
     first = ref.index(ref[5])
     assert got["r0"].outputs[0].finish_reason == "stop" and len(got["r0"].outputs[0].token_ids) == first + 1
 

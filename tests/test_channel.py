@@ -8,11 +8,12 @@ from dataclasses import asdict
 
 import pytest
 
-from server.engine.channel import WireError, encode_delta, pack
-from server.engine.client import OutputStream
-from server.engine.errors import EngineUnavailableError, InvalidRequestError
-from server.engine.params import RequestOutputKind, SamplingParams
-from server.engine.sleep_state import SleepState
+from server.engine.deltas import encode_delta
+from server.wire.messages import WireError, pack
+from server.api.engine_client import OutputStream
+from server.wire.errors import EngineUnavailableError, InvalidRequestError
+from server.wire.params import RequestOutputKind, SamplingParams
+from server.wire.sleep_state import SleepState
 from server.weight_transfer.receiver import TransferFailedError
 
 
@@ -153,9 +154,9 @@ def test_calls_of_one_event_loop_turn_cross_as_one_message_in_order(long_turn, m
     from types import SimpleNamespace
 
     from server.config import EngineConfig
-    from server.engine import client as client_module
-    from server.engine.channel import Call, SyncChannel
-    from server.engine.client import EngineClient
+    from server.api import engine_client as client_module
+    from server.wire.messages import Call, SyncChannel
+    from server.api.engine_client import EngineClient
 
     monkeypatch.setattr(client_module, "OUTBOX_HOLD_S", -1.0 if long_turn else 3600.0)
 

@@ -90,7 +90,7 @@ def test_sequences_that_end_in_one_step_decode_their_texts_in_one_call(llm, monk
     their texts are the ones a streamed request builds token by token."""
     from server import SamplingParams
     from server.engine import sequence
-    from server.engine.params import RequestOutputKind
+    from server.wire.params import RequestOutputKind
 
     calls: list[int] = []
     many = sequence.detokenize_many

@@ -102,7 +102,7 @@ def test_an_engine_spawned_early_ends_quietly_when_the_server_never_starts_it():
     assert done.returncode == 2 and "gpu_memory_utilization must be in" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
 
-    from server.engine.spawn import spawn_engine
+    from server.api.spawn import spawn_engine
 
     spawned = spawn_engine()
     spawned.mine.close()  # as the CLI's exit does

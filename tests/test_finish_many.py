@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from server.api import generation
-from server.engine.outputs import RequestOutput
-from server.engine.params import SamplingParams
+from server.wire.outputs import RequestOutput
+from server.wire.params import SamplingParams
 
 
 class OneAtATime:

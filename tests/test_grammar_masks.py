@@ -14,7 +14,7 @@ import torch
 from models import tokenizer_folder
 
 from server.engine.grammar_masks import GrammarMasks, apply_token_bitmask, forbidden_tokens
-from server.engine.params import StructuredOutputs
+from server.wire.params import StructuredOutputs
 from server.engine.structured import GrammarCompiler
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags"],

@@ -77,7 +77,7 @@ def test_both_api_processes_answer_and_share_one_engine(server):
     infos = [fresh(server, "GET", "/server_info").json()["processes"] for _ in range(32)]
     pids = {i["api_pid"] for i in infos}
     assert len(pids) == 2 and server.proc.pid in pids, infos  # each misses 32 connections with p = 2^-32
-    assert set(server.api_pids) == pids  # the second is the first's child running server.api_servers
+    assert set(server.api_pids) == pids  # the second is the first's child running server.api.replica
     assert {i["engine_pid"] for i in infos} == {server.engine_pid}
     assert {i["api_server_count"] for i in infos} == {2}
     assert f"API processes: 2 (pids {server.proc.pid}, " in server.log_text()
@@ -190,7 +190,7 @@ def test_an_api_process_abort_all_ends_only_its_own_requests():
 
     from server import SamplingParams
     from server.config import EngineConfig
-    from server.engine.client import EngineClient
+    from server.api.engine_client import EngineClient
 
     first = EngineClient.launch(EngineConfig(device="cpu", max_model_len=512, kv_cache_memory="128MiB"), channels=2)
     second = EngineClient.connect(first.spare_channels.pop())
@@ -223,7 +223,7 @@ def test_an_api_process_abort_all_ends_only_its_own_requests():
 
 
 def test_the_listening_sockets_share_a_port_with_each_other_only():
-    from server.api_servers import listening_sockets
+    from server.api.servers import listening_sockets
 
     ours = listening_sockets("127.0.0.1", 0, 3)
     try:

@@ -8,7 +8,8 @@ import pytest
 
 from server import LLM, SamplingParams
 from server.model.default_model import ModelNotFoundError
-from server.model.loader import WeightLoadError, resolve_model
+from server.model.loader import WeightLoadError
+from server.model.source import resolve_model
 
 
 def test_unknown_model_path_is_a_clear_error(tmp_path):

@@ -1,5 +1,5 @@
 """Sampled log-probs are kept as plain (token, logprob, rank, text) tuples and read as vLLM's dicts
-(server/engine/logprob_list.py): an RL rollout's million entries cost the collector nothing per token."""
+(server/wire/logprob_list.py): an RL rollout's million entries cost the collector nothing per token."""
 from __future__ import annotations
 
 import gc
@@ -7,8 +7,8 @@ import gc
 import pytest
 
 from server import SamplingParams
-from server.engine.logprob_list import LogprobList
-from server.engine.outputs import Logprob
+from server.wire.logprob_list import LogprobList
+from server.wire.outputs import Logprob
 from tests.conftest import PROMPTS
 
 

@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from server import SamplingParams
-from server.engine.params import InvalidRequestError
-from server.engine.step_profiler import PROFILER_DIR_ENV, StepProfiler
+from server.wire.params import InvalidRequestError
+from server.config import PROFILER_DIR_ENV
+from server.engine.step_profiler import StepProfiler
 from tests.http_server import BASE_ARGS, MAIN_KEY, ServerProcess, main_server
 
 

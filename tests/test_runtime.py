@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from server import LLM, SamplingParams
-from server.engine.params import InvalidRequestError
+from server.wire.params import InvalidRequestError
 from server.engine.memory_plan import kv_bytes_per_block
 from tests.conftest import PROMPTS
 
@@ -101,7 +101,7 @@ def test_final_only_hands_out_the_first_tokens_and_the_end_with_everything_else_
     """FINAL_ONLY (LLM.generate, non-streaming HTTP): an output when the first tokens are sampled and one at
     the end, text decoded once at the end; the end must be exactly what an output per step builds, with
     temperature 1 and a seed (tokens, text, log-probs), ended by length, by EOS or by abort."""
-    from server.engine.params import RequestOutputKind
+    from server.wire.params import RequestOutputKind
 
     core = llm.engine
 
@@ -181,7 +181,7 @@ def test_decode_tables_kept_between_steps_equal_a_fresh_padding():
     import numpy as np
 
     from server.engine.kv_cache import NULL_BLOCK
-    from server.engine.runner import DecodeTables, pad_tables
+    from server.engine.host_batch import DecodeTables, pad_tables
 
     rng = random.Random(0)
     cache = DecodeTables()

@@ -8,7 +8,7 @@ import pytest
 
 from server import SamplingParams
 from allocator.pool import MAX_PIECE_BYTES
-from server.engine.tags import KV_CACHE
+from server.wire.tags import KV_CACHE
 
 LONG_PROMPT = "The history of the printing press begins with movable type. " * 10  # ~120 tokens
 
@@ -88,7 +88,8 @@ def test_a_request_needing_unmapped_blocks_waits_for_them_and_gets_the_same_outp
 
 
 def test_chunk_bounds_fall_on_whole_granules_and_grow():
-    from server.engine.memory_plan import KVPlan, chunk_bounds, chunk_plan
+    from server.engine.memory_plan import chunk_bounds, chunk_plan
+    from server.wire.stats import KVPlan
 
     assert chunk_bounds(100, 10, 1) == (0, 10, 50, 100)
     assert chunk_bounds(100, 200, 1) == ()  # one chunk: nothing to split

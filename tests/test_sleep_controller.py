@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from allocator import create_pool
-from server.engine.errors import ConflictError, InvalidRequestError
+from server.wire.errors import ConflictError, InvalidRequestError
 from server.engine.sleep_controller import SleepController
-from server.engine.tags import CUDA_GRAPH, KV_CACHE, WEIGHTS, parse_tags
+from server.wire.tags import CUDA_GRAPH, KV_CACHE, WEIGHTS, parse_tags
 
 MiB = 1 << 20
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from server import SamplingParams
-from server.engine.errors import ConflictError, EngineUnavailableError, InvalidRequestError
+from server.wire.errors import ConflictError, EngineUnavailableError, InvalidRequestError
 from tests.conftest import PROMPTS
 
 

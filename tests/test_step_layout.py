@@ -10,7 +10,7 @@ import torch
 
 from server import LLM, SamplingParams
 from server.engine.kv_cache import NULL_BLOCK
-from server.engine.runner import HostBatch
+from server.engine.host_batch import HostBatch
 from tests.models import model_folder
 
 

@@ -10,7 +10,7 @@ import pytest
 from server.api.chat import ChatChunks
 from server.api.completions import CheckedPrompt, CompletionChunks
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
-from server.engine.outputs import CompletionOutput, RequestOutput
+from server.wire.outputs import CompletionOutput, RequestOutput
 
 TEXTS = ["", "plain", ' "quoted" \\ back', "tab\tnew\nline\r\x00\x1f\x7f", "caf\u00e9 \u4e2d\u6587 \U0001f600",
          "\u2028\u2029", "</script>", "\ufffd"]  # the last: what a split character decodes to

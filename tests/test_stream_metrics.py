@@ -1,4 +1,4 @@
-"""The streams' gathered ITL counts (server/metrics.py _Buckets) reach prometheus_client's histograms as
+"""The streams' gathered ITL counts (server/api/metrics.py _Buckets) reach prometheus_client's histograms as
 the same buckets, count and sum as one observe() per observation would (values on the bounds included)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.exposition import generate_latest
 
-from server.metrics import _LATENCY, _Buckets
+from server.api.metrics import _LATENCY, _Buckets
 
 
 def _samples(h: Histogram) -> dict:

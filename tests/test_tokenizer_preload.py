@@ -3,7 +3,7 @@ folder the engine will use when that folder is known without a conversion, and n
 from __future__ import annotations
 
 from server.api.tokens import TokenizerPreload, Tokens
-from server.model.loader import cached_model_folder, resolve_model
+from server.model.source import cached_model_folder, resolve_model
 
 
 def test_the_preloaded_tokenizer_serves_the_engines_folder_only(default_model_folder, tmp_path):

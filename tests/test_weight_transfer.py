@@ -350,7 +350,7 @@ def test_the_stream_order_of_a_cuda_receive(monkeypatch):
             self.incoming = iter(packed)
 
         def broadcast(self, tensor, src=0):
-            assert current[-1].name == "host"  # enqueued from the transfer thread's stream, as NcclComm expects
+            assert current[-1].name == "host"  # enqueued from the transfer thread's stream, as NcclBroadcaster expects
             tensor.copy_(next(self.incoming))  # the bytes "arrive" when enqueued: the log checks the order
             log.append(("bcast", "in place" if tensor.data_ptr() == fused.data_ptr() else "slot"))
             event = Event()
@@ -407,7 +407,7 @@ def test_the_stream_order_of_a_cuda_send(monkeypatch):
 
         def broadcast(self, tensor, src=0):
             sent.append(tensor.clone())
-            log.append(("bcast", current[-1].name))  # NcclComm makes its stream wait for this one
+            log.append(("bcast", current[-1].name))  # NcclBroadcaster makes its stream wait for this one
             event = Event()
             event.record(self.stream)
             return event
@@ -515,7 +515,7 @@ def test_sglang_style_routes(servers, references):
     assert state(server)["weights_valid"] is False  # released without a copy, as SGLang does
     folder = str(REPO)  # not a checkpoint: 400, state unchanged
     assert admin(server, "POST", "/update_weights_from_disk", json={"model_path": folder}).status_code == 400
-    from server.model.loader import resolve_model
+    from server.model.source import resolve_model
     r = admin(server, "POST", "/update_weights_from_disk",
               json={"model_path": str(resolve_model(None).folder), "weight_version": "disk-1"})
     assert r.status_code == 200 and r.json()["success"] is True, r.text

@@ -9,7 +9,7 @@ import json
 from fastapi.responses import JSONResponse
 
 from server.api.formatting import CompletionLogprobs, TokenNames, encode_json, encoded_envelope, envelope
-from server.engine.logprob_list import LogprobList
+from server.wire.logprob_list import LogprobList
 
 
 def test_encoded_envelope_is_the_whole_envelope_encoded():

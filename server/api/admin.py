@@ -19,7 +19,7 @@ from server.api.auth import require_admin_key
 from server.api.body import parse_body, read_json
 from server.api.disk_weights import load_from_disk
 from server.api.schemas import UpdateWeightsRequest
-from server.engine.sleep_state import SleepReport
+from server.wire.sleep_state import SleepReport
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], tags=["dev mode"])
 

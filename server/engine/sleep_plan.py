@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.engine.params import InvalidRequestError
-from server.engine.tags import CUDA_GRAPH, KV_CACHE, USER_TAGS, WEIGHTS, parse_tags
+from server.wire.params import InvalidRequestError
+from server.wire.tags import CUDA_GRAPH, KV_CACHE, USER_TAGS, WEIGHTS, parse_tags
 
 MODES = ("abort", "wait", "keep")
 OFFLOADED, DISCARDED = "offloaded", "discarded"

@@ -1,6 +1,6 @@
 """EngineClient: the API process's handle on the engine process (server/engine/process.py).
 
-Every engine operation is a named command on one channel (server/engine/channel.py), so commands
+Every engine operation is a named command on one channel (server/wire/messages.py), so commands
 reach the engine in the order they were sent and run between two steps. Outputs come back as one
 frame per engine step with every request's delta; `_on_frame` hands each delta to its request's
 OutputStream in one event-loop callback. The engine's status (sleep state, stats) rides on every frame, so
@@ -11,7 +11,7 @@ If the engine process dies (killed, crashed, out of memory), every waiting call 
 EngineDeadError (503) at once and `on_death` tells the server to exit.
 
 With --api-server-count N, the first API process `launch`es the engine with N channels and owns it (its
-shutdown stops the engine); each other API process `connect`s to one of the rest (server/api_servers.py).
+shutdown stops the engine); each other API process `connect`s to one of the rest (server/api/servers.py).
 """
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from server.config import EngineConfig
-from server.engine.channel import (Call, Delta, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed, Status,
+from server.wire.messages import (Call, Delta, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed, Status,
                                    SyncChannel, pack, read_message)
-from server.engine.core import EngineStats
-from server.engine.errors import EngineDeadError, EngineUnavailableError
-from server.engine.hold import HeldRequests, HoldPolicy
-from server.engine.logprob_list import LogprobList
-from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from server.engine.params import SamplingParams, StructuredOutputs
-from server.engine.sleep_state import SleepReport, SleepState
-from server.engine.spawn import SpawnedEngine, spawn_engine
+from server.wire.stats import EngineStats
+from server.wire.errors import EngineDeadError, EngineUnavailableError
+from server.api.hold import HeldRequests, HoldPolicy
+from server.wire.logprob_list import LogprobList
+from server.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from server.wire.params import SamplingParams, StructuredOutputs
+from server.wire.sleep_state import SleepReport, SleepState
+from server.api.spawn import SpawnedEngine, spawn_engine
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -464,7 +464,7 @@ class EngineClient:
         engine thread, then copied in place between two steps."""
         return await self.call("load_weights", path, weight_version)
 
-    # Weight transfers (server/weight_transfer/service.py runs them in the engine process).
+    # Weight transfers (server/engine/transfer_service.py runs them in the engine process).
 
     async def transfer_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                             packed: bool | None) -> dict:

@@ -6,12 +6,12 @@ docs/architecture.md, "Where serving time goes"), so a burst of 256 requests rea
 --api-server-count does.
 
 Layout: the first API process (the one `sleepserve serve` runs) starts the engine with one channel per API
-process (server/engine/client.py, launch), binds N listening sockets to the same address with SO_REUSEPORT (the
+process (server/api/engine_client.py, launch), binds N listening sockets to the same address with SO_REUSEPORT (the
 kernel spreads new connections over them evenly) and starts the N - 1 others here, each with one socket and
 one channel. Every API process serves every route; the engine keeps one order for all their commands and
 sends each process its own requests' outputs, and every process its status (sleep state, stats).
 What each process counts for /metrics lives in files of one shared folder (prometheus_client's
-multiprocess mode), so a scrape reaches any of them and sums all (server/metrics.py).
+multiprocess mode), so a scrape reaches any of them and sums all (server/api/metrics.py).
 
 Lifetimes: the first process owns the others. On SIGTERM or Ctrl-C it passes the signal on, and shuts the
 engine down only after they have exited (their requests in flight get the same grace period); if one of them
@@ -20,7 +20,6 @@ dies, it shuts the server down (exit code 3), as when the engine dies. Each othe
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import logging
@@ -99,7 +98,7 @@ class OtherApiServers:
         for index, (listener, channel) in enumerate(zip(listeners, channels), start=1):
             ready, ready_w = os.pipe()
             fds = [listener.fileno(), channel.fileno(), ready_w]
-            cmd = [sys.executable, "-m", "server.api_servers", "--index", str(index), "--listen-fd", str(fds[0]),
+            cmd = [sys.executable, "-m", "server.api.replica", "--index", str(index), "--listen-fd", str(fds[0]),
                    "--engine-fd", str(fds[1]), "--ready-fd", str(ready_w), "--parent", str(os.getpid()),
                    "--metrics-dir", metrics_dir, *(["--model", model] if model else [])]
             proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.PIPE)
@@ -167,49 +166,3 @@ class OtherApiServers:
                 log.warning("API process pid %d did not exit within %.0f s; killing it", proc.pid, timeout)
                 proc.kill()
                 proc.wait()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """One API process after the first: `python -m server.api_servers ...`, started by OtherApiServers.start,
-    its ServerSettings pickled on stdin."""
-    ap = argparse.ArgumentParser(prog="python -m server.api_servers",
-                                 description="one of sleepserve's extra API processes (--api-server-count)")
-    ap.add_argument("--index", type=int, required=True)
-    ap.add_argument("--listen-fd", type=int, required=True)
-    ap.add_argument("--engine-fd", type=int, required=True)
-    ap.add_argument("--ready-fd", type=int, required=True)
-    ap.add_argument("--parent", type=int, required=True)
-    ap.add_argument("--metrics-dir", required=True)
-    ap.add_argument("--model", default=None)
-    args = ap.parse_args(argv)
-    from server.engine.process import _die_with_parent
-
-    _die_with_parent(args.parent)
-    settings = pickle.loads(sys.stdin.buffer.read())
-    from server.api.tokens import TokenizerPreload
-
-    preload = TokenizerPreload(args.model)  # while the engine loads (this process waits for its Ready)
-
-    from server.app import create_app, run_http
-    from server.engine.client import EngineClient
-    from server.logging_setup import configure_logging
-    from server.metrics import share_metrics
-
-    configure_logging(settings.log_level)
-    share_metrics(args.metrics_dir)  # before create_app makes the metrics
-    try:  # the first process starts this one while the engine loads: its Ready comes on this channel
-        engine = EngineClient.connect(socket.socket(fileno=args.engine_fd))
-    except (EOFError, OSError):  # the engine did not start: the first process says why and exits 1
-        return 1
-    log.info("API process %d (pid %d) serves beside pid %d", args.index, os.getpid(), args.parent)
-    app = create_app(engine, settings, metrics_dir=args.metrics_dir, preload=preload)
-
-    def started() -> None:
-        os.write(args.ready_fd, b"1")
-        os.close(args.ready_fd)
-
-    return run_http(app, engine, settings, socket.socket(fileno=args.listen_fd), on_started=started)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

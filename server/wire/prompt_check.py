@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from server.engine.params import InvalidRequestError, SamplingParams
+from server.wire.params import InvalidRequestError, SamplingParams
 
 
 def check_prompt_ids(prompt_token_ids: list[int] | None, params: SamplingParams, vocab_size: int,

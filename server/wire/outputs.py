@@ -6,6 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+# The lowest log-prob reported: -inf (a token masked out) and NaN are sent as this, since JSON has neither.
+LOGPROB_FLOOR = -9999.0
+
+
 @dataclass
 class Logprob:
     logprob: float

@@ -1,9 +1,10 @@
 """Errors the engine raises to its callers; the API layer maps each to an HTTP status."""
 from __future__ import annotations
 
-from server.engine.params import InvalidRequestError
+from server.wire.params import InvalidRequestError
 
-__all__ = ["InvalidRequestError", "EngineUnavailableError", "ConflictError", "EngineDeadError", "WorkerLostError"]
+__all__ = ["InvalidRequestError", "EngineUnavailableError", "ConflictError", "EngineDeadError", "WorkerLostError",
+           "WeightLoadError"]
 
 
 class EngineUnavailableError(RuntimeError):
@@ -27,3 +28,7 @@ class EngineDeadError(RuntimeError):
 class WorkerLostError(EngineDeadError):
     """A tensor-parallel worker process died: no rank can run without the others (HTTP 503; the server
     exits with code 3)."""
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that does not fit the served model; raised before any weight is touched (HTTP 400)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from server.engine.outputs import Logprob, TokenLogprobs
+from server.wire.outputs import Logprob, TokenLogprobs
 
 WireLogprobs = tuple
 

@@ -3,7 +3,7 @@ where the model lives, and the API process only forwards the routes' bodies as c
 
 start, update and finish run on the engine thread (ENGINE commands: no command-thread hop, and the
 engine is not stepping while a transfer session may write), for the moment they decide what the
-weights are worth (server/engine/weight_session.py). Everything that blocks (rendezvous, receives,
+weights are worth (SleepController, server/engine/sleep_controller.py). Everything that blocks (rendezvous, receives,
 copies, releasing IPC mappings) runs on one transfer thread, in order; a receive hands its result
 back to the engine thread (`defer`), which closes the write and answers. So an update costs two
 thread hand-offs (engine -> transfer -> engine), not eight, and no step runs on half-written weights.
@@ -18,9 +18,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from server.engine import weight_session
 from server.engine.core import EngineCore
-from server.engine.errors import EngineUnavailableError, InvalidRequestError
+from server.wire.errors import EngineUnavailableError, InvalidRequestError
 from server.weight_transfer import safe_pickle
 from server.weight_transfer.config import WeightTransferConfig
 from server.weight_transfer.receiver import TransferFailedError, TransferRequestError, Update, WeightReceiver
@@ -200,8 +199,8 @@ class WeightTransferService:
         try:
             update = self._update(info)
             if info.get("sleepserve_start_session"):  # one round trip less for our sender: start, in this call
-                weight_session.start(self.core)
-            weight_session.begin_write(self.core)
+                self.core.open_weight_session()
+            self.core.begin_weight_write()
         except TransferRequestError as e:
             self._thread.submit(self.receiver.signal, key, f"error: {e}")
             raise _request_error(e) from None
@@ -245,7 +244,7 @@ class WeightTransferService:
             report["clock"]["closing"] = time.time()
         answer: Any = report
         try:
-            if weight_session.end_write(self.core, loaded, failed=error is not None) is not None:
+            if self.core.end_weight_write(loaded, failed=error is not None) is not None:
                 answer = self._release(report)  # a one-call session (no start) ended with it
         except BaseException as e:  # a bug: still answer everyone
             error = error or e
@@ -260,7 +259,7 @@ class WeightTransferService:
 
     def start(self) -> dict:
         """Engine thread."""
-        return weight_session.start(self.core)
+        return self.core.open_weight_session()
 
     def finish(self, weight_version: str | None) -> dict | Future:
         """Engine thread. A finish that arrives while an update is being received (a sender that posts
@@ -289,7 +288,7 @@ class WeightTransferService:
         return waited
 
     def _finish(self, weight_version: str | None) -> dict | Future:
-        report = weight_session.finish(self.core, weight_version)
+        report = self.core.finish_weight_session(weight_version)
         return self._release(report)
 
     def _release(self, report: dict | None = None) -> Any:

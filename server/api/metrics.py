@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from server.engine.outputs import RequestOutput
-from server.engine.params import SamplingParams
-from server.engine.sleep_state import ENGINE_STATES, SleepReport, SleepState
-from server.engine.tags import ALL_TAGS
+from server.wire.outputs import RequestOutput
+from server.wire.params import SamplingParams
+from server.wire.sleep_state import ENGINE_STATES, SleepReport, SleepState
+from server.wire.tags import ALL_TAGS
 
 P = "sleepserve_"
 V = "vllm:"
@@ -67,7 +67,7 @@ class _Buckets:
         self.total = 0.0
 
 
-class _Pending:
+class _Unscraped:
     """What the streams counted since the last scrape (see _Buckets): generated tokens, both ITL histograms."""
 
     def __init__(self) -> None:
@@ -216,7 +216,7 @@ class ServerMetrics:
         self.v_iteration = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      _ITERATION)
         self._own = own
-        self.pending = _Pending()
+        self.pending = _Unscraped()
         engine.on_transition.append(self.on_transition)
         engine.on_step.append(self.v_iteration.observe)
 

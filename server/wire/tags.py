@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from server.engine.params import InvalidRequestError
+from server.wire.params import InvalidRequestError
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"

@@ -28,14 +28,13 @@ from server.api.middleware import BodyLimit, ContainErrors
 from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
 from server.api.tokens import TokenizerPreload, Tokens
-from server.api_servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets, metrics_folder
-from server.config import EngineConfig
-from server.engine.client import EngineClient, EngineStartError
-from server.engine.spawn import SpawnedEngine, spawn_engine
-from server.engine.step_profiler import profiler_dir
+from server.api.servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets, metrics_folder
+from server.config import EngineConfig, profiler_dir
+from server.api.engine_client import EngineClient, EngineStartError
+from server.api.spawn import SpawnedEngine, spawn_engine
 from server.heap import freeze_startup_heap
 from server.logging_setup import AccessLogMiddleware, configure_logging
-from server.metrics import ServerMetrics, share_metrics
+from server.api.metrics import ServerMetrics, share_metrics
 
 log = logging.getLogger("sleepserve.server")
 

@@ -22,16 +22,11 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from server.config import EngineConfig
-from server.engine.core import EngineStats
-from server.engine.memory_plan import KVPlan
-from server.engine.outputs import RequestOutput
-from server.engine.sleep_state import SleepState
-
-if TYPE_CHECKING:
-    from server.engine.sequence import Request
+from server.wire.sleep_state import SleepState
+from server.wire.stats import EngineStats, KVPlan
 
 _HEADER = struct.Struct("!Q")
 # Only exceptions of these packages are rebuilt as themselves; anything else arrives as RuntimeError.
@@ -117,32 +112,6 @@ class Reply:
 #               request's last delta carries all of its log-probs at once).
 Delta = tuple
 SeqDelta = tuple
-
-
-def encode_delta(req: "Request") -> Delta:
-    """What is new in a request since its last delta, straight from the engine's Request (on the engine
-    thread; EngineCore.wire_outputs): the API keeps the rest. A sequence whose end was sent is left out."""
-    first = not req.started_sent
-    req.started_sent = True
-    prompt_logprobs = None
-    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and not req.prompt_logprobs_pending:
-        prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
-    seqs = []
-    for s in req.seqs:
-        if s.finish_reason is not None:
-            if s.end_sent:
-                continue  # the API has its end already
-            s.end_sent = True
-        text, new_text, new_ids, new_logprobs = s.delta()
-        seqs.append((s.index, new_ids, new_text, new_logprobs,
-                     s.cumulative_logprob if s.logprobs is not None else None, s.finish_reason, s.stop_reason,
-                     text if s.finish_reason is not None else None))
-    finished = req.finished
-    metrics = None
-    if finished:
-        metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time, req.last_token_time)
-    return (req.request_id, seqs, finished, req.num_cached_tokens,
-            req.prompt_token_ids if first else None, prompt_logprobs, metrics)
 
 
 @dataclass(frozen=True)
@@ -233,5 +202,5 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(n))
 
 
-__all__ = ["Start", "EngineInfo", "Status", "Ready", "StartFailed", "Call", "Reply", "SeqDelta", "Delta", "encode_delta",
+__all__ = ["Start", "EngineInfo", "Status", "Ready", "StartFailed", "Call", "Reply", "SeqDelta", "Delta",
            "Failed", "Frame", "WireError", "pack", "SyncChannel", "read_message"]

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from server.engine.tags import USER_TAGS, WEIGHTS
+from server.wire.tags import USER_TAGS, WEIGHTS
 
 AWAKE = "awake"
 

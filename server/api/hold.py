@@ -12,8 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from server.engine.errors import EngineUnavailableError
-from server.engine.sleep_state import SleepState
+from server.wire.errors import EngineUnavailableError
+from server.wire.sleep_state import SleepState
 
 WHILE_ASLEEP = ("hold", "reject")
 
