@@ -307,12 +307,10 @@ class MemoryPool:
     def _wait_for_clearing(self, chunks: _Chunks) -> None:
         """Before the background mapper's first piece: while the device still clears the memory the last
         sleep released (a wake right after it), creating memory waits inside the driver for that
-        clearing, where no busy() check can hold it back, and a request running beside it is slow (H200,
-        2026-12-02, 1B: the first request after a level-2 wake right after its sleep 1.44-1.57x of one
-        before, its first token 1.5-2x; 0.93-1.01x when the wake itself mapped the whole cache, waiting
-        313-337 ms for the clearing). So it starts once the device is done (backend.clearing_seconds),
-        unless someone waits for chunks: measured with it, 1.24-1.48x, and 1.22-1.23x after level 1
-        (1.22-1.65x before); the rest is what the clearing itself costs the kernels beside it."""
+        clearing, where no busy() check can hold it back, and a request running beside it is slow (H200, 1B:
+        the first request after a level-2 wake right after its sleep 1.44-1.57x of one before; 1.24-1.48x
+        with this wait, the rest being what the clearing itself costs the kernels beside it). So it starts
+        once the device is done (backend.clearing_seconds), unless someone waits for chunks."""
         while (chunks.waiters == 0 and not chunks.cancel.is_set() and not self._closed
                and time.perf_counter() < self._cleared_at):
             chunks.cancel.wait(0.002)
@@ -321,9 +319,8 @@ class MemoryPool:
         """Let the background mapper give way to the foreground: while busy() (e.g. the engine has
         requests running) it maps nothing, unless someone waits for chunks (wait_chunks), who gets
         them at full speed; idle, it maps at once. Mapping device memory slows the kernels running
-        beside it (H200, 2026-11-30: the first request after a wake ran 1.16-1.35x slower with the
-        mapper at full speed beside it, 1.79-1.99x with 2 GiB pieces paced at one per 40 ms of busy
-        time, 0.88-0.93x when nothing mapped during it)."""
+        beside it (H200: the first request after a wake ran 1.16-1.35x slower with the mapper at full
+        speed beside it, 0.88-0.93x when nothing mapped during it)."""
         self._busy = busy
 
     def _yield_to_foreground(self, chunks: _Chunks) -> None:
