@@ -3,7 +3,8 @@
 tests/ follows the source: allocator/, model/, engine/, wire/, api/ (the API process's modules on their own),
 http/ (through the real server), weight_transfer/, bench/ and docker/ (the benchmarks' and the image's
 checks), gpu/ (`-m gpu`, run by `make gpu-check`). Helpers that bench/ and scripts/ use too live in testkit/.
-No folder has an __init__.py: pytest imports each test file by its name, so names stay unique across folders."""
+Checks of the whole repository (layers, docs, testkit imports) sit at the top. No folder has an __init__.py:
+pytest imports each test file by its name, so names stay unique across folders."""
 from __future__ import annotations
 
 import os

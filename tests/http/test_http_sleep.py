@@ -1,4 +1,4 @@
-"""Sleep mode end to end through the real server's dev routes (docs/architecture.md, "Sleep semantics"), on the dev
+"""Sleep mode end to end through the real server's dev routes (docs/sleep.md), on the dev
 server, which refuses generation at once while asleep (--while-asleep reject; holding is test_http_hold)."""
 from __future__ import annotations
 
