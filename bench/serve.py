@@ -414,7 +414,7 @@ def engine_flags(args, folder: str | None) -> tuple[list[str], dict]:
 def resolve_model(args) -> tuple[str | None, str]:
     """(folder or None for the embedded default, name to report)."""
     if args.model in SHAPES:
-        from tests.models import model_folder
+        from testkit.models import model_folder
 
         args.load_format = args.load_format or "dummy"
         return str(model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)), args.model
@@ -586,7 +586,7 @@ def main() -> None:
         url = args.url
         served = args.served_model_name
         if url is None:
-            from tests.http_server import ServerProcess
+            from testkit.http_server import ServerProcess
 
             server = ServerProcess([*flags, "--log-level", "warning", "--api-server-count", str(count),
                                     *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()

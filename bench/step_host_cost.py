@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import in_thread, sync, table, write_json  # noqa: E402
 from bench.spy import cpu_seconds  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
 
 
 def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, top_p: float,
@@ -282,7 +282,7 @@ def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, 
     import asyncio
 
     from bench.serve import run_http, workload
-    from tests.http_server import ServerProcess
+    from testkit.http_server import ServerProcess
 
     flags = [str(folder), "--device", device, "--load-format", "dummy", "--max-num-seqs", str(max(concurrencies)),
              "--max-model-len", "2048", "--log-level", "warning"] + (["--async-scheduling"] if async_on else ["--no-async-scheduling"])

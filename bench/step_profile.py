@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import in_thread, sync, table, write_json  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
 
 
 def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int | None = None,

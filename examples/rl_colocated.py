@@ -148,7 +148,7 @@ def main() -> int:
 
     dummy = args.model in ("llama-1b", "llama-8b", "llama-tiny")
     if dummy:
-        from tests.models import model_folder
+        from testkit.models import model_folder
         folder = str(model_folder(args.model, Path(args.out) / "models"))
     elif args.model:
         folder = args.model

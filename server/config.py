@@ -63,7 +63,7 @@ class EngineConfig:
     async_scheduling: bool = True
     # A streaming request's outputs every N steps (its first tokens and its end at once), not every step: N
     # tokens a chunk, so the API process frames, writes and wakes for N times fewer chunks; its own cost per
-    # chunk is mostly the socket write (README, "What misses"). SGLang's --stream-interval; 1: every token.
+    # chunk is mostly the socket write (docs/measurements.md, "What misses its target"). SGLang's --stream-interval; 1: every token.
     stream_interval: int = 1
     seed: int = 0
     # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes

@@ -1,4 +1,4 @@
-"""Dev-mode routes (docs/architecture.md, "Sleep semantics"): mounted only with --dev-mode, behind the admin key.
+"""Dev-mode routes (docs/sleep.md): mounted only with --dev-mode, behind the admin key.
 
 Each route is one engine call; the engine's SleepController says what is allowed (its
 InvalidRequestError, ConflictError and WeightLoadError become 400, 409 and 400 in errors.py). Every

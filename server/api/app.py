@@ -38,7 +38,7 @@ from server.api.metrics import ServerMetrics, share_metrics
 
 log = logging.getLogger("sleepserve.server")
 
-ENGINE_DIED = 3  # exit code when the engine process died under the server (README, "Exit codes")
+ENGINE_DIED = 3  # exit code when the engine process died under the server (docs/operations.md, "Shutdown and exit codes")
 
 
 def create_app(engine: EngineClient, settings: ServerSettings, others: OtherApiServers | None = None,
@@ -186,7 +186,7 @@ class GracefulServer:
 
 
 def serve(settings: ServerSettings, config: EngineConfig, spawned: SpawnedEngine | None = None) -> int:
-    """Load, then serve until interrupted. Returns the process exit code (see README, "Exit codes").
+    """Load, then serve until interrupted. Returns the process exit code (see docs/operations.md, "Shutdown and exit codes").
     spawned: the engine process, started by the CLI before its imports (spawn.py)."""
     configure_logging(settings.log_level)
     count = settings.api_server_count

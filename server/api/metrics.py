@@ -55,7 +55,7 @@ class _Buckets:
 
     def flush(self, histogram: Any) -> None:
         """Into a prometheus_client Histogram (or a labelled child): its buckets and sum, as `times`
-        calls of observe(value) each would have left them (tests/test_stream_metrics.py checks it)."""
+        calls of observe(value) each would have left them (tests/api/test_stream_metrics.py checks it)."""
         if not any(self.counts):
             return
         assert tuple(histogram._upper_bounds) == self.bounds, "the histogram's buckets changed"

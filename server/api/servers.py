@@ -1,7 +1,7 @@
 """--api-server-count N: N API processes in front of one engine process.
 
 One API process parses about one request every ~0.9 ms (its event loop, uvicorn, the ASGI layers: see
-docs/architecture.md, "Where serving time goes"), so a burst of 256 requests reaches the engine over
+docs/measurements.md, "What misses its target"), so a burst of 256 requests reaches the engine over
 ~150-270 ms while the engine could take them at once. Several API processes divide that work, as vLLM's
 --api-server-count does.
 

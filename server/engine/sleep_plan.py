@@ -1,4 +1,4 @@
-"""What a sleep call means, decided before anything is touched (docs/architecture.md, "Sleep semantics").
+"""What a sleep call means, decided before anything is touched (docs/sleep.md).
 
 A plan names what each tag should become; SleepController compares it with what the tags are and
 either applies the difference, answers that nothing changes (an idempotent repeat), or refuses.
