@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import hardware, now_iso, write_json  # noqa: E402
-from tests.models import MOE_CONFIGS, moe_model_folder  # noqa: E402
+from testkit.models import MOE_CONFIGS, moe_model_folder  # noqa: E402
 
 GB = 1e9
 RESULT: dict = {}

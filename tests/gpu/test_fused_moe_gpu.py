@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from server import LLM, SamplingParams
-from tests.models import moe_model_folder
-from tests.moe_cases import check_align, check_fused_moe, check_moe_layer, moe_inputs
+from testkit.models import moe_model_folder
+from tests.model.moe_cases import check_align, check_fused_moe, check_moe_layer, moe_inputs
 
 pytestmark = pytest.mark.gpu
 

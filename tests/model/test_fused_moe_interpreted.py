@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from tests.moe_cases import check_align, check_fused_moe, check_moe_layer
+from tests.model.moe_cases import check_align, check_fused_moe, check_moe_layer
 check_align("cpu")
 print(check_moe_layer(torch.float32, "cpu", 1e-5))
 print(check_fused_moe(torch.float32, "cpu", 1e-5))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from models import TOKENIZER_FILES, tokenizer_folder
+from testkit.models import TOKENIZER_FILES, tokenizer_folder
 
 FAMILIES = ("qwen3_moe", "mixtral")
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

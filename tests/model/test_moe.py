@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from http_server import BASE_ARGS, ServerProcess
-from moe_models import FAMILIES, NEW_TOKENS, PROMPTS, hf_greedy, write_checkpoint
+from testkit.http_server import BASE_ARGS, ServerProcess
+from testkit.moe_models import FAMILIES, NEW_TOKENS, PROMPTS, hf_greedy, write_checkpoint
 
 from server import LLM, SamplingParams
 from server.model.config import ModelConfig, ModelConfigError

@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 import torch
-from http_server import BASE_ARGS, ServerProcess
-from moe_models import NEW_TOKENS, PROMPTS, hf_greedy, hf_model, write_checkpoint
+from testkit.http_server import BASE_ARGS, ServerProcess
+from testkit.moe_models import NEW_TOKENS, PROMPTS, hf_greedy, hf_model, write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from server import LLM, SamplingParams

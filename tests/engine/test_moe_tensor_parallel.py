@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_models import NEW_TOKENS, PROMPTS, hf_greedy, hf_model, hf_routed, write_checkpoint
+from testkit.moe_models import NEW_TOKENS, PROMPTS, hf_greedy, hf_model, hf_routed, write_checkpoint
 from safetensors.torch import save_file
 
 from server import LLM, SamplingParams

@@ -11,8 +11,8 @@ import json
 import httpx
 import numpy as np
 import pytest
-from http_server import BASE_ARGS, ServerProcess
-from moe_models import PROMPTS, hf_model, hf_routed, write_checkpoint
+from testkit.http_server import BASE_ARGS, ServerProcess
+from testkit.moe_models import PROMPTS, hf_model, hf_routed, write_checkpoint
 
 from server import LLM, SamplingParams
 from server.wire.params import InvalidRequestError
