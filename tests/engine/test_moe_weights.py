@@ -2,17 +2,14 @@
 offloads them, level 2 discards them, and update_weights (from a folder or from tensors) accepts the
 checkpoint's per-expert names, the stacked names (vLLM's experts.w13_weight / w2_weight) and transformers
 5's (experts.gate_up_proj / down_proj, what a trainer's in-memory model holds). Names, shapes and dtypes are
-checked before the first byte lands: an expert of the wrong shape is refused by name, nothing written."""
+checked before the first byte lands: an expert of the wrong shape is refused by name, nothing written (over
+HTTP: tests/http/test_http_moe.py)."""
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 import torch
-from testkit.http_server import BASE_ARGS, ServerProcess
 from testkit.moe_models import NEW_TOKENS, PROMPTS, hf_greedy, hf_model, write_checkpoint
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from server import LLM, SamplingParams
 from server.model.loader import WeightLoadError
@@ -129,36 +126,3 @@ def test_mixtral_names_load_too(tmp_path):
         llm.update_weights(named_tensors=((n, t.detach()) for n, t in live.items()))
         assert llm.engine.sleep_state.weights_valid
         assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids == ref[0]
-
-
-def test_the_server_answers_400_naming_a_misshapen_expert(folders, tmp_path):
-    bad_folder = tmp_path / "bad"
-    bad_folder.mkdir()
-    named = load_file(str(folders[1] / "model.safetensors"))
-    bad = "model.layers.0.mlp.experts.2.down_proj.weight"
-    named[bad] = torch.zeros(64, 31)
-    save_file(named, str(bad_folder / "model.safetensors"))
-    server = ServerProcess([str(folders[0]), *BASE_ARGS, "--weight-transfer-config", json.dumps({"backend": "gloo"})],
-                           env={"SLEEPSERVE_DEV_MODE": "1"}).start()
-    try:
-        def greedy() -> list[str]:
-            r = httpx.post(server.url + "/v1/completions", timeout=120,
-                           json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        before = greedy()
-        r = httpx.post(server.url + "/update_weights", json={"path": str(bad_folder)}, timeout=120)
-        assert r.status_code == 400 and bad in r.json()["error"]["message"], r.text
-        # The weight-transfer body: names and shapes announced, refused before any rendezvous or byte.
-        info = {"names": [bad], "dtype_names": ["float32"], "shapes": [[64, 31]]}
-        r = httpx.post(server.url + "/update_weights", json={"update_info": info}, timeout=120)
-        assert r.status_code == 400 and bad in r.json()["error"]["message"], r.text
-        stacked_name = "model.layers.0.mlp.experts.w13_weight"
-        info = {"names": [stacked_name], "dtype_names": ["float32"], "shapes": [[8, 64, 63]]}
-        r = httpx.post(server.url + "/update_weights", json={"update_info": info}, timeout=120)
-        assert r.status_code == 400 and stacked_name in r.json()["error"]["message"], r.text
-        state = httpx.get(server.url + "/is_sleeping", timeout=30).json()
-        assert state["weights_valid"] is True and greedy() == before
-    finally:
-        server.stop()

@@ -1,12 +1,11 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) on the PyTorch path: small random checkpoints made with
-transformers' own classes give transformers' greedy tokens, in process and through the real server; the
-experts are stacked per layer in the pool under `weights`; --load-format dummy serves the shape."""
+transformers' own classes give transformers' greedy tokens in process (through the server:
+tests/http/test_http_moe.py); the experts are stacked per layer in the pool under `weights`; --load-format dummy
+serves the shape."""
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
-from testkit.http_server import BASE_ARGS, ServerProcess
 from testkit.moe_models import FAMILIES, NEW_TOKENS, PROMPTS, hf_greedy, write_checkpoint
 
 from server import LLM, SamplingParams
@@ -105,28 +104,3 @@ def test_dummy_weights_serve_the_shape(checkpoints):
         assert torch.equal(before, w13)
     finally:
         llm.close()
-
-
-def test_greedy_text_equals_transformers_through_the_server(checkpoints, references):
-    from openai import OpenAI
-    from transformers import AutoTokenizer
-
-    family = "mixtral"  # the in-process test covers both; one server start here (CI's time)
-    folder = checkpoints[family]
-    tok = AutoTokenizer.from_pretrained(folder)
-    server = ServerProcess([str(folder), *BASE_ARGS]).start()
-    try:
-        client = OpenAI(base_url=server.url + "/v1", api_key="none")
-        model = client.models.list().data[0].id
-        got = client.completions.create(model=model, prompt=PROMPTS, max_tokens=NEW_TOKENS, temperature=0,
-                                        extra_body={"min_tokens": NEW_TOKENS})
-        texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
-        assert texts == [tok.decode(r, skip_special_tokens=True) for r in references[family]]
-        # Routed experts need --enable-return-routed-experts (test_moe_routed_experts.py): a 400 naming the field.
-        for route, body in [("completions", {"prompt": "Hi"}),
-                            ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})]:
-            r = httpx.post(f"{server.url}/v1/{route}", json={**body, "max_tokens": 2, "return_routed_experts": True},
-                           timeout=60)
-            assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts", r.text
-    finally:
-        server.stop()
