@@ -136,6 +136,10 @@ class ModelRunner:
 
             # the model's output dtype: a decode graph's logits buffer is in it (graphs.py)
             warm_up_sampler(self.model.config.vocab_size, self.device, self.model.output_weight().dtype)
+            if self.model.config.num_experts:  # every fused-MoE variant (a long prefill's tiles too)
+                from server.model.fused_moe import warm_up as warm_up_moe
+
+                warm_up_moe(self.model)
             torch.cuda.synchronize(self.device)
 
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------

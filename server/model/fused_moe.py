@@ -11,6 +11,8 @@
     down        one grouped GEMM over w2, each row scaled by its routing weight
     combine     one program per token: the sum of its k rows, in order k = 0..k-1 (deterministic)
 
+Integers that change with the batch are not specialized on (do_not_specialize), and the one-program path's
+register width is fixed: the variants a start-up compiles (memory profile, graph capture) are all serving meets.
 Every size is fixed by the number of tokens (T*k assignments, at most T*k + E*(BLOCK_M - 1) padded rows):
 grids cover the worst case and blocks past the padded total (a device scalar) return at once, so nothing
 waits for the host and a decode CUDA graph captures the whole layer at every batch size. The order of rows
@@ -50,7 +52,7 @@ def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, K: tl.constexpr, BLOCK_E
     tl.store(weights_ptr + t * K + kk, top_p, mask=kk < K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "max_blocks"])
 def _route_align_small(logits_ptr, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, padded_ptr, T, E, stride,
                        max_blocks, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_A: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -108,7 +110,7 @@ def _route_align_small(logits_ptr, ids_ptr, weights_ptr, sorted_ptr, block_exper
     tl.store(sorted_ptr + start_of + all_rank, a, mask=a < M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _count(ids_ptr, counts_ptr, M, CHUNK: tl.constexpr):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     mask = offs < M
@@ -116,7 +118,7 @@ def _count(ids_ptr, counts_ptr, M, CHUNK: tl.constexpr):
     tl.atomic_add(counts_ptr + e, 1, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _offsets(counts_ptr, cursor_ptr, block_expert_ptr, padded_ptr, E, max_blocks,
              BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
@@ -134,7 +136,7 @@ def _offsets(counts_ptr, cursor_ptr, block_expert_ptr, padded_ptr, E, max_blocks
         b0 += BLOCK_B
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _scatter(ids_ptr, cursor_ptr, sorted_ptr, M, CHUNK: tl.constexpr):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     mask = offs < M
@@ -143,7 +145,7 @@ def _scatter(ids_ptr, cursor_ptr, sorted_ptr, M, CHUNK: tl.constexpr):
     tl.store(sorted_ptr + row, offs, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _grouped_gemm(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr, padded_ptr,
                   M, N, stride_a, stride_be, stride_bn, stride_c, KDIM: tl.constexpr,
                   A_DIV: tl.constexpr, GATE_UP: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
@@ -270,7 +272,8 @@ def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round
     padded = torch.empty(1, dtype=torch.int32, device=dev)
     _route_align_small[(1,)](logits, ids, weights, sorted_rows, block_expert, padded, T, E, logits.stride(0),
                              max_blocks, K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                             BLOCK_K=triton.next_power_of_2(top_k), BLOCK_A=triton.next_power_of_2(M),
+                             BLOCK_K=triton.next_power_of_2(top_k),
+                             BLOCK_A=triton.next_power_of_2(SMALL_TOKENS * top_k),
                              RENORM=renormalize, ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=64, num_warps=4)
     return ids, weights, sorted_rows, block_expert, padded
 
@@ -331,4 +334,25 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     return out
 
 
-__all__ = ["SMALL_TOKENS", "align", "fused_experts", "moe", "route", "route_align_small", "tiles"]
+@torch.inference_mode()
+def warm_up(model: torch.nn.Module) -> None:
+    """Compile, at start-up, every variant of these kernels serving can meet, on the first sparse layer with
+    scratch inputs: the one-program path, the separate routing kernels with 16-row tiles, and the 64-row
+    tiles of a long prefill (the runner's own warm-up step is too short to reach them, and the memory profile
+    runs only without --kv-cache-memory)."""
+    from server.model.moe import SparseMoeBlock
+
+    block = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
+    if block is None:
+        return
+    w13 = block.experts.w13_weight
+    E, H, K = w13.shape[0], w13.shape[2], block.top_k
+    saved, block.routed = block.routed, None  # the capture buffer may be shorter than the long prefill here
+    try:
+        for T in (1, SMALL_TOKENS + 1, 16 * E // K + 1):
+            moe(torch.zeros((T, H), dtype=w13.dtype, device=w13.device), block)
+    finally:
+        block.routed = saved
+
+
+__all__ = ["SMALL_TOKENS", "align", "fused_experts", "moe", "route", "route_align_small", "tiles", "warm_up"]

@@ -94,3 +94,28 @@ def test_engine_graphs_match_eager_and_survive_sleep(tiny):
             if level == 2:
                 llm.update_weights()  # dummy weights: the same seeded values again
             assert _run(llm)[0] == tokens, f"outputs changed after a level-{level} sleep"
+
+
+def test_serving_a_moe_model_compiles_nothing_new(tiny):
+    """Every variant of the MoE kernels serving needs is compiled at start-up (the memory profile's long prefill,
+    the graph capture): batches of every size up to past the one-program path, odd and even, prompts split into
+    chunks that share steps with decodes. (tests/gpu/test_no_compile_mid_serving_gpu.py, for a dense model.)"""
+    import triton
+
+    from server.model import fused_moe
+
+    def variants() -> dict[str, int]:
+        kernels = {n: f for n, f in vars(fused_moe).items() if isinstance(f, triton.runtime.JITFunction)}
+        return {n: sum(len(c[0]) for c in f.device_caches.values()) for n, f in kernels.items()}
+
+    with LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="256MiB", max_num_seqs=12,
+             max_num_batched_tokens=96, enable_return_routed_experts=True) as llm:
+        at_start = variants()
+        words = "one two three four five six seven eight nine ten eleven twelve".split()
+        for batch in (1, 3, 8, 9, 12):
+            prompts = [" ".join(words[:1 + (batch * 5 + i * 7) % 12] * (1 + i % 9)) for i in range(batch)]
+            params = [SamplingParams(temperature=0.0, max_tokens=3 + (i * 11) % 30, ignore_eos=True,
+                                     return_routed_experts=i % 2 == 0) for i in range(batch)]
+            llm.generate(prompts, params)
+        grew = {k: (at_start[k], n) for k, n in variants().items() if n != at_start[k]}
+        assert not grew, f"MoE kernels compiled after start-up (variants at start, after): {grew}"
