@@ -9,7 +9,7 @@ import torch
 
 from testkit.models import TOKENIZER_FILES, tokenizer_folder
 
-FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -27,6 +27,10 @@ def hf_model(family: str, seed: int = 0):
         cfg = transformers.Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                           norm_topk_prob=True, mlp_only_layers=[1], **COMMON)
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif family == "qwen2_moe":  # with its shared expert and q/k/v biases
+        cfg = transformers.Qwen2MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, **COMMON)
+        model = transformers.Qwen2MoeForCausalLM(cfg)
     else:
         cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **COMMON)
         model = transformers.MixtralForCausalLM(cfg)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
 class ModelConfigError(ValueError):
@@ -44,6 +44,7 @@ class ModelConfig:
     norm_topk_prob: bool = False         # renormalize the top-k probabilities to sum to 1 (Mixtral always)
     decoder_sparse_step: int = 1         # Qwen3-MoE: every n-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one more expert every token goes through, gated
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has experts (Hugging Face's Qwen3MoeDecoderLayer rule)."""
@@ -87,8 +88,9 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; the others say so in attention_bias.
-                attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+                # Qwen2 always has q/k/v biases (Qwen2-MoE unless qkv_bias is off); the others say so in attention_bias.
+                attention_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and bool(d.get("qkv_bias", True)))
+                                or bool(d.get("attention_bias", False))),
                 qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 sliding_window=int(window) if window else None,
@@ -116,6 +118,8 @@ class ModelConfig:
         attention = h * (q + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         sparse = len(self.moe_layers)
         experts = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h  # + the router
+        if self.shared_expert_intermediate_size:  # its MLP and its gate
+            experts += 3 * h * self.shared_expert_intermediate_size + h
         mlps = (self.num_layers - sparse) * 3 * h * i + sparse * experts
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * attention + mlps + h
 
@@ -138,4 +142,6 @@ def _moe_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(d["moe_intermediate_size"]),
                 norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                 decoder_sparse_step=max(1, int(d.get("decoder_sparse_step") or 1)),
-                mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
+                mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+                shared_expert_intermediate_size=(int(d.get("shared_expert_intermediate_size") or 0)
+                                                 if model_type == "qwen2_moe" else 0))

@@ -42,7 +42,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, q, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias and cfg.model_type not in ("qwen2", "qwen2_moe"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5

@@ -24,6 +24,7 @@ from server.model.config import ModelConfig
 
 # Per family: the module name of the sparse MLP in checkpoints, and its experts' gate, up, down names.
 EXPERT_NAMES = {
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
@@ -57,6 +58,22 @@ class ExpertStack(nn.Module):
         return [f"{prefix}.{e}.{p}.weight" for e in range(self.num_experts) for p in parts]
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP every token goes through (cut like a dense MLP at tensor
+    parallelism; its partial sums join the experts' before the one all-reduce)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # gate|up side by side (the loader's fused group)
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fused_groups(self) -> dict[str, list[nn.Linear]]:
+        return {"gate_up": [self.gate_proj, self.up_proj]}
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp, layer: int):
         super().__init__()
@@ -69,13 +86,22 @@ class SparseMoeBlock(nn.Module):
         self.experts = ExpertStack(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                    EXPERT_NAMES[cfg.model_type][1])
         self.layer = layer
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         # [max tokens, top_k] int32 rows of the routed-experts buffer (server/engine/routed_experts.py):
         # set when the server captures them; every forward then writes its top-k ids there.
         self.routed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: the post-attention-normed hidden states [T, H] -> the experts' weighted sum [T, H]."""
-        return self.tp.all_reduce(ops.moe(x, self))
+        out = ops.moe(x, self)
+        if self.shared_expert is not None:  # Qwen2-MoE: + sigmoid(gate(x)) * shared(x), as transformers adds it
+            shared = F.linear(ops.gate_up_act(self.shared_expert, x), self.shared_expert.down_proj.weight)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+        return self.tp.all_reduce(out)
 
 
 def moe_torch(x: torch.Tensor, block: SparseMoeBlock) -> torch.Tensor:

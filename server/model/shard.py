@@ -75,6 +75,8 @@ _COLUMN_KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
 _ROW_O = re.compile(r"\.self_attn\.o_proj\.(weight|bias)$")
 _COLUMN_MLP = re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias)$")
 _ROW_MLP = re.compile(r"\.mlp\.down_proj\.(weight|bias)$")
+_COLUMN_SHARED = re.compile(r"\.mlp\.shared_expert\.(gate|up)_proj\.weight$")  # Qwen2-MoE's shared expert
+_ROW_SHARED = re.compile(r"\.mlp\.shared_expert\.down_proj\.weight$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 # Experts: one by one (the checkpoint's names), or stacked ([E, 2I, H] and [E, H, I]; vLLM's and transformers 5's names).
 _COLUMN_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$")
@@ -138,6 +140,7 @@ class TensorParallel:
             raise ValueError(f"--tensor-parallel-size {world} is larger than the experts' width "
                              f"{cfg.moe_intermediate_size}")
         self.moe_inter = split(cfg.moe_intermediate_size, world, rank) if cfg.num_experts else (0, 0)
+        self.shared_inter = split(cfg.shared_expert_intermediate_size, world, rank)
         self.vocab_shard = -(-cfg.vocab_size // world)
         v0 = rank * self.vocab_shard
         self.vocab = (v0, min(v0 + self.vocab_shard, cfg.vocab_size))
@@ -145,7 +148,8 @@ class TensorParallel:
         # tokens are validated against it; the embedding and LM head take vocab_shard rows).
         self.config = replace(cfg, num_heads=self.q[1] - self.q[0], num_kv_heads=self.kv[1] - self.kv[0],
                               intermediate_size=self.inter[1] - self.inter[0],
-                              moe_intermediate_size=self.moe_inter[1] - self.moe_inter[0])
+                              moe_intermediate_size=self.moe_inter[1] - self.moe_inter[0],
+                              shared_expert_intermediate_size=self.shared_inter[1] - self.shared_inter[0])
 
     @property
     def enabled(self) -> bool:
@@ -177,6 +181,12 @@ class TensorParallel:
                 return GateUpShard(lo, hi, I)
             if _STACKED_W2.search(name):
                 return Shard(2, lo, hi, I, hi - lo, rank=r)
+            lo, hi = self.shared_inter
+            S = cfg.shared_expert_intermediate_size
+            if _COLUMN_SHARED.search(name):
+                return Shard(0, lo, hi, S, hi - lo, rank=r)
+            if _ROW_SHARED.search(name):
+                return Shard(1, lo, hi, S, hi - lo, rank=r)
         row = _ROW_O.search(name) or _ROW_MLP.search(name)
         if row:
             if name.endswith(".bias"):

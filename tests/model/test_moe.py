@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) on the PyTorch path: small random checkpoints made with
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert) on the PyTorch path: small random checkpoints made with
 transformers' own classes give transformers' greedy tokens in process (through the server:
 tests/http/test_http_moe.py); the experts are stacked per layer in the pool under `weights`; --load-format dummy
 serves the shape."""
@@ -48,7 +48,7 @@ def test_experts_are_stacked_in_the_pool(family_llm):
     model = llm.engine.model
     cfg = model.config
     params = dict(model.named_parameters())
-    sparse = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    sparse = "block_sparse_moe" if family == "mixtral" else "mlp"
     w13 = params[f"model.layers.0.{sparse}.experts.w13_weight"]
     w2 = params[f"model.layers.0.{sparse}.experts.w2_weight"]
     assert w13.shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
@@ -58,6 +58,10 @@ def test_experts_are_stacked_in_the_pool(family_llm):
         assert "model.layers.1.mlp.gate_proj.weight" in params and cfg.moe_layers == [0, 2]
     else:
         assert cfg.moe_layers == [0, 1, 2]
+    if family == "qwen2_moe":  # the shared expert and its gate, gate|up side by side like a dense MLP's
+        assert params["model.layers.0.mlp.shared_expert.gate_proj.weight"].shape == (48, cfg.hidden_size)
+        assert params["model.layers.0.mlp.shared_expert_gate.weight"].shape == (1, cfg.hidden_size)
+        assert cfg.attention_bias and "model.layers.0.self_attn.q_proj.bias" in params
     # Every parameter's bytes are pool memory under `weights` (what a sleep offloads or discards).
     total = sum(p.numel() * p.element_size() for p in params.values())
     assert llm.engine.pool.stats().tags["weights"].bytes >= total
