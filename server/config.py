@@ -1,6 +1,7 @@
 """Engine configuration: one dataclass, filled from the CLI, the environment or Python."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -49,6 +50,10 @@ class EngineConfig:
     # chunk is mostly the socket write (README, "What misses"). SGLang's --stream-interval; 1: every token.
     stream_interval: int = 1
     seed: int = 0
+    # Every reduction in a fixed order, whatever the batch (server/model/batch_invariant.py): a request's
+    # tokens and log-probs are bitwise the same alone or among others, and re-scored as a prompt.
+    # None: from VLLM_BATCH_INVARIANT (vLLM's switch), off when unset.
+    batch_invariant: bool | None = None
     # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes
     # it starts (server/engine/parallel/), one GPU each (gloo on CPU).
     tensor_parallel_size: int = 1
@@ -78,6 +83,8 @@ class EngineConfig:
     held_request_timeout: float = 600.0
 
     def __post_init__(self) -> None:
+        if self.batch_invariant is None:
+            self.batch_invariant = os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on")
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.kv_wake_chunk = parse_size(self.kv_wake_chunk)
         if self.kv_wake_chunk is None or self.kv_wake_chunk < 0:
@@ -106,6 +113,9 @@ class EngineConfig:
             raise ValueError(f"tp_launch must be spawn or torchrun, got {self.tp_launch!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.batch_invariant and self.tp_all_reduce == "symm":
+            raise ValueError("--batch-invariant sums the tensor-parallel ranks' parts in rank order (an all-gather "
+                             "and a sum), which --tp-all-reduce symm would replace: drop one of the two flags")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 

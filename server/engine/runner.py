@@ -167,11 +167,14 @@ class ModelRunner:
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
         self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
         self.decode_tables = DecodeTables()  # the last decode batch's padded block tables, kept up to date
+        self.batch_invariant = False  # finish_setup sets it
 
-    def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
+    def finish_setup(self, enforce_eager: bool, max_num_seqs: int, batch_invariant: bool = False) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
-        CUDA graphs for decode batches (captured once, their memory in the pool)."""
-        self.model.ops = ops_for(self.device)
+        CUDA graphs for decode batches (captured once, their memory in the pool). batch_invariant: the
+        ops whose reductions keep one order whatever the batch (model/batch_invariant.py)."""
+        self.batch_invariant = batch_invariant
+        self.model.ops = ops_for(self.device, batch_invariant)
         self.max_num_seqs = max_num_seqs
         self._warm_up()
         if self.device.type != "cuda":
@@ -391,7 +394,7 @@ class ModelRunner:
             return Launched(batch, hb, None, None, scored, tokenizer)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
-            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device, self.batch_invariant)
         if meta.grammar:  # the grammar first: what it forbids is never sampled, whatever else applies
             self.masks.apply(logits, hb.sample_seqs)
         ds = sample_on_device(logits, hb.sample_seqs, eos_ids, meta)
@@ -405,7 +408,7 @@ class ModelRunner:
         self.masks.apply(logits, hb.sample_seqs)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
-            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device, self.batch_invariant)
         tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta)
         return list(zip(hb.sample_seqs, tokens, logprobs))
 

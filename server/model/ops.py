@@ -15,6 +15,8 @@ from server.model.rope import apply_rotary
 
 class TorchOps:
     name = "torch"
+    # Whether every reduction's order is fixed independently of the batch (batch_invariant.py's ops).
+    batch_invariant = False
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -89,7 +91,15 @@ def norm_then_gate_up_act(ops, mlp, norm, x: torch.Tensor, residual: torch.Tenso
     return ops.gate_up_act(mlp, h), residual
 
 
-def ops_for(device: torch.device):
+def ops_for(device: torch.device, batch_invariant: bool = False):
+    if batch_invariant:
+        if device.type == "cuda":
+            from server.model.batch_invariant_kernels import BatchInvariantTritonOps
+
+            return BatchInvariantTritonOps
+        from server.model.batch_invariant import BatchInvariantTorchOps
+
+        return BatchInvariantTorchOps
     if device.type == "cuda":
         from server.model.fused_ops import TritonOps
 
