@@ -10,14 +10,14 @@ import random
 from server import SamplingParams
 
 # The targets: a greedy request and a seeded sampled one, both asking for log-probs (with their top 2).
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, logprobs=2, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=6, logprobs=2, ignore_eos=True)
 TARGET_PROMPTS = ["The capital of France is",
                   "Write a short story about a lighthouse keeper who finds a message in a bottle. It begins:"]
 
 
 def others(n: int, vocab: int, seed: int = 0, longest: int = 48) -> tuple[list[list[int]], list[SamplingParams]]:
-    """n other requests of other lengths (2..longest tokens) and other lengths of output (1..10 tokens, so the
+    """n other requests of other lengths (2..longest tokens) and other lengths of output (1..8 tokens, so the
     batch changes while the targets decode), greedy, seeded or unseeded, some with log-probs."""
     rng = random.Random(seed)
     prompts, params = [], []
@@ -25,7 +25,7 @@ def others(n: int, vocab: int, seed: int = 0, longest: int = 48) -> tuple[list[l
         prompts.append([rng.randrange(100, vocab) for _ in range(rng.randint(2, longest))])
         kind = i % 3
         params.append(SamplingParams(temperature=0.0 if kind == 0 else 0.8, seed=i if kind == 1 else None,
-                                     max_tokens=rng.randint(1, 10), logprobs=0 if i % 2 else None, ignore_eos=True))
+                                     max_tokens=rng.randint(1, 8), logprobs=0 if i % 2 else None, ignore_eos=True))
     return prompts, params
 
 
@@ -47,10 +47,13 @@ def explain(a, b) -> str:
     return "equal"
 
 
-def alone_and_among(llm, n_others: int, seed: int = 0) -> list[tuple[tuple, tuple]]:
-    """Each target alone, then both among n_others other requests (placed in their middle): a list of
-    (alone, among) results per target."""
-    targets = [(p, GREEDY) for p in TARGET_PROMPTS] + [(p, SEEDED) for p in TARGET_PROMPTS]
+ALL_TARGETS = [(p, GREEDY) for p in TARGET_PROMPTS] + [(p, SEEDED) for p in TARGET_PROMPTS]
+
+
+def alone_and_among(llm, n_others: int, seed: int = 0,
+                    targets: list[tuple[str, SamplingParams]] = ALL_TARGETS) -> list[tuple[tuple, tuple]]:
+    """Each target alone, then all of them among n_others other requests (placed in their middle): a list
+    of (alone, among) results per target."""
     ids = [llm.tokenizer.encode(p) for p, _ in targets]
     alone = [result(llm.generate([i], [sp])[0]) for i, (_, sp) in zip(ids, targets)]
     prompts, params = others(n_others, llm.engine.model_config.vocab_size, seed)

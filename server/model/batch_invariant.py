@@ -61,11 +61,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
-def token_layout(ctx: AttentionContext, num_tokens: int, block_size: int, split: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def token_layout(ctx: AttentionContext, num_tokens: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query token's block table and context length (its position + 1), decodes first then each
-    prefill span's tokens: ([T, W] block ids, [T] lengths), W a whole number of splits. Built once per step
-    and kept on the context (every layer reads it)."""
+    prefill span's tokens: ([T, W] int64 block ids, NULL_BLOCK-padded, W a multiple of `multiple`; [T] lengths).
+    Sizes come from the host's shapes (no device sync); built once per step and kept on the context."""
     cached = getattr(ctx, "_token_layout", None)
     if cached is not None:
         return cached
@@ -76,18 +75,15 @@ def token_layout(ctx: AttentionContext, num_tokens: int, block_size: int, split:
     for span in ctx.prefills:
         first = span.context_len - span.q_len + 1
         lens.append(torch.arange(first, span.context_len + 1, device=device))
-        tables.append(span.block_table.long()[None, :].expand(span.q_len, -1))
-    length = torch.cat(lens)
-    assert length.shape[0] == num_tokens, (length.shape, num_tokens)
-    longest = int(length.max()) if num_tokens else 0
-    width = max(1, -(-longest // split)) * (split // block_size)
+        tables.append(span.block_table.long().reshape(1, -1).expand(span.q_len, -1))
+    width = max([t.shape[1] for t in tables if t.shape[0]], default=1)
+    width = -(-width // multiple) * multiple
     table = torch.zeros((num_tokens, width), dtype=torch.long, device=device)  # NULL_BLOCK pads
     at = 0
     for t in tables:
-        n, w = t.shape[0], min(t.shape[1], width)
-        table[at:at + n, :w] = t[:, :w]
-        at += n
-    layout = (table, length)
+        table[at:at + t.shape[0], :t.shape[1]] = t
+        at += t.shape[0]
+    layout = (table, torch.cat(lens))
     ctx._token_layout = layout  # type: ignore[attr-defined]
     return layout
 
@@ -137,7 +133,7 @@ def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, ctx: AttentionContext, scale: float) -> torch.Tensor:
     """attention.attend's contract (the new K/V are in the cache already), every token read back from the cache."""
     split = max(KV_SPLIT, k_cache.shape[1])
-    tables, lens = token_layout(ctx, q.shape[0], k_cache.shape[1], split)
+    tables, lens = token_layout(ctx, q.shape[0], split // k_cache.shape[1])
     return split_attention(q, k_cache, v_cache, tables, lens, scale, split)
 
 
@@ -155,12 +151,14 @@ class BatchInvariantTorchOps(TorchOps):
 
     @staticmethod
     def qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(fixed_rows_mm(x, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj))  # type: ignore[return-value]
+        """One GEMM over the q|k|v weights side by side (the loader lays them out so): a third of the calls."""
+        out = fixed_rows_mm(x, attn.qkv_weight, attn.qkv_bias)
+        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        return out[:, :q], out[:, q:q + kv], out[:, q + kv:]
 
     @staticmethod
     def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
-        gate = fixed_rows_mm(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        return silu(gate) * fixed_rows_mm(x, mlp.up_proj.weight, mlp.up_proj.bias)
+        return BatchInvariantTorchOps.silu_mul_packed(fixed_rows_mm(x, mlp.gate_up_weight, mlp.gate_up_bias))
 
     @staticmethod
     def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
