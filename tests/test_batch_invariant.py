@@ -1,7 +1,8 @@
 """--batch-invariant through the in-process LLM on the CPU (fp32, the embedded model): a request's tokens and
 log-probs, bit for bit, alone and among other requests of other lengths (greedy and seeded sampling), on a
 prefix-cache hit, with its prompt prefilled in other chunks, after level-1 and level-2 sleep cycles, and
-re-scored as a prompt. SLEEPSERVE_BI_OTHERS sets how many others (the H200 test takes 255)."""
+re-scored as a prompt. SLEEPSERVE_BI_OTHERS sets how many others; tests/gpu/test_batch_invariant_gpu.py runs
+these same tests on CUDA (bf16, CUDA graphs) with its own fixtures: 255 others and all four targets."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ import pytest
 
 from server import LLM, SamplingParams
 from server.config import EngineConfig
-from server.model.batch_invariant import BatchInvariantTorchOps
 from server.model.ops import TorchOps
 from tests.batch_invariance import GREEDY, SEEDED, TARGET_PROMPTS, alone_and_among, explain, rescored, result
 
@@ -28,19 +28,31 @@ def inv(default_model_folder):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def n_others() -> int:
+    return OTHERS
+
+
+@pytest.fixture(scope="module")
+def targets() -> list:
+    """Two targets on the CPU, where a step costs ~0.3 s (the H200 test takes all four)."""
+    return [(TARGET_PROMPTS[1], GREEDY), (TARGET_PROMPTS[1], SEEDED)]
+
+
 def test_the_mode_reaches_the_model(inv):
     assert inv.engine.config.batch_invariant is True
-    assert inv.engine.runner.model.ops is BatchInvariantTorchOps
+    assert inv.engine.runner.model.ops.batch_invariant is True
+    assert inv.engine.runner.model.ops.name.endswith("batch-invariant")
 
 
-def test_alone_and_among_others_bitwise(inv):
-    # (two targets on the CPU, where a step costs ~0.3 s; the H200 test takes all four)
-    targets = [(TARGET_PROMPTS[1], GREEDY), (TARGET_PROMPTS[1], SEEDED)]
+def test_alone_and_among_others_bitwise(inv, n_others, targets):
     inv.reset_prefix_cache()  # the targets' prompts are prefilled among the others, not read back
-    pairs = alone_and_among(inv, OTHERS, targets=targets)
-    for (alone, among), name in zip(pairs, ["greedy", "seeded"]):
-        assert alone == among, f"{name}: {explain(alone, among)}"
-    assert pairs[1][0][0] != pairs[0][0][0], "the seeded target sampled its greedy tokens: the test shows nothing"
+    pairs = alone_and_among(inv, n_others, targets=targets)
+    for (alone, among), (prompt, params) in zip(pairs, targets):
+        assert alone == among, f"{prompt[:20]!r} at temperature {params.temperature}: {explain(alone, among)}"
+    greedy = [a for (a, _), (_, p) in zip(pairs, targets) if p.temperature == 0]
+    seeded = [a for (a, _), (_, p) in zip(pairs, targets) if p.temperature > 0]
+    assert greedy[-1][0] != seeded[-1][0], "the seeded target sampled its greedy tokens: the test shows nothing"
 
 
 def test_prefix_cache_hit_bitwise(inv):
