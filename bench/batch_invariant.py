@@ -6,6 +6,7 @@ in the batch-invariant mode (one at a time: the first is closed before the secon
 `batch` requests of 32-token prompts for --new-tokens greedy tokens at every batch size; the median of
 --repeat runs by decode tok/s (first token of every request out -> all done: bench/throughput.py). Prints a
 table with the ratio invariant / default per (model, batch) and the result as JSON (also written to --out).
+On CUDA also each weight shape's fixed-tile matmul against cuBLAS at those rows: where the mode's time goes.
 
     python bench/batch_invariant.py                      # CUDA: llama-1b and llama-8b, batch 1, 64, 256
     python bench/batch_invariant.py --small              # CPU smoke run, a tiny model, well under a minute
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 from bench.common import hardware, now_iso, table, write_json
 from bench.throughput import median_rate
-from tests.models import model_folder
+from testkit.models import model_folder
 
 
 def rates(name: str, folder: Path, device: torch.device, invariant: bool, batches: list[int], new_tokens: int,
@@ -42,6 +43,44 @@ def rates(name: str, folder: Path, device: torch.device, invariant: bool, batche
         llm.close()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def gemm_rows(name: str, device: torch.device, batches: list[int]) -> list[dict]:
+    """Where the mode's time goes: the fixed-tile matmul against cuBLAS (torch.mm) on the model's five weight
+    shapes at each batch's rows (CUDA events, the median of 20 runs after 3 warm-ups)."""
+    from server.model.batch_invariant_kernels import fixed_tile_matmul, matmul_tile
+    from testkit.models import CONFIGS
+
+    c = CONFIGS[name]
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    shapes = {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d, h),
+              "o_proj": (h, c["num_attention_heads"] * d), "gate_up": (2 * i, h), "down": (h, i),
+              "lm_head": (c["vocab_size"], h)}
+
+    def median_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    rows = []
+    for label, (N, K) in shapes.items():
+        w = torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02
+        for b in batches:
+            x = torch.randn(b, K, device=device, dtype=torch.bfloat16)
+            ours, cublas = median_ms(lambda: fixed_tile_matmul(x, w)), median_ms(lambda: torch.mm(x, w.t()))
+            rows.append({"model": name, "gemm": label, "N": N, "K": K, "rows": b, "fixed_tile_ms": ours,
+                         "cublas_ms": cublas, "x_cublas": cublas / ours,
+                         "tile": {k: v for k, v in matmul_tile(N, K, torch.bfloat16, device).items()}})
+        del w
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -67,8 +106,13 @@ def main(argv: list[str] | None = None) -> dict:
         for b in batches:
             rows.append({"model": name, "batch": b, "default_tok_s": default[b], "batch_invariant_tok_s": invariant[b],
                          "ratio": invariant[b] / default[b]})
+    gemms = [g for name in models for g in gemm_rows(name, device, batches)] if device.type == "cuda" else []
     result = {"date": now_iso(), "hardware": hardware(device), "new_tokens": new_tokens, "prompt_tokens": 32,
-              "repeat": repeat, "rows": rows, "min_ratio": min(r["ratio"] for r in rows)}
+              "repeat": repeat, "rows": rows, "min_ratio": min(r["ratio"] for r in rows), "gemms": gemms}
+    if gemms:
+        print(table([[g["model"], g["gemm"], f"{g['N']}x{g['K']}", g["rows"], f"{g['fixed_tile_ms']:.3f}",
+                      f"{g['cublas_ms']:.3f}", f"{g['x_cublas']:.2f}"] for g in gemms],
+                    ["model", "gemm", "N x K", "rows", "fixed-tile ms", "cuBLAS ms", "speed vs cuBLAS"]))
     print(table([[r["model"], r["batch"], f"{r['default_tok_s']:.0f}", f"{r['batch_invariant_tok_s']:.0f}",
                   f"{r['ratio']:.2f}"] for r in rows],
                 ["model", "batch", "default tok/s", "batch-invariant tok/s", "ratio"]))

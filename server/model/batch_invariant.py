@@ -6,7 +6,7 @@ The three places a reduction's order can follow the batch, and what this mode do
 - GEMMs: a BLAS picks its kernel from the number of rows (MKL: one row is a GEMV, 2-3 rows another kernel,
   4 and more a third; each sums over K in its own order). Here every matmul runs on blocks of exactly
   GEMM_ROWS rows (the last one zero-padded), so each row meets one kernel with one shape: a row's result
-  depends on its own values only (tests/test_batch_invariant_ops.py checks it for every row position).
+  depends on its own values only (tests/model/test_batch_invariant_ops.py checks it for every row position).
 - Attention: the default path runs SDPA per prefill span (its keys and tiling follow the span) and a
   batched masked SDPA for decodes (its key length follows the batch's longest context). Here every query
   token, decode or prefill, attends over the paged cache in splits of KV_SPLIT keys, each split a fixed-shape

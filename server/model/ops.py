@@ -90,18 +90,3 @@ def norm_then_gate_up_act(ops, mlp, norm, x: torch.Tensor, residual: torch.Tenso
     h, residual = norm(x, residual, ops)
     return ops.gate_up_act(mlp, h), residual
 
-
-def ops_for(device: torch.device, batch_invariant: bool = False):
-    if batch_invariant:
-        if device.type == "cuda":
-            from server.model.batch_invariant_kernels import BatchInvariantTritonOps
-
-            return BatchInvariantTritonOps
-        from server.model.batch_invariant import BatchInvariantTorchOps
-
-        return BatchInvariantTorchOps
-    if device.type == "cuda":
-        from server.model.fused_ops import TritonOps
-
-        return TritonOps
-    return TorchOps

@@ -22,7 +22,7 @@ from torch import nn
 from server.weight_transfer import handles, rendezvous
 from server.weight_transfer.broadcast_receive import BroadcastReceive
 from server.weight_transfer.config import WeightTransferConfig
-from server.weight_transfer.group import Group, open_group
+from server.weight_transfer.group import TransferGroup, open_group
 from server.weight_transfer.protocol import DTYPES, TensorMeta, unpack
 
 log = logging.getLogger("sleepserve.weights")
@@ -76,7 +76,7 @@ class WeightReceiver:
                              "above 1 (each rank needs its slices); use nccl (gloo on CPU)")
         # A tied model has no lm_head of its own; trainers still send lm_head.weight: skip it.
         self.skipped = {"lm_head.weight"} if getattr(model, "lm_head", 0) is None else set()
-        self.group: Group | None = None
+        self.group: TransferGroup | None = None
         self.store: Any = None
         self.importer = handles.CudaImporter(device) if config.backend == "ipc" else None
         self._receiving: BroadcastReceive | None = None

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from server import LLM
-from tests.batch_invariance import ALL_TARGETS
-from tests.test_batch_invariant import (BUDGET, test_alone_and_among_others_bitwise,  # noqa: F401 (run here too)
+from testkit.batch_invariance import ALL_TARGETS
+from tests.engine.test_batch_invariant import (BUDGET, test_alone_and_among_others_bitwise,  # noqa: F401 (run here too)
                                         test_long_prompt_in_other_chunks_bitwise, test_prefix_cache_hit_bitwise,
                                         test_rescored_as_a_prompt_equals_the_sampled_logprobs,
                                         test_sleep_cycles_keep_the_bits, test_the_mode_reaches_the_model)
