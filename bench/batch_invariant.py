@@ -57,14 +57,14 @@ def gemm_rows(name: str, device: torch.device, batches: list[int]) -> list[dict]
               "o_proj": (h, c["num_attention_heads"] * d), "gate_up": (2 * i, h), "down": (h, i),
               "lm_head": (c["vocab_size"], h)}
 
-    def median_ms(fn) -> float:
+    def median_ms(fn, *args) -> float:
         for _ in range(3):
-            fn()
+            fn(*args)
         times = []
         for _ in range(20):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            fn(*args)
             end.record()
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end))
@@ -75,11 +75,10 @@ def gemm_rows(name: str, device: torch.device, batches: list[int]) -> list[dict]
         w = torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02
         for b in batches:
             x = torch.randn(b, K, device=device, dtype=torch.bfloat16)
-            ours, cublas = median_ms(lambda: fixed_tile_matmul(x, w)), median_ms(lambda: torch.mm(x, w.t()))
+            ours, cublas = median_ms(fixed_tile_matmul, x, w), median_ms(torch.mm, x, w.t())
             rows.append({"model": name, "gemm": label, "N": N, "K": K, "rows": b, "fixed_tile_ms": ours,
                          "cublas_ms": cublas, "x_cublas": cublas / ours,
-                         "tile": {k: v for k, v in matmul_tile(N, K, torch.bfloat16, device).items()}})
-        del w
+                         "tile": matmul_tile(N, K, torch.bfloat16, device)})
     return rows
 
 

@@ -59,7 +59,8 @@ def alone_and_among(llm, n_others: int, seed: int = 0,
     alone = [result(llm.generate([i], [sp])[0]) for i, (_, sp) in zip(ids, targets)]
     prompts, params = others(n_others, llm.engine.model_config.vocab_size, seed)
     half = len(prompts) // 2
-    outs = llm.generate(prompts[:half] + ids + prompts[half:], params[:half] + [sp for _, sp in targets] + params[half:])
+    outs = llm.generate(prompts[:half] + ids + prompts[half:],
+                        params[:half] + [sp for _, sp in targets] + params[half:])
     among = [result(o) for o in outs[half:half + len(targets)]]
     return list(zip(alone, among))
 

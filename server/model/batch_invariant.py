@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from server.model.attention import AttentionContext
+from server.model.attention import AttentionContext, write_kv
 from server.model.ops import TorchOps, norm_then_gate_up_act, norm_then_qkv
 from server.model.rope import apply_rotary
-from server.model.attention import write_kv
 
 # Rows of every GEMM call: 16 rows cost the CPU about what 1 row does (the weights' reads dominate) and
 # keep a 512-token prefill to 32 calls per matmul.

@@ -13,7 +13,15 @@ import pytest
 from server import LLM, SamplingParams
 from server.config import EngineConfig
 from server.model.ops import TorchOps
-from testkit.batch_invariance import GREEDY, SEEDED, TARGET_PROMPTS, alone_and_among, explain, rescored, result
+from testkit.batch_invariance import (
+    GREEDY,
+    SEEDED,
+    TARGET_PROMPTS,
+    alone_and_among,
+    explain,
+    rescored,
+    result,
+)
 
 OTHERS = int(os.environ.get("SLEEPSERVE_BI_OTHERS", "16"))
 # A small token budget: the others' prompts and a long prompt are prefilled in several chunks, beside decodes.
@@ -56,7 +64,8 @@ def test_alone_and_among_others_bitwise(inv, n_others, targets):
 
 
 def test_prefix_cache_hit_bitwise(inv):
-    ids = inv.tokenizer.encode(TARGET_PROMPTS[1] + " The keeper had lived alone on the rock for thirty years, and every night he lit the lamp.")
+    ids = inv.tokenizer.encode(TARGET_PROMPTS[1] + " The keeper had lived alone on the rock for thirty years, and "
+                                                   "every night he lit the lamp.")
     assert len(ids) > 32
     inv.reset_prefix_cache()
     fresh = inv.generate([ids], [GREEDY])[0]

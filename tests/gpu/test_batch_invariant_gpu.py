@@ -1,7 +1,7 @@
-"""--batch-invariant on the GPU (bf16, CUDA graphs on, the embedded SmolLM2's real weights): the CPU tests of
-tests/test_batch_invariant.py, run here on a CUDA engine, with 255 other requests and all four targets; plus
-the kernels' bitwise row invariance on the hardware (the interpreter's dot is numpy's), graph padding rows,
-and the plain mode's matmul showing why the mode exists (its rows do follow the batch)."""
+"""--batch-invariant on the GPU (bf16, CUDA graphs on; the embedded SmolLM2's weights where its package is
+installed): the CPU tests of tests/engine/test_batch_invariant.py, run here on a CUDA engine with 255 other
+requests and all four targets; plus the fixed-tile matmul's bitwise rows on the hardware (the interpreter's
+dot is numpy's), and the plain path's matmul showing why the mode exists (its rows do follow the batch)."""
 from __future__ import annotations
 
 import os
@@ -11,18 +11,41 @@ import torch
 
 from server import LLM
 from testkit.batch_invariance import ALL_TARGETS
-from tests.engine.test_batch_invariant import (BUDGET, test_alone_and_among_others_bitwise,  # noqa: F401 (run here too)
-                                        test_long_prompt_in_other_chunks_bitwise, test_prefix_cache_hit_bitwise,
-                                        test_rescored_as_a_prompt_equals_the_sampled_logprobs,
-                                        test_sleep_cycles_keep_the_bits, test_the_mode_reaches_the_model)
+from tests.engine.test_batch_invariant import (  # noqa: F401 (run here too)
+    BUDGET,
+    test_alone_and_among_others_bitwise,
+    test_long_prompt_in_other_chunks_bitwise,
+    test_prefix_cache_hit_bitwise,
+    test_rescored_as_a_prompt_equals_the_sampled_logprobs,
+    test_sleep_cycles_keep_the_bits,
+    test_the_mode_reaches_the_model,
+)
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def inv(default_model_folder):
-    engine = LLM(model=str(default_model_folder), device="cuda", batch_invariant=True, max_num_batched_tokens=BUDGET,
-                 kv_cache_memory="2GiB", max_model_len=1024, max_num_seqs=256)
+def model(tmp_path_factory) -> tuple[str, str]:
+    """(folder, load format): $SLEEPSERVE_BI_MODEL, else the embedded SmolLM2 where its package is installed,
+    else llama-tiny with random weights (bitwise invariance needs no trained weights)."""
+    if os.environ.get("SLEEPSERVE_BI_MODEL"):
+        return os.environ["SLEEPSERVE_BI_MODEL"], "auto"
+    from server.model.default_model import ModelNotFoundError
+    from server.model.source import resolve_model
+
+    try:
+        return str(resolve_model(None).folder), "auto"
+    except ModelNotFoundError:
+        from testkit.models import model_folder
+
+        return str(model_folder("llama-tiny", tmp_path_factory.mktemp("models"))), "dummy"
+
+
+@pytest.fixture(scope="module")
+def inv(model):
+    folder, load_format = model
+    engine = LLM(model=folder, load_format=load_format, device="cuda", batch_invariant=True,
+                 max_num_batched_tokens=BUDGET, kv_cache_memory="2GiB", max_model_len=1024, max_num_seqs=256)
     assert engine.engine.runner.graphs is not None, "the H200 test is meant to run decode steps in CUDA graphs"
     yield engine
     engine.close()

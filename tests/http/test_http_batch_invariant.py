@@ -10,9 +10,9 @@ import os
 import httpx
 import openai
 import pytest
-from testkit.http_server import main_server, shared_server
 
 from testkit.batch_invariance import TARGET_PROMPTS, others
+from testkit.http_server import main_server, shared_server
 
 pytestmark = pytest.mark.timeout(600)
 OTHERS = int(os.environ.get("SLEEPSERVE_BI_OTHERS", "16"))
