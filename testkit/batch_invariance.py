@@ -52,10 +52,10 @@ ALL_TARGETS = [(p, GREEDY) for p in TARGET_PROMPTS] + [(p, SEEDED) for p in TARG
 
 
 def alone_and_among(llm, n_others: int, seed: int = 0,
-                    targets: list[tuple[str, SamplingParams]] = ALL_TARGETS) -> list[tuple[tuple, tuple]]:
+                    targets: list[tuple[str | list[int], SamplingParams]] = ALL_TARGETS) -> list[tuple[tuple, tuple]]:
     """Each target alone, then all of them among n_others other requests (placed in their middle): a list
     of (alone, among) results per target."""
-    ids = [llm.tokenizer.encode(p) for p, _ in targets]
+    ids = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p, _ in targets]
     alone = [result(llm.generate([i], [sp])[0]) for i, (_, sp) in zip(ids, targets)]
     prompts, params = others(n_others, llm.engine.model_config.vocab_size, seed)
     half = len(prompts) // 2
@@ -65,10 +65,10 @@ def alone_and_among(llm, n_others: int, seed: int = 0,
     return list(zip(alone, among))
 
 
-def rescored(llm, prompt: str, params: SamplingParams) -> tuple[tuple, list[dict]]:
+def rescored(llm, prompt: str | list[int], params: SamplingParams) -> tuple[tuple, list[dict]]:
     """Generate, then score prompt + output as a prompt (prompt_logprobs): (the generated result, the
     re-scored entries of the output's tokens, in the same {id: (logprob, rank)} form)."""
-    ids = llm.tokenizer.encode(prompt)
+    ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
     gen = result(llm.generate([ids], [params])[0])
     k = params.logprobs or 0
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)

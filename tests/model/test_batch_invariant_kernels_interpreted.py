@@ -14,15 +14,17 @@ pytest.importorskip("triton")
 # block (its micro-kernels: rows 6-11 of 64 differ from rows 0-5), which an MMA does not: here it is one 1-row
 # product per row, so this test checks the kernel's tiling (no row reads another's, K in one order whatever M,
 # padding masked); tests/gpu/test_batch_invariant_gpu.py checks the hardware's.
-MATMUL = r"""
+ROWWISE_DOT = r"""
 import numpy as np
-import torch
 _matmul = np.matmul
 def _rowwise(a, b, *args, **kwargs):
     if a.ndim != 2:
         return _matmul(a, b, *args, **kwargs)
     return np.concatenate([_matmul(a[i:i + 1], b, *args, **kwargs) for i in range(a.shape[0])])
 np.matmul = _rowwise
+"""
+MATMUL = ROWWISE_DOT + r"""
+import torch
 from server.model.batch_invariant_kernels import fixed_tile_matmul
 g = torch.Generator().manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5),):  # (fp16 adds a minute of interpreter and no tiling to check)
@@ -81,6 +83,32 @@ want = torch.einsum("hk,khd->hd", torch.einsum("hd,khd->hk", q_tok, k).mul(0.17)
 torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-5)
 print("ok")
 """
+
+# The whole engine on the CUDA path's ops (BatchInvariantTritonOps, their kernels interpreted) on a one-layer
+# model: a prompt longer than the token budget (so prefilled in chunks), alone and among other requests, greedy
+# and seeded, then re-scored as a prompt: what the H200 test checks, minus the hardware and the graphs.
+ENGINE = ROWWISE_DOT + r"""
+import tempfile
+from dataclasses import replace
+from server import LLM
+from server.model.batch_invariant_kernels import BatchInvariantTritonOps
+from testkit.batch_invariance import GREEDY, SEEDED, alone_and_among, explain, rescored
+from testkit.models import model_folder
+llm = LLM(model=str(model_folder("llama-micro", tempfile.mkdtemp())), device="cpu", load_format="dummy",
+          batch_invariant=True, max_num_batched_tokens=16, kv_cache_memory="16MiB", max_model_len=256)
+llm.engine.runner.model.ops = BatchInvariantTritonOps
+prompt = [5 + (7 * i) % 1000 for i in range(28)]
+targets = [(prompt, replace(GREEDY, max_tokens=3)), (prompt, replace(SEEDED, max_tokens=3))]
+for alone, among in alone_and_among(llm, 2, targets=targets):
+    assert alone == among, explain(alone, among)
+gen, scored = rescored(llm, prompt, replace(GREEDY, max_tokens=3))
+assert gen[1] == scored, explain(gen, (gen[0], scored))
+print("ok")
+"""
+
+
+def test_the_engine_on_the_cuda_ops_in_interpreter():
+    assert run_interpreted(ENGINE, timeout=600).strip().endswith("ok")
 
 
 def test_fixed_tile_matmul_rows_are_invariant_in_interpreter():
