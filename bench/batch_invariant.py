@@ -45,9 +45,15 @@ def rates(name: str, folder: Path, device: torch.device, invariant: bool, batche
             torch.cuda.empty_cache()
 
 
-def gemm_rows(name: str, device: torch.device, batches: list[int]) -> list[dict]:
+# Other tiles --sweep-tiles times beside matmul_tile's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+SWEEP = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3),
+         (128, 64, 64, 8, 3), (128, 128, 64, 8, 3)]
+
+
+def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool = False) -> list[dict]:
     """Where the mode's time goes: the fixed-tile matmul against cuBLAS (torch.mm) on the model's five weight
-    shapes at each batch's rows (CUDA events, the median of 20 runs after 3 warm-ups)."""
+    shapes at each batch's rows (CUDA events, the median of 20 runs after 3 warm-ups); with sweep, also each
+    tile of SWEEP (a tile is one choice for every row count: the fastest over the batches is the one to keep)."""
     from server.model.batch_invariant_kernels import fixed_tile_matmul, matmul_tile
     from testkit.models import CONFIGS
 
@@ -76,9 +82,13 @@ def gemm_rows(name: str, device: torch.device, batches: list[int]) -> list[dict]
         for b in batches:
             x = torch.randn(b, K, device=device, dtype=torch.bfloat16)
             ours, cublas = median_ms(fixed_tile_matmul, x, w), median_ms(torch.mm, x, w.t())
-            rows.append({"model": name, "gemm": label, "N": N, "K": K, "rows": b, "fixed_tile_ms": ours,
-                         "cublas_ms": cublas, "x_cublas": cublas / ours,
-                         "tile": matmul_tile(N, K, torch.bfloat16, device)})
+            row = {"model": name, "gemm": label, "N": N, "K": K, "rows": b, "fixed_tile_ms": ours,
+                   "cublas_ms": cublas, "x_cublas": cublas / ours, "tile": matmul_tile(N, K, torch.bfloat16, device)}
+            if sweep:
+                row["sweep_ms"] = {
+                    ",".join(map(str, t)): median_ms(fixed_tile_matmul, x, w, None, None, dict(
+                        BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])) for t in SWEEP}
+            rows.append(row)
     return rows
 
 
@@ -89,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default=None, help="comma-separated; default 1,64,256")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (8 with --small)")
     ap.add_argument("--repeat", type=int, default=None, help="runs per batch, the median kept (default 3; 1 --small)")
+    ap.add_argument("--sweep-tiles", action="store_true", help="CUDA: also time the matmul with each tile of SWEEP")
+    ap.add_argument("--gemm-only", action="store_true", help="CUDA: only the matmul timings, no engines")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.small else "cuda")
@@ -98,20 +110,28 @@ def main(argv: list[str] | None = None) -> dict:
     repeat = args.repeat or (1 if args.small else 3)
     root = Path(tempfile.mkdtemp())
     rows = []
-    for name in models:
+    for name in [] if args.gemm_only else models:
         folder = model_folder(name, root)
         default = rates(name, folder, device, False, batches, new_tokens, repeat)
         invariant = rates(name, folder, device, True, batches, new_tokens, repeat)
         for b in batches:
             rows.append({"model": name, "batch": b, "default_tok_s": default[b], "batch_invariant_tok_s": invariant[b],
                          "ratio": invariant[b] / default[b]})
-    gemms = [g for name in models for g in gemm_rows(name, device, batches)] if device.type == "cuda" else []
+    gemms = ([g for name in models for g in gemm_rows(name, device, batches, args.sweep_tiles)]
+             if device.type == "cuda" else [])
     result = {"date": now_iso(), "hardware": hardware(device), "new_tokens": new_tokens, "prompt_tokens": 32,
-              "repeat": repeat, "rows": rows, "min_ratio": min(r["ratio"] for r in rows), "gemms": gemms}
+              "repeat": repeat, "rows": rows, "min_ratio": min((r["ratio"] for r in rows), default=None),
+              "gemms": gemms}
     if gemms:
         print(table([[g["model"], g["gemm"], f"{g['N']}x{g['K']}", g["rows"], f"{g['fixed_tile_ms']:.3f}",
                       f"{g['cublas_ms']:.3f}", f"{g['x_cublas']:.2f}"] for g in gemms],
                     ["model", "gemm", "N x K", "rows", "fixed-tile ms", "cuBLAS ms", "speed vs cuBLAS"]))
+        if args.sweep_tiles:  # per tile, the sum over every shape and batch: one tile serves every row count
+            totals = {t: sum(g["sweep_ms"][t] for g in gemms) for t in gemms[0]["sweep_ms"]}
+            print(table([[t, f"{ms:.3f}"] for t, ms in sorted(totals.items(), key=lambda kv: kv[1])] +
+                        [["matmul_tile (the mode's)", f"{sum(g['fixed_tile_ms'] for g in gemms):.3f}"],
+                         ["cuBLAS", f"{sum(g['cublas_ms'] for g in gemms):.3f}"]],
+                        ["tile (M,N,K,warps,stages)", "total ms"]))
     print(table([[r["model"], r["batch"], f"{r['default_tok_s']:.0f}", f"{r['batch_invariant_tok_s']:.0f}",
                   f"{r['ratio']:.2f}"] for r in rows],
                 ["model", "batch", "default tok/s", "batch-invariant tok/s", "ratio"]))

@@ -78,13 +78,15 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> dic
     while block_n > 32 and triton.cdiv(N, block_n) < sms:
         block_n //= 2
     fp32 = dtype == torch.float32
-    return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32 if fp32 else 64, num_warps=4, num_stages=3 if fp32 else 4)
+    return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 32 if fp32 else 64, "num_warps": 4,
+            "num_stages": 3 if fp32 else 4}
 
 
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit
-    column stride): row i's bits depend on row i's values only."""
+    column stride): row i's bits depend on row i's values only. tile: another tile than matmul_tile's
+    (bench/batch_invariant.py --sweep-tiles compares some)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -95,7 +97,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    tile = matmul_tile(N, K, x.dtype, x.device)
+    tile = tile or matmul_tile(N, K, x.dtype, x.device)
     grid = (triton.cdiv(N, tile["BLOCK_N"]) * triton.cdiv(M, tile["BLOCK_M"]),)
     _fixed_tile_matmul[grid](x, weight, bias if bias is not None else weight, out, M, N, x.stride(0),
                              weight.stride(0), out.stride(0), K=K, HAS_BIAS=bias is not None,
