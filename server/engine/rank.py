@@ -107,7 +107,9 @@ def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelCon
     runner = runner_class(model, pool, plan.num_blocks, config.block_size, dtype, plan.chunk_bounds, **runner_args)
     if config.enable_return_routed_experts and tp.rank == 0:  # the router is whole on every rank: rank 0's ids
         runner.enable_routed_experts(max(config.batched_tokens(device), config.max_num_seqs))
-    runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
+    tp.ordered_reduce = bool(config.batch_invariant)
+    runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
+                        batch_invariant=bool(config.batch_invariant))
     if config.enable_sleep_mode and config.prepare_backups != "off":
         prepare_backups(pool, config.prepare_backups == "auto")
     return RankParts(pool, model, runner, plan, load_seconds, weight_version)

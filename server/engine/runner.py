@@ -38,8 +38,17 @@ log = logging.getLogger("sleepserve.engine")
 
 
 
-def _ops_for(device: torch.device):
-    """The model's kernels: Triton's fused ones on CUDA (imported only there), plain PyTorch elsewhere."""
+def _ops_for(device: torch.device, batch_invariant: bool = False):
+    """The model's kernels: Triton's fused ones on CUDA (imported only there), plain PyTorch elsewhere;
+    with batch_invariant, those whose every reduction keeps one order whatever the batch (batch_invariant.py)."""
+    if batch_invariant:
+        if device.type == "cuda":
+            from server.model.batch_invariant_kernels import BatchInvariantTritonOps
+
+            return BatchInvariantTritonOps
+        from server.model.batch_invariant import BatchInvariantTorchOps
+
+        return BatchInvariantTorchOps
     if device.type == "cuda":
         from server.model.fused_ops import TritonOps
 
@@ -96,6 +105,7 @@ class ModelRunner:
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
         self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
         self.decode_tables = DecodeTables()  # the last decode batch's padded block tables, kept up to date
+        self.batch_invariant = False  # finish_setup sets it
         # --enable-return-routed-experts: the buffer the sparse layers write their top-k ids into (enable_routed_experts).
         self.routed: RoutedExperts | None = None
 
@@ -104,10 +114,12 @@ class ModelRunner:
         warm_up = 1 + min(2 * self.block_size, self.model.max_positions)  # _warm_up's batch
         self.routed = RoutedExperts(self.model, self.pool, max(max_tokens, warm_up))
 
-    def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
+    def finish_setup(self, enforce_eager: bool, max_num_seqs: int, batch_invariant: bool = False) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
-        CUDA graphs for decode batches (captured once, their memory in the pool)."""
-        self.model.ops = _ops_for(self.device)
+        CUDA graphs for decode batches (captured once, their memory in the pool). batch_invariant: the
+        ops whose reductions keep one order whatever the batch (model/batch_invariant.py)."""
+        self.batch_invariant = batch_invariant
+        self.model.ops = _ops_for(self.device, batch_invariant)
         self.max_num_seqs = max_num_seqs
         self._warm_up()
         if self.device.type != "cuda":
@@ -342,7 +354,7 @@ class ModelRunner:
             return Launched(batch, hb, None, None, scored, tokenizer, self, routed)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
-            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device, self.batch_invariant)
         if meta.grammar:  # the grammar first: what it forbids is never sampled, whatever else applies
             self.masks.apply(logits, hb.sample_seqs)
         ds = sample_on_device(logits, hb.sample_seqs, eos_ids, meta)
@@ -357,7 +369,7 @@ class ModelRunner:
         self.masks.apply(logits, hb.sample_seqs)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
-            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device, self.batch_invariant)
         tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta)
         return self.result(hb.sample_seqs, tokens, logprobs, [])
 

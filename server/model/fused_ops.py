@@ -94,6 +94,7 @@ def _silu_mul_packed(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
 
 class TritonOps:
     name = "triton"
+    batch_invariant = False
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -65,7 +65,11 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, D), None, ops)[0].view(T, self.num_heads, D)
             k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
         q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention, ops.prefill_attention)
+        if ops.batch_invariant:  # one per-token path for decodes and prefills alike (batch_invariant.py)
+            out = ops.attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        else:
+            out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention,
+                         ops.prefill_attention)
         return self.tp.row_parallel(self.o_proj, out.reshape(T, self.num_heads * D), ops.linear)
 
 
@@ -181,7 +185,9 @@ class LlamaForCausalLM(nn.Module):
         same matmul writes there instead and `out` is returned (the sampler converts it where it needs to): one buffer
         serves every graph, where a fp32 output per graph would cost ~0.5 MB x batch x graphs."""
         if self.tp.enabled:  # each rank's vocabulary slice, gathered (in the model's dtype: half the bytes)
-            logits = self.tp.gather_vocab(F.linear(hidden, self.output_weight()))
+            w = self.output_weight()
+            part = self.ops.lm_head(hidden, w, None) if self.ops.batch_invariant else F.linear(hidden, w)
+            logits = self.tp.gather_vocab(part)
             return logits.float() if out is None else out.copy_(logits)
         logits = self.ops.lm_head(hidden, self.output_weight(), out)
         return logits if out is not None else logits.float()

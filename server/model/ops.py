@@ -16,6 +16,8 @@ from server.model.rope import apply_rotary
 
 class TorchOps:
     name = "torch"
+    # Whether every reduction's order is fixed independently of the batch (batch_invariant.py's ops).
+    batch_invariant = False
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -118,6 +118,9 @@ class TensorParallel:
             raise ValueError(f"rank {rank} is outside a world of {world}")
         self.rank, self.world, self.full_config = rank, world, cfg
         self.comm = None  # all_reduce(x) -> x, all_gather(x) -> [x of each rank], set once the group starts
+        # --batch-invariant: every all-reduce sums the ranks' parts in rank order (an all-gather, then the
+        # sum here), whatever the message's size: a ring or tree all-reduce's order follows its chunks.
+        self.ordered_reduce = False
         H, KV = cfg.num_heads, cfg.num_kv_heads
         if H % KV:
             raise ValueError(f"{H} query heads do not group evenly over {KV} KV heads")
@@ -201,6 +204,10 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the partial results of a row-parallel layer over the ranks, in place."""
         if self.world > 1:
+            if self.ordered_reduce:
+                from server.model.batch_invariant import ordered_all_reduce
+
+                return ordered_all_reduce(self._comm(), x)
             self._comm().all_reduce(x)
         return x
 
@@ -211,6 +218,8 @@ class TensorParallel:
         the matmul without tensor parallelism (the ops set's)."""
         if self.world == 1:
             return linear(x) if one_device is None else one_device(linear, x)
+        if self.ordered_reduce:
+            return self.all_reduce(linear(x) if one_device is None else one_device(linear, x))
         comm = self._comm()
         staging = getattr(comm, "staging", None)
         out = None if staging is None or x.dim() != 2 else staging(x.shape[0], linear.out_features, x.dtype)
