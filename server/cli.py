@@ -133,6 +133,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "concurrency, at N steps of latency between chunks", 1, positive_int, metavar="N"),
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),
+    Option("--no-check-weights-finite", "do not check that every weight update's tensors are finite (by default "
+           "one sum per tensor on the device refuses NaN or Inf with 400 and leaves the weights invalid until a good "
+           "update)", False, boolean, negation="--check-weights-finite"),
     Option("--offload-dir", "CPU device: folder for offloaded weights while asleep (default: the temp folder)",
            None, metavar="DIR"),
     Option("--prepare-backups", "allocate the host backup of level-1 sleep right after start-up, in the "
@@ -259,7 +262,7 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "tp_all_reduce": values["tp_all_reduce"], "tp_launch": values["tp_launch"],
         "tp_release_comm_on_sleep": values["tp_release_comm_on_sleep"],
         "offload_dir": values["offload_dir"], "prepare_backups": values["prepare_backups"],
-        "kv_wake_chunk": values["kv_wake_chunk"],
+        "kv_wake_chunk": values["kv_wake_chunk"], "check_weights_finite": not values["no_check_weights_finite"],
         "while_asleep": values["while_asleep"],
         "max_held_requests": values["max_held_requests"], "held_request_timeout": values["held_request_timeout"],
     }

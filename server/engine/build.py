@@ -110,6 +110,7 @@ def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelCon
             f"the KV cache holds {plan.capacity_tokens} tokens, fewer than --max-model-len {config.max_model_len}; "
             "give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len")
     runner = runner_class(model, pool, plan.num_blocks, config.block_size, dtype, plan.chunk_bounds, **runner_args)
+    runner.check_finite = config.check_weights_finite
     runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
     if config.enable_sleep_mode and config.prepare_backups != "off":
         prepare_backups(pool, config.prepare_backups == "auto")

@@ -110,7 +110,8 @@ class Reply:
 #   Delta    = (request_id, [SeqDelta, ...], finished, num_cached_tokens,
 #               prompt_token_ids (on a request's first delta, else None),
 #               prompt_logprobs (once, when the prefill computed them all, else None),
-#               metrics (when it finishes: (arrival, first_scheduled, first_token, last_token) times, else None))
+#               metrics (when it finishes: (arrival, first_scheduled, first_token, last_token) times and the
+#               request's preemptions, else None))
 #   SeqDelta = (index, new token ids, new text, new log-probs (WireLogprobs each) or None, cumulative_logprob,
 #               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None))
 #   WireLogprobs: logprob_list.py (plain values: Logprob objects pickle ~10x slower, and a FINAL_ONLY
@@ -140,7 +141,8 @@ def encode_delta(req: "Request") -> Delta:
     finished = req.finished
     metrics = None
     if finished:
-        metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time, req.last_token_time)
+        metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time, req.last_token_time,
+                   req.num_preemptions)
     return (req.request_id, seqs, finished, req.num_cached_tokens,
             req.prompt_token_ids if first else None, prompt_logprobs, metrics)
 

@@ -41,6 +41,7 @@ from server.engine.sleep_state import SleepState
 from server.engine.step_profiler import PROFILER_DIR_ENV, StepProfiler, profiler_dir
 from server.engine.structured import GrammarCompiler
 from server.model.config import ModelConfig
+from server.model.finite import NonFiniteWeightsError
 from server.model.loader import (WeightLoadError, check_checkpoint, checkpoint_shapes, describe, parameter_names,
                                  safetensors_files)
 from server.model.tokenizer import render_chat
@@ -86,7 +87,9 @@ class EngineCore:
         self.load_seconds = load_seconds
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
-        self.step_tokens = 0  # tokens the last step ran (vllm:iteration_tokens_total)
+        # vllm:iteration_tokens_total, as vLLM counts a step: each sequence's whole prompt at the step that
+        # sampled its first token, plus every token sampled. Added up by postprocess; the driver reads and clears it.
+        self.step_tokens = 0
         # Set by wire_outputs() in the engine process: what receives each advanced request instead of
         # RequestOutputs built for its on_output.
         self._wire_sink: Callable[[Request], None] | None = None
@@ -224,7 +227,6 @@ class EngineCore:
         scheduling: launch the next batch, and return the outputs of the one that was in flight."""
         if self.async_scheduling:
             return self._step_async()
-        self.step_tokens = 0
         if not self.can_step:
             return []
         batch = self.scheduler.schedule()
@@ -235,11 +237,9 @@ class EngineCore:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = started
         sampled, scored = self.runner.execute(batch, self.eos_ids, self.tokenizer)
-        self.step_tokens = batch.num_tokens
         return self.postprocess(batch, sampled, scored)
 
     def _step_async(self) -> list[RequestOutput]:
-        self.step_tokens = 0
         prev, self._inflight = self._inflight, None  # an error below leaves nothing in flight
         nxt = None
         if (prev is not None and prev.meta is not None and prev.meta.can_follow and self.sleep_state.can_run
@@ -266,7 +266,6 @@ class EngineCore:
                 seq.request.first_scheduled_time = started
         launched = self.runner.launch(batch, self.eos_ids, self.tokenizer, after, rows)
         launched.mark = self.scheduler.removals
-        self.step_tokens = batch.num_tokens
         return launched
 
     def _record(self, launched: Launched) -> list[RequestOutput]:
@@ -358,6 +357,7 @@ class EngineCore:
             if 0 < stopped < len(ended):  # free blocks in the batch's order, as one pass would
                 order = {id(x[0]): i for i, x in enumerate(sampled)}
                 ended.sort(key=lambda s: order[id(s)])
+        self.step_tokens += len(sampled) + sum(len(touched[r].prompt_token_ids) * len(touched[r].seqs) for r in first)
         settle_texts(ended)  # the lazy texts of every sequence that ended here, decoded together
         done: set[str] = set()
         for seq in ended:
@@ -423,6 +423,29 @@ class EngineCore:
         self.drain()  # no step may read the weights while they change
         weights_valid = self.sleep_state.weights_valid
         t0 = time.perf_counter()
+        try:
+            loaded, source = self._load(path, named_tensors, read_from, served, weights_valid)
+        except NonFiniteWeightsError:
+            # Every tensor landed and some are not numbers: nothing is served from them until a good update.
+            self.preempt_all()
+            self.blocks.reset_prefix_cache()
+            self.sleep_control.weights_invalidated()
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # KV computed with the old weights must never be reused: requests kept by a pause recompute
+        # theirs on the new weights, and the prefix-cache index forgets every hash.
+        self.preempt_all()
+        self.blocks.reset_prefix_cache()
+        set_version = weight_version is not None or (named_tensors is not None and not served) or bool(path)
+        self.sleep_control.weights_loaded(loaded, parameter_names(self.model), weight_version, set_version)
+        state = self.sleep_state
+        return {"source": source, "tensors": len(loaded), "weights_valid": state.weights_valid,
+                "weight_version": state.weight_version, "seconds": time.perf_counter() - t0}
+
+    def _load(self, path: str | None, named_tensors: Iterable[tuple[str, torch.Tensor]] | None,
+              read_from: str | None, served: bool, weights_valid: bool) -> tuple[set[str], str]:
+        """update_weights' copy: checked, then written in place; (the names written, where from)."""
         if named_tensors is not None:
             named = dict(named_tensors)
             whole = read_from is not None and (not weights_valid or served)
@@ -439,17 +462,7 @@ class EngineCore:
             check_checkpoint(self.model, shapes, require_all=not weights_valid or path is None)
             loaded = self.runner.load_files(files)
             source = str(folder)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        # KV computed with the old weights must never be reused: requests kept by a pause recompute
-        # theirs on the new weights, and the prefix-cache index forgets every hash.
-        self.preempt_all()
-        self.blocks.reset_prefix_cache()
-        set_version = weight_version is not None or (named_tensors is not None and not served) or bool(path)
-        self.sleep_control.weights_loaded(loaded, parameter_names(self.model), weight_version, set_version)
-        state = self.sleep_state
-        return {"source": source, "tensors": len(loaded), "weights_valid": state.weights_valid,
-                "weight_version": state.weight_version, "seconds": time.perf_counter() - t0}
+        return loaded, source
 
     def close(self) -> None:
         if self.profiler is not None and self.profiler.running:

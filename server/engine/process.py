@@ -328,6 +328,7 @@ class EngineServer:
                     failures = 0
                     if core.step_tokens:
                         self._step_tokens.append(core.step_tokens)
+                        core.step_tokens = 0
                 except Exception as e:  # a failed step must not take the server down...
                     log.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(e)

@@ -153,6 +153,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        seq.request.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence that is done (or aborted) and free its blocks."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from server.model.finite import FiniteCheck, nonfinite_message
 from server.weight_transfer import handles, rendezvous
 from server.weight_transfer.broadcast_receive import BroadcastReceive
 from server.weight_transfer.config import WeightTransferConfig
@@ -37,12 +38,14 @@ class TransferRequestError(ValueError):
 
 
 class TransferFailedError(RuntimeError):
-    """The transfer broke after it started (a trainer that died, a timeout). `loaded` says which
-    tensors were already overwritten; the engine marks the weights invalid if any were."""
+    """The transfer broke after it started (a trainer that died, a timeout), or (`nonfinite`: the names)
+    it landed tensors holding NaN or Inf. `loaded` says which tensors were already overwritten; the
+    engine marks the weights invalid if any were."""
 
-    def __init__(self, message: str, loaded: set[str]):
+    def __init__(self, message: str, loaded: set[str], nonfinite: tuple[str, ...] = ()):
         super().__init__(message)
         self.loaded = loaded
+        self.nonfinite = nonfinite
 
 
 @dataclass
@@ -60,10 +63,12 @@ class Update:
 
 
 class WeightReceiver:
-    def __init__(self, config: WeightTransferConfig, model: nn.Module, device: torch.device):
+    def __init__(self, config: WeightTransferConfig, model: nn.Module, device: torch.device,
+                 check_finite: bool = True):
         config.check_device(device.type)
         self.config = config
         self.device = device
+        self.check_finite = check_finite  # every tensor received is checked finite (model/finite.py)
         params = dict(model.named_parameters())
         # Tensor parallel: the trainer sends whole tensors to every rank; a rank keeps its slice of
         # each split one (`sharded`: its parameter and Shard) and the whole of the rest (`targets`).
@@ -199,7 +204,20 @@ class WeightReceiver:
                     self._receiving = None
             raise TransferFailedError(f"the weight transfer failed after {len(loaded)} of {len(update.metas)} "
                                       f"tensors: {type(e).__name__}: {e}", loaded) from e
+        self._check_finite(loaded)
         return loaded
+
+    def _check_finite(self, loaded: set[str]) -> None:
+        """After every byte landed (_receive synchronized the device): one sum per tensor, one host read.
+        This rank's parameter: the whole tensor, or its slice of a split one."""
+        check = FiniteCheck(self.check_finite)
+        with self._on_device():
+            for name in sorted(loaded):
+                target = self.targets.get(name)
+                check.add(name, target if target is not None else self.sharded[name][0])
+            bad = check.bad()
+        if bad:
+            raise TransferFailedError(nonfinite_message(bad), loaded, tuple(bad))
 
     def _on_device(self) -> Any:
         """This thread's current CUDA device must be the model's (IPC rebuilds and streams use it)."""
