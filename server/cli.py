@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from server.api_servers import AUTO, api_server_count, auto_api_server_count
 from server.logging_setup import LEVELS
 
 ENV_PREFIX = "SLEEPSERVE_"
@@ -103,8 +104,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--no-docs", "do not serve /docs, /redoc and /openapi.json (they need the API key when one is set)",
            False, boolean, negation="--docs"),
     Option("--api-server-count", "API processes in front of the engine: each parses and answers its share of the "
-           "requests (one handles ~1,000 short requests/s); more help large bursts and many streams", 1, positive_int,
-           metavar="N"),
+           "requests (one handles ~1,000 short requests/s); more help large bursts and many streams. auto: one per "
+           "two cores beyond the engine's two, 1 to 4", "auto", api_server_count, metavar="N|auto"),
     Option("--shutdown-grace-period", "seconds requests in flight may run on after SIGTERM; then they end "
            "with finish_reason abort", 10.0, seconds, metavar="S"),
     Option("--dev-mode", "mount the sleep-mode routes (/sleep, /wake_up, /update_weights, ...)", False, boolean,
@@ -248,7 +249,8 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         dev_mode=values["dev_mode"], log_level=values["log_level"],
         allowed_hosts=tuple(h.strip() for h in (values["allowed_hosts"] or "").split(",") if h.strip()),
         docs=not values["no_docs"], shutdown_grace_period=values["shutdown_grace_period"],
-        api_server_count=values["api_server_count"],
+        api_server_count=(auto_api_server_count() if values["api_server_count"] == AUTO
+                          else values["api_server_count"]),
         weight_transfer_config=_weight_transfer(values["weight_transfer_config"]))
     engine = {
         "model": values["model"] or None, "device": values["device"], "dtype": values["dtype"],

@@ -66,6 +66,18 @@ def test_command_line_wins_over_the_environment():
     assert settings.effective_admin_key == "cli"  # the admin key defaults to the API key
 
 
+def test_api_server_count_defaults_to_auto_for_the_host():
+    from server.api_servers import auto_api_server_count
+
+    # Two cores for the engine process, then one API process per two cores, 1 to 4.
+    assert [auto_api_server_count(n) for n in (1, 2, 4, 6, 8, 10, 16, 128)] == [1, 1, 1, 2, 3, 4, 4, 4]
+    for argv, env in (([], {}), (["--api-server-count", "auto"], {}), ([], {"SLEEPSERVE_API_SERVER_COUNT": "AUTO"})):
+        v = resolve(argv, env)
+        assert v["api_server_count"] == "auto"
+        assert split_options(v)[0].api_server_count == auto_api_server_count()
+    assert split_options(resolve(["--api-server-count", "3"], {}))[0].api_server_count == 3
+
+
 @pytest.mark.parametrize("argv,env,words", [
     ([], {"SLEEPSERVE_PORT": "eighty"}, "SLEEPSERVE_PORT='eighty'"),
     ([], {"SLEEPSERVE_DEV_MODE": "maybe"}, "1/true/yes/on"),
