@@ -111,6 +111,35 @@ def test_trl_init_communicator_gets_past_its_http_calls(trl_client):
         trl_client.init_communicator(device="cpu")
 
 
+def test_trl_keyed_client_from_the_docs(server):
+    """docs/rl-clients.md's subclass for a server whose /v1 needs the key too: the header is in the session
+    before the constructor's first request."""
+    vllm_client = pytest.importorskip("trl.generation.vllm_client")
+
+    class KeyedVLLMClient(vllm_client.VLLMClient):
+        def __init__(self, *args, api_key: str, **kwargs):
+            self._api_key = api_key
+            super().__init__(*args, **kwargs)
+
+        def check_server(self, *args, **kwargs):
+            self.session.headers["Authorization"] = f"Bearer {self._api_key}"
+            self.session.hooks["response"].append(record)  # the test's own eyes, not part of the recipe
+            return super().check_server(*args, **kwargs)
+
+    seen: list[tuple[str, str | None]] = []
+
+    def record(r, *args, **kwargs):
+        seen.append((r.request.path_url, r.request.headers.get("Authorization")))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_client, "is_vllm_available", lambda *a, **k: True)
+        client = KeyedVLLMClient(base_url=server.url, connection_timeout=60, api_key=ADMIN)
+        assert ("/v1/models", f"Bearer {ADMIN}") in seen  # the constructor's own request carried the key
+        assert client.get_server_info()["weight_transfer_config"] is not None
+        assert client.generate([PROMPT], max_tokens=2, temperature=0.0)["completion_ids"][0]
+    assert {key for _, key in seen} == {f"Bearer {ADMIN}"}
+
+
 def test_trl_without_the_admin_key_is_refused(server):
     vllm_client = pytest.importorskip("trl.generation.vllm_client")
     with pytest.MonkeyPatch.context() as mp:
