@@ -5,7 +5,7 @@
 #
 # Two stages: the CUDA devel image compiles the allocator's C library (it needs cc and cuda.h),
 # the CUDA runtime image receives the finished virtual environment. The install steps are the
-# Makefile's, in the Makefile's order; tests/test_docker.py keeps the two in step.
+# Makefile's, in the Makefile's order; tests/docker/test_docker.py keeps the two in step.
 #
 # CUDA 13.0 is the line the torch==2.13.0 wheels on PyPI are built for (they carry their own CUDA
 # libraries); the host needs an NVIDIA driver that supports CUDA 13.0 (R580 or newer).

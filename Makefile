@@ -59,7 +59,7 @@ gpu-check:
 # The Docker files, checked without Docker (hadolint, `docker-compose config`, install steps vs
 # this Makefile); `make test` runs the same tests. Building the image needs a Docker engine.
 lint-docker: $(STAMP)
-	$(BIN)/python -m pytest -q tests/test_docker.py $(ARGS)
+	$(BIN)/python -m pytest -q tests/docker/test_docker.py $(ARGS)
 
 # The CPU image built and run as a user would, on a private Docker engine this starts and stops
 # (root; apt-get installs docker.io and debootstrap where missing). Not part of `make test`: a cold

@@ -17,15 +17,15 @@ import os
 import torch
 
 from .pool import MemoryPool
-from .types import PoolError, PoolStats, SleepReport, TagStats, WakeReport
+from .types import PoolError, PoolStats, PoolSleepReport, TagStats, PoolWakeReport
 
 __all__ = [
     "MemoryPool",
     "PoolError",
     "PoolStats",
-    "SleepReport",
+    "PoolSleepReport",
     "TagStats",
-    "WakeReport",
+    "PoolWakeReport",
     "create_pool",
 ]
 

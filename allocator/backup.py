@@ -107,7 +107,7 @@ class PinnedBackup:
 
 # How a wake copies backups back to the device: "kernel" (default) reads the pinned host memory with
 # the GPU's own loads (a copy kernel over the mapped backup), "engine" uses the copy engines
-# (cuMemcpyHtoDAsync). Measured on an H200 (2026-11-30, docs/results/2026-11-30-h200x2-evening): right
+# (cuMemcpyHtoDAsync). Measured on an H200 (the evening of 2026-11-30; docs/measurements.md): right
 # after ~110 GiB were released (a sleep that discarded the KV cache, or a trainer's empty_cache), the
 # copy engines move only 27.6 GB/s for the ~100 ms the driver spends on the freed memory, while a
 # kernel reads 51.2 GB/s; with nothing released before, 55.4 against 51.3 GB/s.

@@ -22,10 +22,10 @@ from .types import (
     Backend,
     PoolError,
     PoolStats,
-    SleepReport,
+    PoolSleepReport,
     TagState,
     TagStats,
-    WakeReport,
+    PoolWakeReport,
     check_tag,
 )
 
@@ -307,12 +307,10 @@ class MemoryPool:
     def _wait_for_clearing(self, chunks: _Chunks) -> None:
         """Before the background mapper's first piece: while the device still clears the memory the last
         sleep released (a wake right after it), creating memory waits inside the driver for that
-        clearing, where no busy() check can hold it back, and a request running beside it is slow (H200,
-        2026-12-02, 1B: the first request after a level-2 wake right after its sleep 1.44-1.57x of one
-        before, its first token 1.5-2x; 0.93-1.01x when the wake itself mapped the whole cache, waiting
-        313-337 ms for the clearing). So it starts once the device is done (backend.clearing_seconds),
-        unless someone waits for chunks: measured with it, 1.24-1.48x, and 1.22-1.23x after level 1
-        (1.22-1.65x before); the rest is what the clearing itself costs the kernels beside it."""
+        clearing, where no busy() check can hold it back, and a request running beside it is slow (H200, 1B:
+        the first request after a level-2 wake right after its sleep 1.44-1.57x of one before; 1.24-1.48x
+        with this wait, the rest being what the clearing itself costs the kernels beside it). So it starts
+        once the device is done (backend.clearing_seconds), unless someone waits for chunks."""
         while (chunks.waiters == 0 and not chunks.cancel.is_set() and not self._closed
                and time.perf_counter() < self._cleared_at):
             chunks.cancel.wait(0.002)
@@ -321,9 +319,8 @@ class MemoryPool:
         """Let the background mapper give way to the foreground: while busy() (e.g. the engine has
         requests running) it maps nothing, unless someone waits for chunks (wait_chunks), who gets
         them at full speed; idle, it maps at once. Mapping device memory slows the kernels running
-        beside it (H200, 2026-11-30: the first request after a wake ran 1.16-1.35x slower with the
-        mapper at full speed beside it, 1.79-1.99x with 2 GiB pieces paced at one per 40 ms of busy
-        time, 0.88-0.93x when nothing mapped during it)."""
+        beside it (H200: the first request after a wake ran 1.16-1.35x slower with the mapper at full
+        speed beside it, 0.88-0.93x when nothing mapped during it)."""
         self._busy = busy
 
     def _yield_to_foreground(self, chunks: _Chunks) -> None:
@@ -448,7 +445,7 @@ class MemoryPool:
         self,
         offload_tags: str | Iterable[str] = (),
         discard_tags: str | Iterable[str] = (),
-    ) -> SleepReport:
+    ) -> PoolSleepReport:
         """Release the physical memory of the given tags; returns when it is really free.
 
         Offloaded tags are copied to a host backup first and come back bit-exact on wake;
@@ -484,7 +481,7 @@ class MemoryPool:
                 )
             if not todo_offload and not todo_discard:
                 clock.mark("check")
-                return SleepReport(0, 0, clock.elapsed, timings=clock.report())
+                return PoolSleepReport(0, 0, clock.elapsed, timings=clock.report())
             clock.mark("check")
             try:
                 cost = self._backend.sleep(todo_offload, todo_discard)
@@ -508,7 +505,7 @@ class MemoryPool:
             backend = self._backend_phases(clock)
         # kv_mapper: how far the background mapping of the last wake had got when this sleep came
         # (a sleep right after a wake stops it and releases only what it mapped).
-        return SleepReport(cost.bytes_offloaded, cost.bytes_discarded, clock.elapsed, cost.copy_seconds,
+        return PoolSleepReport(cost.bytes_offloaded, cost.bytes_discarded, clock.elapsed, cost.copy_seconds,
                            timings=clock.report(**backend, kv_mapper=mappers))
 
     def _backend_phases(self, clock: Clock) -> dict[str, Any]:
@@ -528,7 +525,7 @@ class MemoryPool:
         return timings
 
     @_foreground
-    def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
+    def wake_up(self, tags: str | Iterable[str] | None = None) -> PoolWakeReport:
         """Re-create the memory of sleeping tags (all of them when tags is None) and restore
         offloaded content. All or nothing: on failure (e.g. out of memory) everything this call
         re-created is released again, the tags stay asleep, and PoolError says why."""
@@ -541,7 +538,7 @@ class MemoryPool:
             remap = [t for t in targets if self._sleeping[t] is TagState.DISCARDED]
             if not targets:
                 clock.mark("check")
-                return WakeReport(0, 0, clock.elapsed, timings=clock.report())
+                return PoolWakeReport(0, 0, clock.elapsed, timings=clock.report())
             lazy = [t for t in remap if t in self._chunks]
             defer = {a for t in lazy for chunk in self._chunks[t].pieces[1:] for a in chunk}
             clock.mark("check")
@@ -575,7 +572,7 @@ class MemoryPool:
             if not self._keep_backups and restore:
                 self._release_backups(restore)
                 clock.mark("release_backups")
-        return WakeReport(cost.bytes_restored, cost.bytes_mapped, clock.elapsed, cost.copy_seconds,
+        return PoolWakeReport(cost.bytes_restored, cost.bytes_mapped, clock.elapsed, cost.copy_seconds,
                           timings=clock.report(**backend))
 
     def _needs_sleep(self, tag: str, usage: dict) -> bool:

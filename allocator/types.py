@@ -35,7 +35,7 @@ def check_tag(tag: object) -> str:
 
 
 @dataclass(frozen=True)
-class SleepReport:
+class PoolSleepReport:
     bytes_offloaded: int
     bytes_discarded: int
     seconds: float  # the whole call, from entry to memory released and device synchronized
@@ -49,12 +49,12 @@ class SleepReport:
 
 
 @dataclass(frozen=True)
-class WakeReport:
+class PoolWakeReport:
     bytes_restored: int
     bytes_mapped: int  # physical memory re-created, restored tags included
     seconds: float
     copy_seconds: float = 0.0  # from the first restore copy started to the last one done
-    timings: dict[str, Any] = field(default_factory=dict)  # as SleepReport.timings
+    timings: dict[str, Any] = field(default_factory=dict)  # as PoolSleepReport.timings
 
 
 @dataclass(frozen=True)

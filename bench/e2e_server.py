@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import now_iso, table, write_json  # noqa: E402
-from tests.models import model_folder  # noqa: E402
-from tests.http_server import ServerProcess  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
+from testkit.http_server import ServerProcess  # noqa: E402
 
 MiB = 1 << 20
 PROMPT = "The three most important ideas in the history of science are"
@@ -64,7 +64,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     bare = None
     if cuda:
-        from tests.footprint import bare_process_used
+        from testkit.footprint import bare_process_used
         bare = bare_process_used(0)  # before the server touches the GPU
         folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
         serve = [str(folder), "--device", "cuda", "--load-format", "dummy", "--max-model-len", "2048"]

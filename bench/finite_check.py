@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import now_iso, write_json  # noqa: E402
 from bench.weight_transfer import TIMEOUT_S, d2d_copy_s, make_tensors, sync  # noqa: E402
 from server.model.finite import FiniteCheck  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
 
 
 def check_s(named: list[tuple[str, torch.Tensor]], device: torch.device, rounds: int) -> tuple[float, float]:
@@ -48,7 +48,7 @@ def check_s(named: list[tuple[str, torch.Tensor]], device: torch.device, rounds:
 def push_s(folder: Path, named, backend: str, device: torch.device, check: bool, rounds: int) -> float:
     """Best push of the tensors into a server started with or without the check."""
     from server.weight_transfer.sender import WeightSender
-    from tests.http_server import ServerProcess
+    from testkit.http_server import ServerProcess
 
     args = [str(folder), "--device", device.type, "--load-format", "dummy", "--max-model-len", "1024",
             "--kv-cache-memory", "1GiB", "--enforce-eager", "--dev-mode",

@@ -49,7 +49,7 @@ def perf(args: argparse.Namespace, out: Path) -> None:
 
     from allocator import create_pool
     from bench.pool_table import Model, raw_pinned_bandwidth
-    from tests.cuda_pool import capture
+    from testkit.cuda_pool import capture
 
     index = 0
     torch.cuda.set_device(index)
@@ -190,7 +190,7 @@ import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 mode = sys.argv[2]
 import torch
-from tests.footprint import bare_process_used
+from testkit.footprint import bare_process_used
 bare = bare_process_used(0)
 steps = []
 torch.cuda.init(); torch.cuda.set_device(0)

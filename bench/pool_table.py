@@ -5,7 +5,7 @@
 Measures, in one run and against references taken in that same run:
   - device free memory before sleep, after sleep and after wake;
   - device memory in use after a full sleep against a bare CUDA process, and against a process
-    that ran the same kernels without a pool (tests/footprint.py);
+    that ran the same kernels without a pool (testkit/footprint.py);
   - sleep and wake seconds for level 1 (offload weights + graph, discard KV) and level 2 (discard
     weights and KV, offload graph), cycle 1 and the median of cycles >= 2;
   - level-1 effective GB/s (offloaded bytes / whole call) beside the raw pinned copy GB/s;
@@ -32,8 +32,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from allocator import MemoryPool, create_pool  # noqa: E402
-from tests import footprint as probe  # noqa: E402
-from tests.cuda_pool import capture, free_bytes, host_rss  # noqa: E402
+from testkit import footprint as probe  # noqa: E402
+from testkit.cuda_pool import capture, free_bytes, host_rss  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 TARGET_BANDWIDTH_FRACTION = 0.85

@@ -50,7 +50,7 @@ def per_call_ms(fn, device: torch.device, calls: int) -> float:
 def attention_rows(device: torch.device, dtype: torch.dtype, shapes, heads: tuple[int, int], dims, calls: int) -> list[dict]:
     from server.model.attention import plan_prefill, prefill_spans_torch
     from server.model.prefill_kernel import triton_prefill_attention
-    from tests.kernel_cases import prefill_error, random_prefill_case
+    from testkit.kernel_cases import prefill_error, random_prefill_case
 
     rows = []
     for head_dim in dims:
@@ -129,7 +129,7 @@ def main() -> None:
 
     if not args.no_engine:
         from server import LLM
-        from tests.models import model_folder
+        from testkit.models import model_folder
 
         name = args.model or ("llama-tiny" if smoke else "llama-1b")
         conc = [int(c) for c in (args.concurrency or ("2,4" if smoke else "64,256")).split(",")]

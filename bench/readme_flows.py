@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import now_iso, table, write_json  # noqa: E402
-from tests.models import model_folder  # noqa: E402
-from tests.http_server import REPO, ServerProcess  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
+from testkit.http_server import REPO, ServerProcess  # noqa: E402
 
 PROMPT = "The three most important ideas in the history of science are"
 

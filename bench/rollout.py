@@ -362,7 +362,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     name = args.model or ("llama-1b" if cuda else "llama-tiny")
     if name in SHAPES:
-        from tests.models import model_folder
+        from testkit.models import model_folder
 
         folder = str(model_folder(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072))
         load = ["--load-format", "dummy"]
@@ -385,8 +385,8 @@ def main() -> None:
         result["hf"] = hf_in_subprocess(args, folder, prompts)
         result["hf"]["prompts_per_call"] = args.hf_prompts
         progress("transformers", result["hf"])
-    from server.engine.step_profiler import PROFILER_DIR_ENV
-    from tests.http_server import ServerProcess
+    from server.config import PROFILER_DIR_ENV
+    from testkit.http_server import ServerProcess
 
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     for on in modes if not args.no_http else ():

@@ -304,8 +304,8 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
     HTTP path's own cost.
     counts: receives "steps", the engine steps that ran tokens (as the server's iteration histogram counts)."""
     from server import SamplingParams
-    from server.engine.channel import encode_delta
-    from server.engine.params import RequestOutputKind
+    from server.engine.deltas import encode_delta
+    from server.wire.params import RequestOutputKind
 
     kind = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
     results = [Result(sent=math.nan) for _ in reqs]
@@ -415,7 +415,7 @@ def engine_flags(args, folder: str | None) -> tuple[list[str], dict]:
 def resolve_model(args) -> tuple[str | None, str]:
     """(folder or None for the embedded default, name to report)."""
     if args.model in SHAPES:
-        from tests.models import model_folder
+        from testkit.models import model_folder
 
         args.load_format = args.load_format or "dummy"
         return str(model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)), args.model
@@ -551,7 +551,7 @@ def main() -> None:
     flags, kw = engine_flags(args, folder)
 
     from server.model.config import ModelConfig
-    from server.model.loader import resolve_model as find_model
+    from server.model.source import resolve_model as find_model
 
     vocab = ModelConfig.from_folder(find_model(folder).folder).vocab_size
     by_rate = [(r, workload(num, input_len, output_len, args.range_ratio, r, vocab, args.seed + k))
@@ -587,7 +587,7 @@ def main() -> None:
         url = args.url
         served = args.served_model_name
         if url is None:
-            from tests.http_server import ServerProcess
+            from testkit.http_server import ServerProcess
 
             server = ServerProcess([*flags, "--log-level", "warning", "--api-server-count", str(count),
                                     *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()

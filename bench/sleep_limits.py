@@ -39,8 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import now_iso, table, write_json  # noqa: E402
-from tests.http_server import ServerProcess  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+from testkit.http_server import ServerProcess  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
 
 MiB, GB = 1 << 20, 1e9
 PROMPT = "The three most important ideas in the history of science are"
@@ -109,7 +109,7 @@ def run_json(code: str, *args: str) -> dict:
 
 
 def engine_kernels(index: int):
-    """For tests/footprint.reference_process_used: run the engine on the model named by
+    """For testkit/footprint.reference_process_used: run the engine on the model named by
     $SLEEPSERVE_LIMITS_MODEL (a small KV cache), then close its pool: what stays is what the
     kernels, graphs and library handles cost without any pool memory."""
     from server import LLM, SamplingParams
@@ -215,7 +215,7 @@ def bench_model(name: str, raw_h2d: float, cycles: int, cpu: bool = False, extra
     """cpu: a smoke run of the same flow on the CPU backend (the embedded model, no references).
     idle_s: seconds between a wake's end of mapping and the next sleep (a rollout's place).
     extra: more server flags (e.g. --kv-wake-chunk 0 to map the whole KV cache before a wake returns)."""
-    from tests.footprint import one_kernel_process_used, reference_process_used, server_device_used
+    from testkit.footprint import one_kernel_process_used, reference_process_used, server_device_used
 
     if cpu:
         one_kernel = reference = 0

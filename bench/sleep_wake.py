@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import hardware, now_iso, table, write_json  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
 
 MiB, GB = 1 << 20, 1e9
 
@@ -176,7 +176,7 @@ def main() -> None:
     device = torch.device(args.device)
     result = {"date": now_iso(), "hardware": hardware(device)}
     if device.type == "cuda":
-        from tests.footprint import bare_process_used
+        from testkit.footprint import bare_process_used
         result["bare_process_used"] = bare_process_used(device.index or 0)
         result["raw_pinned_gbps"] = raw_pinned_gbps()
         names = args.models.split(",")

@@ -136,8 +136,8 @@ def run(device: str, model: str, c: int, t: int, rounds: int) -> dict:
 
 
 def _run(tmp: Path, device: str, model: str, c: int, t: int, rounds: int) -> dict:
-    from tests.http_server import ServerProcess, free_port
-    from tests.models import model_folder
+    from testkit.http_server import ServerProcess, free_port
+    from testkit.models import model_folder
 
     folder = model_folder(model, tmp / "model", max_position_embeddings=4096)
     body = json.dumps({"prompt": list(range(100, 132)), "max_tokens": t, "ignore_eos": True, "stream": True,

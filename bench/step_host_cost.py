@@ -51,20 +51,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import in_thread, sync, table, write_json  # noqa: E402
 from bench.spy import cpu_seconds  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
 
 
 def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, top_p: float,
             logprobs: int | None, stop: list[str] | None, profile: bool) -> dict:
     from server import SamplingParams
     try:
-        from server.engine.params import RequestOutputKind
+        from server.wire.params import RequestOutputKind
         kind_arg = {"output_kind": RequestOutputKind.FINAL_ONLY if kind == "final" else RequestOutputKind.CUMULATIVE}
     except ImportError:  # a tree from before output kinds (a before/after comparison): an output every step
         kind_arg = {}
-    from server.engine import channel
-    from server.engine.channel import Frame, Status, pack
-    from server.engine.client import OutputStream
+    from server.engine import deltas as channel
+    from server.wire.messages import Frame, Status, pack
+    from server.api.engine_client import OutputStream
 
     core, runner = llm.engine, llm.engine.runner
     dev = core.device
@@ -175,11 +175,11 @@ def python_cost(llm, batch: int, kind: str, n: int, steps: int, logprobs: int | 
     import random
 
     from server import SamplingParams
-    from server.engine import channel
-    from server.engine.channel import Frame, Status, pack
+    from server.engine import deltas as channel
+    from server.wire.messages import Frame, Status, pack
     from server.engine.detokenizer import _whole_pieces
-    from server.engine.params import RequestOutputKind
-    from server.engine.scheduler import ScheduledBatch
+    from server.wire.params import RequestOutputKind
+    from server.engine.step_types import ScheduledBatch, StepResult
 
     core = llm.engine
     pieces = _whole_pieces(core.tokenizer)
@@ -207,13 +207,15 @@ def python_cost(llm, batch: int, kind: str, n: int, steps: int, logprobs: int | 
             outs.clear()
             t0 = time.thread_time()
             for _ in range(steps):
-                if core.scheduler.schedule_ahead(seqs, core.max_model_len) is None:
+                if core.scheduler.schedule_ahead(seqs) is None:
                     raise RuntimeError("the decode step could not be planned ahead")
                 tokens = [rng.choice(whole) for _ in seqs]
                 # the sampler's log-prob tuples (logprob_list.py), in process and in the engine process alike
                 lps = [(t, -1.5, 3, pieces[t] if pieces else None) for t in tokens] if logprobs is not None \
                     else [None] * len(seqs)
-                core.postprocess(ScheduledBatch([(s, 1) for s in seqs], 0, len(seqs)), list(zip(seqs, tokens, lps)))
+                batch_ = ScheduledBatch([(s, 1) for s in seqs], 0, len(seqs), core.scheduler.removals)
+                result = StepResult([s.seq_id for s in seqs], tokens, lps)
+                core.outputs_for(core.scheduler.update_from_output(batch_, result))
                 if wire:
                     pack(Frame(outs, status, [batch]))
                     outs.clear()
@@ -230,9 +232,9 @@ def step_wall(llm, batch: int, kind: str, n: int, steps: int, temperature: float
     """Wall milliseconds per decode step with async scheduling on or off, as the engine process runs them:
     step(), then the step's deltas pickled into a frame; synchronized only around the whole run."""
     from server import SamplingParams
-    from server.engine import channel
-    from server.engine.channel import Frame, Status, pack
-    from server.engine.params import RequestOutputKind
+    from server.engine import deltas as channel
+    from server.wire.messages import Frame, Status, pack
+    from server.wire.params import RequestOutputKind
 
     core = llm.engine
     dev = core.device
@@ -280,7 +282,7 @@ def http_cost(folder: Path, device: str, concurrencies: list[int], tokens: int, 
     import asyncio
 
     from bench.serve import run_http, workload
-    from tests.http_server import ServerProcess
+    from testkit.http_server import ServerProcess
 
     flags = [str(folder), "--device", device, "--load-format", "dummy", "--max-num-seqs", str(max(concurrencies)),
              "--max-model-len", "2048", "--log-level", "warning"] + (["--async-scheduling"] if async_on else ["--no-async-scheduling"])

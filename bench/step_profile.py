@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import in_thread, sync, table, write_json  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
 
 
 def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int | None = None,
@@ -64,7 +64,7 @@ def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int
         t3 = time.perf_counter()
         sampled = runner.sample(inputs, logits, core.eos_ids, core.tokenizer)
         t4 = time.perf_counter()
-        core.postprocess(batch_, sampled)
+        core.outputs_for(core.scheduler.update_from_output(batch_, sampled))
         t5 = time.perf_counter()
         gpu += start.elapsed_time(end) / 1e3 if cuda else 0.0
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):

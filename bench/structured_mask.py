@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 from bench.common import hardware, now_iso, sync, table, write_json
 from server.engine.grammar_masks import MaskTimes, apply_token_bitmask
-from tests.models import model_folder
+from testkit.models import model_folder
 
 SCHEMA = {"type": "array", "minItems": 1000, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -103,7 +103,7 @@ SPLIT_HEADER = ["variant", "batch", "no-mask step", "step", "extra", "advance", 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", default=None, help="a tests/models.py shape with random weights (default: the "
+    ap.add_argument("--model", default=None, help="a testkit/models.py shape with random weights (default: the "
                                                    "embedded SmolLM2-135M)")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on CPU, 256 on CUDA")
@@ -115,7 +115,7 @@ def main() -> int:
     new_tokens = args.new_tokens or (256 if device.type == "cuda" else 64)
 
     from server import LLM
-    from server.engine.params import StructuredOutputs
+    from server.wire.params import StructuredOutputs
 
     kw: dict = dict(device=args.device, max_num_seqs=64, max_model_len=1024)
     if device.type == "cpu":

@@ -288,7 +288,7 @@ def main() -> None:
     import torch
 
     from bench.common import hardware, now_iso, table, write_json
-    from tests.models import model_folder
+    from testkit.models import model_folder
 
     world = args.world
     if torch.cuda.device_count() < world:

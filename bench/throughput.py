@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 from bench.common import copy_bandwidth, hardware, now_iso, sync, table, timed, write_json
-from tests.models import model_folder
+from testkit.models import model_folder
 
 PROMPT_LEN = 32
 

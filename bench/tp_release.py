@@ -113,7 +113,7 @@ def main() -> None:
 
     from bench.common import hardware, now_iso, write_json
     from server.engine.parallel.comm_cycle import suspend_support
-    from tests.models import model_folder
+    from testkit.models import model_folder
 
     world = args.world
     if torch.cuda.device_count() < world:

@@ -8,25 +8,21 @@ reserved range (like the pool's allocations); then, timed:
   - re-create at once: cuMemCreate + cuMemMap + cuMemSetAccess of the same handles right after the
     release (what a wake right after a sleep pays), and again after a 1 s pause.
 With --touch every handle is written (a memset) before each release, as a KV cache is before a sleep
-(H200, 2026-12-02: written or not, 2 GiB handles released at 0.67-0.68 ms/GiB in this table, where the
-2026-11-30 run had 0.33-0.35; the same handles released 0.35 s after the memset in --aftermath took
-0.34: the driver's rate moves from call to call, 0.30-0.79 ms/GiB in the engine's sleeps of one run).
+(written or not, the driver's rate moves from call to call: 0.30-0.79 ms/GiB in the engine's sleeps of one
+H200 run).
 Calls go through ctypes to libcuda, which drops the GIL, so threads really overlap in the driver.
 Prints a table (ms per GiB) and the best release of --gib, and writes vmm-floor.json under --out.
 --aftermath instead measures what the driver's work on that memory costs the kernels running next: a
 1 GiB device-to-device copy (HBM-bound) timed back to back for 400 ms after creating --gib in 2 GiB
-handles, and after releasing them (H200, 2026-11-30: creating costs the copy nothing; after a release of
-100 GiB it runs 11% slower for 200-300 ms while the driver clears the memory); then the same for a
-train of 64 tiny kernels (launch- and latency-bound, like a small model's decode step): 2026-12-02,
-the copy 10% slower for 200 ms, the tiny kernels' device time 0-10%.
+handles, and after releasing them (H200: after a release of 100 GiB the copy runs ~10% slower for
+200-300 ms while the driver clears the memory); then the same for a train of 64 tiny kernels (launch- and
+latency-bound, like a small model's decode step).
 --contention instead times trains of tiny kernels from the host (launch and wait, like an eager
 prefill) right after a release of --gib, alone and beside a thread that creates and maps that memory
-again in pieces of 2 GiB or 256 MiB at full speed (what a wake's background KV mapper does); 2026-12-02:
-at most 9% slower in the first 20 ms either way, so neither alone explains the 1.2-1.6x first request
-after a wake right after a sleep that `bench/sleep_limits.py` measures through the engine.
+again in pieces of 2 GiB or 256 MiB at full speed (what a wake's background KV mapper does).
 --age instead releases --gib in 2 GiB handles at several times after creating (and writing) them, and
-times writing each handle's memory right after it was created against 1 s later (2026-12-02: 0.35,
-0.47, 0.58 and 0.50 ms/GiB at 0, 0.1, 0.4 and 1 s: no trend with age; writing 0.24 ms/GiB either way).
+times writing each handle's memory right after it was created against 1 s later.
+The figures of each mode's runs: docs/measurements.md (2026-11-30 and 2026-12-02, 08:54-09:40 UTC).
 
     python bench/vmm_floor.py --gib 100 --out $OUT/results
     python bench/vmm_floor.py --gib 100 --aftermath

@@ -36,12 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import now_iso, table, timed, write_json  # noqa: E402
-from tests.models import model_folder  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
 from server.weight_transfer import rendezvous  # noqa: E402
 from server.weight_transfer.group import open_group  # noqa: E402
 from server.weight_transfer.protocol import pack_into, plan_buckets  # noqa: E402
 from server.weight_transfer.sender import WeightSender, _Clock  # noqa: E402
-from tests.http_server import ServerProcess  # noqa: E402
+from testkit.http_server import ServerProcess  # noqa: E402
 
 GB = 1e9
 TIMEOUT_S = 120  # a transfer that stalls fails in minutes, and the other modes still run

@@ -148,12 +148,12 @@ def main() -> int:
 
     dummy = args.model in ("llama-1b", "llama-8b", "llama-tiny")
     if dummy:
-        from tests.models import model_folder
+        from testkit.models import model_folder
         folder = str(model_folder(args.model, Path(args.out) / "models"))
     elif args.model:
         folder = args.model
     else:
-        from server.model.loader import resolve_model
+        from server.model.source import resolve_model
         folder = str(resolve_model(None).folder)
     serve_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[serve_dtype]

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu_assets/tokenizer
-src=$(.venv/bin/python -c 'from server.model.loader import resolve_model; print(resolve_model(None).folder)')
+src=$(.venv/bin/python -c 'from server.model.source import resolve_model; print(resolve_model(None).folder)')
 for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
   [ -f "$src/$f" ] && cp "$src/$f" .gpu_assets/tokenizer/
 done

@@ -28,10 +28,10 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
-from http_server import BASE_ARGS, ServerProcess  # noqa: E402
-from test_schema_fuzz import FUZZ_ARGS, KEY, fuzz  # noqa: E402
+from testkit.fuzz import FUZZ_ARGS, KEY, fuzz  # noqa: E402
+from testkit.http_server import BASE_ARGS, ServerProcess  # noqa: E402
 
 PROMPT = "The history of the city of Paris, the capital of France"
 RSS_LIMIT = 64 << 20

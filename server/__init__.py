@@ -11,6 +11,6 @@ def __getattr__(name: str):
         from server.llm import LLM
         return LLM
     if name in ("RequestOutputKind", "SamplingParams", "StructuredOutputs"):
-        from server.engine import params
+        from server.wire import params
         return getattr(params, name)
     raise AttributeError(name)

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from server.api_servers import AUTO, api_server_count, auto_api_server_count
+from server.api.servers import AUTO, api_server_count, auto_api_server_count
 from server.logging_setup import LEVELS
 
 ENV_PREFIX = "SLEEPSERVE_"
@@ -308,11 +308,11 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # every rank but 0 joins rank 0's engine instead: rank 0 starts its own once it knows which it is).
     spawned = None
     if engine_kwargs.get("tp_launch", "spawn") != "torchrun":
-        from server.engine.spawn import spawn_engine
+        from server.api.spawn import spawn_engine
 
         spawned = spawn_engine(settings.api_server_count)
     try:
-        from server.app import serve  # heavy: torch, transformers, FastAPI
+        from server.api.app import serve  # heavy: torch, transformers, FastAPI
         from server.config import EngineConfig
 
         try:
@@ -340,7 +340,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from server.logging_setup import configure_logging
     from server.model.default_model import ModelNotFoundError
-    from server.model.loader import resolve_model
+    from server.model.source import resolve_model
 
     configure_logging(args.log_level)
     model = args.model if args.model is not None else os.environ.get(ENV_PREFIX + "MODEL")

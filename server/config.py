@@ -1,10 +1,23 @@
 """Engine configuration: one dataclass, filled from the CLI, the environment or Python."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: the API process never needs it
+    import torch
+
+PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
+
+
+def profiler_dir() -> Path | None:
+    """Where traces go, when profiling is enabled (VLLM_TORCH_PROFILER_DIR, as vLLM reads it); else None."""
+    value = os.environ.get(PROFILER_DIR_ENV, "").strip()
+    return Path(value) if value else None
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -20,8 +33,9 @@ def parse_size(text: str | int | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# --dtype's names, by the torch dtype each stands for.
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
 @dataclass
@@ -46,7 +60,7 @@ class EngineConfig:
     async_scheduling: bool = True
     # A streaming request's outputs every N steps (its first tokens and its end at once), not every step: N
     # tokens a chunk, so the API process frames, writes and wakes for N times fewer chunks; its own cost per
-    # chunk is mostly the socket write (README, "What misses"). SGLang's --stream-interval; 1: every token.
+    # chunk is mostly the socket write (docs/measurements.md, "What misses its target"). SGLang's --stream-interval; 1: every token.
     stream_interval: int = 1
     seed: int = 0
     # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes
@@ -71,7 +85,7 @@ class EngineConfig:
     # After a sleep that discarded the KV cache, a wake maps this much of it before it returns and
     # the rest in the background (growing chunks); 0 maps it all before the wake returns.
     kv_wake_chunk: int | str | None = "2GiB"
-    # Requests that arrive while paused or asleep (server/engine/hold.py): held until the engine can
+    # Requests that arrive while paused or asleep (server/api/hold.py): held until the engine can
     # serve, bounded in number and in seconds; or, with "reject", refused at once with 503.
     # Every weight update checks on the device that what landed is finite (NaN/Inf refused with 400, the
     # weights then invalid until a good update: server/model/finite.py); one read of each tensor.
@@ -113,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dev = torch.device(self.device)
@@ -123,8 +139,10 @@ class EngineConfig:
         return dev
 
     def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, DTYPES[self.dtype])
         if device.type == "cpu":
             return torch.float32  # bf16 matmuls are slow on most CPUs
         return torch.float16 if checkpoint_dtype in ("float16", "fp16") else torch.bfloat16

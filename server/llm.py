@@ -15,9 +15,9 @@ import torch
 
 from server.config import EngineConfig
 from server.engine.build import build_engine
-from server.engine.outputs import RequestOutput
-from server.engine.params import RequestOutputKind, SamplingParams
-from server.engine.sleep_state import SleepReport
+from server.wire.outputs import RequestOutput
+from server.wire.params import RequestOutputKind, SamplingParams
+from server.wire.sleep_state import SleepReport
 from server.heap import freeze_startup_heap
 
 

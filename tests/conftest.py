@@ -1,4 +1,10 @@
-"""Shared fixtures. The default model is converted once per cache folder (about 40 s the first time)."""
+"""Shared fixtures. The default model is converted once per cache folder (about 40 s the first time).
+
+tests/ follows the source: allocator/, model/, engine/, wire/, api/ (the API process's modules on their own),
+http/ (through the real server), weight_transfer/, bench/ and docker/ (the benchmarks' and the image's
+checks), gpu/ (`-m gpu`, run by `make gpu-check`). Helpers that bench/ and scripts/ use too live in testkit/.
+Checks of the whole repository (layers, docs, testkit imports) sit at the top. No folder has an __init__.py:
+pytest imports each test file by its name, so names stay unique across folders."""
 from __future__ import annotations
 
 import os
@@ -20,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model_folder():
-    from server.model.loader import resolve_model
+    from server.model.source import resolve_model
 
     return resolve_model(None).folder
 

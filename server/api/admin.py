@@ -1,4 +1,4 @@
-"""Dev-mode routes (docs/architecture.md, "Sleep semantics"): mounted only with --dev-mode, behind the admin key.
+"""Dev-mode routes (docs/sleep.md): mounted only with --dev-mode, behind the admin key.
 
 Each route is one engine call; the engine's SleepController says what is allowed (its
 InvalidRequestError, ConflictError and WeightLoadError become 400, 409 and 400 in errors.py). Every
@@ -21,8 +21,8 @@ from server.api.disk_weights import load_from_disk
 from server.api.schemas import UpdateWeightsRequest
 from server.api.server_info import ConfigFormat
 from server.api.server_info import server_info as describe_server
-from server.engine.errors import InvalidRequestError
-from server.engine.sleep_state import SleepReport
+from server.wire.errors import InvalidRequestError
+from server.wire.sleep_state import SleepReport
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], tags=["dev mode"])
 

@@ -14,7 +14,7 @@ from server.api.body import parse_body
 from server.api.formatting import TokenNames, chat_choice, chat_logprobs, envelope, prompt_logprobs_json, usage
 from server.api.schemas import ChatCompletionRequest
 from server.api.streaming import ENCODER, ChunkFrame, events, json_ids, json_str, sse, sse_response
-from server.engine.outputs import RequestOutput
+from server.wire.outputs import RequestOutput
 
 router = APIRouter()
 

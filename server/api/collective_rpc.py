@@ -17,7 +17,7 @@ from pydantic import Field
 
 from server.api.errors import APIError
 from server.api.schemas import RequestBody
-from server.engine.errors import InvalidRequestError
+from server.wire.errors import InvalidRequestError
 
 
 class CollectiveRpcRequest(RequestBody):

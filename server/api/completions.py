@@ -15,9 +15,9 @@ from server.api.formatting import (CompletionLogprobs, TokenNames, completion_ch
                                    envelope, prompt_logprobs_json, usage)
 from server.api.schemas import CompletionRequest, Prompt
 from server.api.streaming import ENCODER, ChunkFrame, events, json_ids, json_str, sse_response
-from server.engine.outputs import CompletionOutput, RequestOutput
-from server.engine.params import InvalidRequestError, SamplingParams
-from server.engine.prompt_check import check_prompt_ids
+from server.wire.outputs import CompletionOutput, RequestOutput
+from server.wire.params import InvalidRequestError, SamplingParams
+from server.wire.prompt_check import check_prompt_ids
 
 router = APIRouter()
 

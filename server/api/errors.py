@@ -13,10 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.engine.sleep_state import SleepState
-from server.engine.errors import ConflictError, EngineDeadError, EngineUnavailableError, InvalidRequestError
-from server.model.finite import NonFiniteWeightsError
-from server.model.loader import WeightLoadError
+from server.wire.sleep_state import SleepState
+from server.wire.errors import (ConflictError, EngineDeadError, EngineUnavailableError, InvalidRequestError,
+                                NonFiniteWeightsError, WeightLoadError)
 
 # The `type` field, by status, following OpenAI's vocabulary.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -89,7 +88,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's own validation covers query parameters (the dev routes); bodies are parsed in body.py.
-        from server.api.body import describe_validation_error
+        from server.api.validation import describe_validation_error
 
         message, param = describe_validation_error(exc.errors(), fastapi=True)
         return error_response(400, message, param)

@@ -9,8 +9,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from server.engine.logprob_list import LogprobList, WireLogprobs
-from server.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from server.wire.logprob_list import LogprobList, WireLogprobs
+from server.wire.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 
 def usage(outs: list[RequestOutput]) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi import Request
 
 from server.api.errors import APIError
-from server.engine.outputs import RequestOutput
-from server.engine.params import SamplingParams
+from server.wire.outputs import RequestOutput
+from server.wire.params import SamplingParams
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ therefore saw no body at all and declared only its own 422, which this server ne
 and fuzzers generated from that document were misled. Here each operation gets its real request
 body (the pydantic model body.py validates against), every status it can answer with OpenAI's error
 object, and a streamed 200 where `stream: true` gives one. A route added without a row here is
-still documented by FastAPI, just without a body; tests/test_reliability_input.py checks the rows.
+still documented by FastAPI, just without a body; tests/http/test_reliability_input.py checks the rows.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from server.engine.params import InvalidRequestError, RequestOutputKind, SamplingParams, StructuredOutputs
+from server.wire.params import InvalidRequestError, RequestOutputKind, SamplingParams, StructuredOutputs
 
 
 class RequestBody(BaseModel):

@@ -17,7 +17,7 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()  # Host / Origin names the dev routes accept beside the bound address
     docs: bool = True                   # serve /docs, /redoc, /openapi.json (behind the key when one is set)
     shutdown_grace_period: float = 10.0  # seconds streams may finish after SIGTERM before they are aborted
-    api_server_count: int = 1           # API processes in front of the engine (server/api_servers.py)
+    api_server_count: int = 1           # API processes in front of the engine (server/api/servers.py)
 
     @property
     def effective_admin_key(self) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from fastapi.responses import StreamingResponse
 
 from server.api.errors import as_api_error, error_body
-from server.engine.sleep_state import SleepState
+from server.wire.sleep_state import SleepState
 
 log = logging.getLogger("sleepserve.api")
 

@@ -12,7 +12,7 @@ from pydantic import Field
 from server.api import generation
 from server.api.body import parse_body
 from server.api.schemas import ChatMessage, ChatTemplateFields, RequestBody
-from server.engine.params import InvalidRequestError
+from server.wire.params import InvalidRequestError
 
 router = APIRouter()
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from server.engine.errors import InvalidRequestError
+from server.wire.errors import InvalidRequestError
 from server.model.tokenizer import import_tokenizer_code, load_tokenizer, render_chat
 
 T = TypeVar("T")
@@ -50,7 +50,7 @@ class TokenizerPreload:
         self._thread.start()
 
     def _load(self, model: str | None) -> None:
-        from server.model.loader import cached_model_folder
+        from server.model.source import cached_model_folder
 
         folder = cached_model_folder(model)
         if folder is None:

@@ -5,7 +5,7 @@ vLLM: POST /init_weight_transfer_engine, /start_weight_update, /update_weights {
 SGLang-style: /init_weights_update_group, /update_weights_from_distributed, /update_weights_from_tensor,
 /update_weights_from_disk, /release_memory_occupation, /resume_memory_occupation, /get_weight_version.
 
-The receiver runs in the engine process (server/weight_transfer/service.py): it writes the model's
+The receiver runs in the engine process (server/engine/transfer_service.py): it writes the model's
 tensors, and CUDA IPC handles can only be opened where the CUDA context is. These routes parse the
 bodies and forward them as engine commands; the event loop stays free (/health answers during a
 transfer).
@@ -19,7 +19,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import Field, ValidationError
 
 from server.api.auth import require_admin_key
-from server.api.body import describe_validation_error, parse_body, read_json
+from server.api.body import parse_body, read_json
+from server.api.validation import describe_validation_error
 from server.api.disk_weights import load_from_disk
 from server.api.errors import APIError
 from server.api.schemas import RequestBody

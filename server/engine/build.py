@@ -1,120 +1,19 @@
-"""build_engine(config): read the model, make the pool, load the weights, size the KV cache, and hand
-the parts to EngineCore. Every check that can fail on a bad flag fails here, before anything serves.
-
-build_rank is the part every tensor-parallel rank runs (rank 0 here, the others in their worker
-processes: server/engine/parallel/)."""
+"""build_engine(config): read the model, build rank 0 (and the other ranks under tensor parallelism),
+size the scheduler, and hand the parts to EngineCore."""
 from __future__ import annotations
 
-import logging
-import os
-import time
-from dataclasses import dataclass, replace
-
-import torch
-
-from allocator import MemoryPool, create_pool
 from server.config import EngineConfig
 from server.engine.core import EngineCore
 from server.engine.kv_cache import BlockManager
-from server.engine.memory_plan import KVChunks, KVPlan, plan_kv_cache
-from server.engine.sleep_plan import OFFLOADED_TAGS
-from server.engine.tags import KV_CACHE, WEIGHTS
-from server.engine.runner import ModelRunner
+from server.engine.memory_plan import KVChunks
+from server.engine.rank import build_rank, position_limit
 from server.engine.sampler import warm_pieces
 from server.engine.scheduler import Scheduler
 from server.model.config import ModelConfig
-from server.model.llama import LlamaForCausalLM
-from server.model.loader import ModelSource, build_model, init_dummy_weights, load_checkpoint, resolve_model
+from server.model.source import resolve_model
 from server.model.shard import TensorParallel
 from server.model.tokenizer import load_tokenizer
-
-log = logging.getLogger("sleepserve.engine")
-
-
-def position_limit(config: EngineConfig, model_config: ModelConfig) -> int:
-    """Positions the model can take: its own limit (or sliding window), or --max-model-len below it."""
-    limit = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        limit = min(limit, model_config.sliding_window)
-    if config.max_model_len and config.max_model_len > limit:
-        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {limit} positions")
-    return config.max_model_len or limit
-
-
-def prepare_backups(pool, only_if_room: bool) -> None:
-    """Pin the host backups of level 1 in the background, once every tag they cover exists (graphs
-    are captured), so the server is ready at once and its first sleep only copies."""
-    nbytes = pool.prepare_backups(OFFLOADED_TAGS, only_if_room=only_if_room)
-    if nbytes:
-        log.info("preparing %.2f GiB of host backups for level-1 sleep in the background", nbytes / 2**30)
-    elif only_if_room:
-        log.info("host backups are not prepared at start-up: they would take more than half of the free host "
-                 "memory (or offload-folder space); the first level-1 sleep allocates them "
-                 "(--prepare-backups on forces it)")
-
-
-@dataclass
-class RankParts:
-    """What one rank builds: its pool, its (shard of the) model, its KV cache and runner."""
-    pool: MemoryPool
-    model: LlamaForCausalLM
-    runner: ModelRunner
-    plan: KVPlan
-    load_seconds: float
-    weight_version: str
-
-
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r of a tensor-parallel group drives the r-th GPU after the one --device names; under
-    torchrun (ranks on several hosts) the LOCAL_RANK-th, torchrun's number for it on its host."""
-    device = config.torch_device()
-    offset = int(os.environ.get("LOCAL_RANK", rank)) if config.tp_launch == "torchrun" else rank
-    if device.type == "cuda" and offset:
-        device = torch.device("cuda", (device.index or 0) + offset)
-    return device
-
-
-def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelConfig, tp: TensorParallel,
-               runner_class: type[ModelRunner] = ModelRunner, **runner_args) -> RankParts:
-    """Pool, model (this rank's shard), weights, KV plan and runner. Every rank of a tensor-parallel
-    group runs this in step: the memory plan and the CUDA-graph capture run collectives."""
-    if tp.enabled and config.kv_wake_chunk:
-        # A KV cache mapped chunk by chunk after a wake is one rank's residency; the ranks' chunks would
-        # differ (their KV heads do): with tensor parallelism a wake maps the whole cache on every rank.
-        config = replace(config, kv_wake_chunk=0)
-    device = rank_device(config, tp.rank)
-    # Plain "cuda" (no index) is the current device already; set_device refuses it.
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
-    dtype = config.torch_dtype(device, model_config.torch_dtype)
-    torch.manual_seed(config.seed)
-    positions = position_limit(config, model_config)
-    pool = create_pool(device, backup_dir=config.offload_dir)
-    t0 = time.perf_counter()
-    model = build_model(model_config, pool, dtype, positions, tp)
-    if config.load_format == "dummy":
-        init_dummy_weights(model, config.seed)
-        weight_version = "dummy"
-    else:
-        load_checkpoint(model, source.folder)
-        weight_version = "initial"
-    load_seconds = time.perf_counter() - t0
-    if config.enable_sleep_mode:
-        pool.check_backup_space([WEIGHTS])  # level 1 offloads them: say now if they cannot fit
-
-    plan = plan_kv_cache(config, model, pool, dtype)
-    if tp.enabled:  # one block manager (rank 0's) indexes every rank's cache: all hold the fewest blocks
-        plan = replace(plan, num_blocks=tp.min(plan.num_blocks))
-    if config.max_model_len and config.max_model_len > plan.capacity_tokens:
-        raise ValueError(
-            f"the KV cache holds {plan.capacity_tokens} tokens, fewer than --max-model-len {config.max_model_len}; "
-            "give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len")
-    runner = runner_class(model, pool, plan.num_blocks, config.block_size, dtype, plan.chunk_bounds, **runner_args)
-    runner.check_finite = config.check_weights_finite
-    runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
-    if config.enable_sleep_mode and config.prepare_backups != "off":
-        prepare_backups(pool, config.prepare_backups == "auto")
-    return RankParts(pool, model, runner, plan, load_seconds, weight_version)
+from server.wire.tags import KV_CACHE
 
 
 def build_engine(config: EngineConfig) -> EngineCore:
@@ -123,7 +22,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     tokenizer = load_tokenizer(source.folder)
     positions = position_limit(config, model_config)
     if config.tensor_parallel_size > 1:
-        from server.engine.parallel.executor import build_parallel
+        from server.engine.parallel.build import build_parallel
 
         parts, pool = build_parallel(config, source, model_config)
     else:
@@ -133,7 +32,11 @@ def build_engine(config: EngineConfig) -> EngineCore:
     blocks = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
     if parts.runner.kv_chunked:
         blocks.residency = KVChunks(parts.pool, KV_CACHE, plan.chunk_bounds)
-    scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(parts.pool.device))
+    max_model_len = min(positions, plan.capacity_tokens)
+    eos_ids = frozenset(model_config.eos_token_ids) | frozenset(
+        [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.batched_tokens(parts.pool.device),
+                          max_model_len=max_model_len, eos_ids=eos_ids, tokenizer=tokenizer)
     if parts.runner.kv_chunked:
         # After a wake, the rest of the KV cache maps in the background, but only while no request
         # runs, or at full speed when the scheduler waits for blocks (MemoryPool.yield_mapping_while).
@@ -143,5 +46,5 @@ def build_engine(config: EngineConfig) -> EngineCore:
         config=config, device=parts.pool.device, dtype=parts.runner.dtype, model_path=source.folder,
         model_config=model_config, served_model_name=config.served_model_name or source.name, tokenizer=tokenizer,
         pool=pool, model=parts.model, runner=parts.runner, blocks=blocks, scheduler=scheduler, kv_plan=plan,
-        max_model_len=min(positions, plan.capacity_tokens), load_seconds=parts.load_seconds,
+        max_model_len=max_model_len, load_seconds=parts.load_seconds,
         weight_version=parts.weight_version)

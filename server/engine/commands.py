@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from server.engine.core import EngineCore
-from server.engine.errors import ConflictError, InvalidRequestError
-from server.engine.outputs import RequestOutput
-from server.engine.params import SamplingParams, StructuredOutputs
-from server.engine.sleep_state import AWAKE, SleepReport
-from server.engine.tags import WEIGHTS
+from server.wire.errors import ConflictError, InvalidRequestError
+from server.wire.outputs import RequestOutput
+from server.wire.params import SamplingParams, StructuredOutputs
+from server.wire.sleep_state import AWAKE, SleepReport
+from server.wire.tags import WEIGHTS
 from server.model.checkpoint_read import read_checkpoint
 
 ENGINE = "engine"

@@ -18,46 +18,35 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
 from allocator import MemoryPool
-from server.config import EngineConfig
-from server.engine.detokenizer import detokenize_step, prefix_stable
-from server.engine.errors import EngineUnavailableError, InvalidRequestError
+from server.config import PROFILER_DIR_ENV, EngineConfig, profiler_dir
+from server.engine.detokenizer import prefix_stable
+from server.wire.errors import EngineUnavailableError, InvalidRequestError, NonFiniteWeightsError
 from server.engine.kv_cache import BlockManager, usable_blocks
-from server.engine.memory_plan import KVPlan
-from server.engine.outputs import RequestOutput
-from server.engine.params import RequestOutputKind, SamplingParams
-from server.engine.prompt_check import check_prompt_ids
-from server.engine.runner import Launched, ModelRunner, Sampled
-from server.engine.scheduler import ScheduledBatch, Scheduler
-from server.engine.sequence import Request, Sequence, SeqStatus, settle_texts
+from server.wire.stats import EngineStats, KVPlan
+from server.wire.outputs import RequestOutput
+from server.wire.params import RequestOutputKind, SamplingParams
+from server.wire.prompt_check import check_prompt_ids
+from server.engine.runner import Launched, ModelRunner
+from server.engine.scheduler import Scheduler, StepUpdate
+from server.engine.step_types import ScheduledBatch
+from server.engine.sequence import Request, Sequence
 from server.engine.sleep_controller import SleepController
-from server.engine.sleep_state import SleepState
-from server.engine.step_profiler import PROFILER_DIR_ENV, StepProfiler, profiler_dir
+from server.wire.sleep_state import SleepState
+from server.engine.step_profiler import StepProfiler
 from server.engine.structured import GrammarCompiler
 from server.model.config import ModelConfig
-from server.model.finite import NonFiniteWeightsError
-from server.model.loader import (WeightLoadError, check_checkpoint, checkpoint_shapes, describe, parameter_names,
+from server.model.loader import (check_checkpoint, checkpoint_shapes, describe, parameter_names,
                                  safetensors_files)
 from server.model.tokenizer import render_chat
 
 log = logging.getLogger("sleepserve.engine")
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    preemptions: int
 
 
 class EngineCore:
@@ -75,8 +64,6 @@ class EngineCore:
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
-        self.eos_ids = frozenset(model_config.eos_token_ids) | frozenset(
-            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.pool = pool
         self.model = model
         self.runner = runner
@@ -88,7 +75,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         # vllm:iteration_tokens_total, as vLLM counts a step: each sequence's whole prompt at the step that
-        # sampled its first token, plus every token sampled. Added up by postprocess; the driver reads and clears it.
+        # sampled its first token, plus every token sampled. Added up by outputs_for; the driver reads and clears it.
         self.step_tokens = 0
         # Set by wire_outputs() in the engine process: what receives each advanced request instead of
         # RequestOutputs built for its on_output.
@@ -106,6 +93,11 @@ class EngineCore:
         # torch.profiler over the steps on demand, where VLLM_TORCH_PROFILER_DIR is set (step_profiler.py).
         folder = profiler_dir()
         self.profiler = StepProfiler(folder, device) if folder is not None else None
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The tokens that end a sequence (the model's and the tokenizer's): the scheduler's, which checks them."""
+        return self.scheduler.eos_ids
 
     @property
     def sleep_state(self) -> SleepState:
@@ -222,63 +214,54 @@ class EngineCore:
         self.drain()
         self.scheduler.preempt_all()
 
+    # -- the step --------------------------------------------------------------------------------------
+
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and return an output for each request it advanced. With async
-        scheduling: launch the next batch, and return the outputs of the one that was in flight."""
+        """schedule -> run -> the scheduler applies the result -> an output for each request it advanced.
+        With async scheduling the device runs each step while the host records the one before."""
         if self.async_scheduling:
             return self._step_async()
-        if not self.can_step:
+        schedule = self.scheduler.schedule() if self.can_step else None
+        if not schedule:
             return []
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        started = time.monotonic()
-        for seq, _ in batch.items:
-            if seq.request.first_scheduled_time is None:
-                seq.request.first_scheduled_time = started
-        sampled, scored = self.runner.execute(batch, self.eos_ids, self.tokenizer)
-        return self.postprocess(batch, sampled, scored)
+        result = self.runner.execute(schedule, self.eos_ids, self.tokenizer)
+        return self.outputs_for(self.scheduler.update_from_output(schedule, result))
 
     def _step_async(self) -> list[RequestOutput]:
+        """Launch step t+1, then record step t (the one in flight) while the device computes t+1."""
         prev, self._inflight = self._inflight, None  # an error below leaves nothing in flight
-        nxt = None
-        if (prev is not None and prev.meta is not None and prev.meta.can_follow and self.sleep_state.can_run
-                and len(prev.hb.sample_seqs) == len(prev.batch.items)):
-            seqs = prev.hb.sample_seqs
-            ahead = self.scheduler.schedule_ahead(seqs, self.max_model_len, prev.mark == self.scheduler.removals)
-            if ahead is not None:
-                batch, rows = ahead
-                nxt = self._launch(batch, prev, rows)
-                self.steps_ahead += 1
-        outputs = self._record(prev) if prev is not None else []
+        nxt = self._launch_ahead(prev) if prev is not None else None
+        outputs = self._record(prev)
         if nxt is None and self.scheduler.has_work and self.sleep_state.can_run:
-            batch = self.scheduler.schedule()
-            if batch:
-                nxt = self._launch(batch)
+            nxt = self._launch(self.scheduler.schedule())
         self._inflight = nxt
         return outputs
 
-    def _launch(self, batch: ScheduledBatch, after: Launched | None = None, rows: list[int] | None = None
-                ) -> Launched:
-        started = time.monotonic()
-        for seq, _ in batch.items:
-            if seq.request.first_scheduled_time is None:
-                seq.request.first_scheduled_time = started
-        launched = self.runner.launch(batch, self.eos_ids, self.tokenizer, after, rows)
-        launched.mark = self.scheduler.removals
-        return launched
+    def _launch_ahead(self, prev: Launched) -> Launched | None:
+        """When every sequence of the step in flight goes on decoding, the next step is scheduled before its
+        tokens reach the host and takes its input ids from the device tensor they are sampled into; a
+        sequence that stops there computes one token too many, which update_from_output drops. None when
+        the next step needs the host's results first (admissions, chunks, grammars, penalties, preemption)."""
+        if (prev.meta is None or not prev.meta.can_follow or not self.sleep_state.can_run
+                or len(prev.hb.sample_seqs) != len(prev.batch.items)):
+            return None
+        ahead = self.scheduler.schedule_ahead(prev.hb.sample_seqs, prev.batch.mark == self.scheduler.removals)
+        if ahead is None:
+            return None
+        self.steps_ahead += 1
+        return self._launch(ahead[0], prev, ahead[1])
 
-    def _record(self, launched: Launched) -> list[RequestOutput]:
-        """postprocess() a launched step once its tokens are on the host. A sequence that ended after it was
-        scheduled (a stop in the step before, an abort) is no longer running: what it computed is dropped."""
-        sampled, scored = launched.collect()
-        batch = launched.batch
-        if launched.mark != self.scheduler.removals:  # some left `running` since: keep those that did not
-            items = [it for it in batch.items if it[0].status is SeqStatus.RUNNING]
-            if len(items) < len(batch.items):
-                batch = ScheduledBatch(items, batch.preempted, sum(n for _, n in items))
-                sampled = [x for x in sampled if x[0].status is SeqStatus.RUNNING]
-        return self.postprocess(batch, sampled, scored)
+    def _launch(self, batch: ScheduledBatch, after: Launched | None = None, rows: list[int] | None = None
+                ) -> Launched | None:
+        if not batch:
+            return None
+        return self.runner.launch(batch, self.eos_ids, self.tokenizer, after, rows)
+
+    def _record(self, launched: Launched | None) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them (Scheduler.update_from_output)."""
+        if launched is None:
+            return []
+        return self.outputs_for(self.scheduler.update_from_output(launched.batch, launched.collect()))
 
     def set_async_scheduling(self, on: bool) -> None:
         """Turn async scheduling on or off between steps (the benches compare both on one engine)."""
@@ -291,7 +274,7 @@ class EngineCore:
         back: a pause, sleep or weight update (each drains first) must not keep a stream's tokens through
         it, nor send old weights' tokens in one chunk with the new ones'. Returns the outputs it made."""
         prev, self._inflight = self._inflight, None
-        outputs = self._record(prev) if prev is not None else []
+        outputs = self._record(prev)
         for req in list(self.requests.values()):
             if req.steps_unsent:
                 req.steps_unsent = 0
@@ -300,75 +283,17 @@ class EngineCore:
                     outputs.append(out)
         return outputs
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[Sampled],
-                    scored: Iterable[tuple[Request, list]] = ()) -> list[RequestOutput]:
-        """Record what a step computed: the KV progress (the scheduler's), prompt log-probs, the
-        sampled tokens, the requests that finished. Returns an output for each request advanced.
-
-        One pass over the sequences does what each needs (append, the end checks, request times), so the
-        work per sequence is a few attribute reads for one that goes on; the text of every continuing
-        sequence is one detokenizer call for the step, then the checks that need the text (stop strings,
-        grammar, length). Grammars consume their tokens first (in parallel), and start on the next
-        step's masks."""
-        self.scheduler.advance(batch)
-        for req, entries in scored:
-            req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
-        complete = self.runner.masks.advance(sampled)
-        eos_ids, max_len = self.eos_ids, self.max_model_len
-        now = time.monotonic()
-        texts: list[Sequence] = []
-        pairs: list[tuple] = []
-        ended: list[Sequence] = []
-        touched: dict[str, Request] = {}
-        first: set[str] = set()
-        req = None
-        for seq, token, logprobs in sampled:
-            if seq.request is not req:  # a request's sequences are mostly side by side
-                req = seq.request
-                if req.request_id not in touched:
-                    if req.first_token_time is None:
-                        req.first_token_time = now
-                        first.add(req.request_id)
-                    req.last_token_time = now
-                    touched[req.request_id] = req
-            if seq.append_token(token, logprobs, eos_ids):
-                if seq.lazy_text:  # no text before the end: only the length and grammar checks
-                    seq.append_text("", max_len, seq.seq_id in complete)
-                    if seq.finish_reason is not None:
-                        ended.append(seq)
-                    continue
-                d = seq.detok or seq.detokenizer(self.tokenizer)
-                piece = d.add_whole(token) if d.clean else None  # most tokens of a step: no decode
-                if piece is not None:
-                    seq.append_text(piece, max_len, seq.seq_id in complete)
-                    if seq.finish_reason is not None:
-                        ended.append(seq)
-                    continue
-                texts.append(seq)
-                pairs.append((d, token))
-            else:
-                ended.append(seq)
-        if texts:
-            stopped = len(ended)
-            for seq, delta in zip(texts, detokenize_step(pairs)):
-                seq.append_text(delta, max_len, seq.seq_id in complete)
-                if seq.finish_reason is not None:
-                    ended.append(seq)
-            if 0 < stopped < len(ended):  # free blocks in the batch's order, as one pass would
-                order = {id(x[0]): i for i, x in enumerate(sampled)}
-                ended.sort(key=lambda s: order[id(s)])
-        self.step_tokens += len(sampled) + sum(len(touched[r].prompt_token_ids) * len(touched[r].seqs) for r in first)
-        settle_texts(ended)  # the lazy texts of every sequence that ended here, decoded together
-        done: set[str] = set()
-        for seq in ended:
-            self.scheduler.finish(seq)
-            done.add(seq.request.request_id)
+    def outputs_for(self, update: StepUpdate) -> list[RequestOutput]:
+        """An output for each request the step advanced: its first tokens (admission, time to first token)
+        and its end at once, others every --stream-interval steps, FINAL_ONLY ones at the end only."""
+        self.step_tokens += update.sampled + sum(len(update.touched[r].prompt_token_ids) * len(update.touched[r].seqs)
+                                                 for r in update.first)
         outputs = []
         interval = self.config.stream_interval
-        for rid, req in touched.items():
-            if rid in done and req.finished:
+        for rid, req in update.touched.items():
+            if rid in update.done and req.finished:
                 self.requests.pop(rid, None)
-            elif rid not in first:  # its first tokens (admission, time to first token) and its end go at once
+            elif rid not in update.first:
                 if req.params.output_kind is RequestOutputKind.FINAL_ONLY:
                     continue
                 req.steps_unsent += 1
@@ -464,6 +389,31 @@ class EngineCore:
             source = str(folder)
         return loaded, source
 
+    # -- weight updates in pieces (the transfer service's engine-thread half; policy: SleepController) ---
+
+    def open_weight_session(self) -> dict:
+        return self.sleep_control.open_weight_session()
+
+    def begin_weight_write(self) -> None:
+        self.sleep_control.check_weight_update()
+        self.drain()  # a step in flight (async scheduling) reads the weights: it ends before the first byte lands
+        self.sleep_control.begin_weight_write()
+
+    def end_weight_write(self, loaded: set[str], failed: bool) -> dict | None:
+        """Returns the session's report when this write was a whole session of its own, else None."""
+        if self.sleep_control.end_weight_write(loaded, failed):
+            return self.finish_weight_session(None)
+        return None
+
+    def finish_weight_session(self, weight_version: str | None) -> dict:
+        end = self.sleep_control.finish_weight_session(weight_version, parameter_names(self.model))
+        if end.rewrite_buffers:
+            self.model.init_buffers()
+        if end.forget_kv:  # requests kept by a pause recompute their KV on the new weights
+            self.preempt_all()
+            self.blocks.reset_prefix_cache()
+        return end.report
+
     def close(self) -> None:
         if self.profiler is not None and self.profiler.running:
             try:  # a trace left running is written, not lost
@@ -479,4 +429,4 @@ class EngineCore:
         self.pool.close()
 
 
-__all__ = ["EngineCore", "EngineStats", "WeightLoadError"]
+__all__ = ["EngineCore"]

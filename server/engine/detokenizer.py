@@ -166,7 +166,7 @@ def detokenize_step(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str
     Most tokens take the fast path: a detokenizer whose window is whole tokens with no bytes pending
     (`clean`) and a new token that decodes to whole characters (or to nothing): its text is the token's cached text,
     with no window built, joined or compared (what add() would return, by the byte-level decoder's
-    concatenation; tests/test_detokenizer.py checks it on random ids). The others are decoded together."""
+    concatenation; tests/engine/test_detokenizer.py checks it on random ids). The others are decoded together."""
     out: list[str] = [""] * len(pairs)
     slow: list[int] = []
     for i, (d, t) in enumerate(pairs):
@@ -197,7 +197,7 @@ def detokenize_step(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str
 def prefix_stable(tokenizer) -> bool:
     """Whether decoding the tokens of a text in one go gives what IncrementalDetokenizer gives token by
     token (concatenated, with its flush): true of a fast tokenizer that cleans up no spaces (the decode of
-    a longer window then extends the shorter one's text; tests/test_detokenizer.py checks it on random ids)."""
+    a longer window then extends the shorter one's text; tests/engine/test_detokenizer.py checks it on random ids)."""
     return decodes_in_one_call(tokenizer)
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.random import philox, uint_to_uniform_float
 
-from server.engine.sampler import LOGPROB_FLOOR
+from server.wire.outputs import LOGPROB_FLOOR
 # Each row is cut into chunks of CHUNK columns, one program each (16 for a 128k vocabulary), so a few rows
 # still spread over the device: the draw's random numbers and logarithms, not the bytes, bound a row.
 # A chunk is 4 tiles of 4 quarters: one Philox call gives the 4 quarters' numbers.

@@ -13,11 +13,9 @@ sampled into a pinned buffer with fill_next_token_bitmask_par (llguidance's thre
 releases the GIL for the whole computation) while the device computes the logits, then queues their
 transfer and application. Only this module touches a sequence's matcher after it is created.
 
-A worker thread that computed the masks ahead (started by advance(), during postprocess, schedule and
-prepare) was removed: on the H200 at commit 458bc3d (llama-1b, JSON schema on every sequence, 5
-interleaved rounds) it cost 7.7% at batch 32 and 6.2% at batch 1 against 3.2% and -2.3% for this path,
-and at batch 32 the engine thread still waited 395 us a step for it (it needs the GIL to start and to
-finish each job while the engine thread runs Python).
+No worker thread computes the masks ahead: one that did cost more (H200, llama-1b, a JSON schema on every
+sequence: 7.7% a step at batch 32 against 3.2% for this path), since it needs the GIL to start and finish
+each job while the engine thread runs Python.
 
 The masks stay packed (one bit per token, 32x less than a bool mask) until the device: one transfer,
 then one expression unpacks them and fills the forbidden logits with -inf for every row at once.

@@ -17,16 +17,29 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from server.engine.kv_cache import NULL_BLOCK
-from server.engine.tags import CUDA_GRAPH
+from server.wire.tags import CUDA_GRAPH
 from server.model.attention import AttentionContext
 
 if TYPE_CHECKING:
-    from server.engine.runner import HostBatch, ModelRunner
+    from server.engine.host_batch import DecodeTables, HostBatch
+
+class GraphRunner(Protocol):
+    """What the graphs read of the runner that captures and replays them (runner.py's ModelRunner)."""
+    pool: Any
+    device: torch.device
+    model: Any
+    block_size: int
+    split_counts: Any
+    decode_tables: "DecodeTables"
+    launched: float
+
+    def to_device(self, hb: "HostBatch") -> tuple: ...
+
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -39,7 +52,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", buckets: list[int]):
+    def __init__(self, runner: GraphRunner, buckets: list[int]):
         self.runner = runner
         self.buckets = buckets
         pool, dev = runner.pool, runner.device
@@ -85,7 +98,7 @@ class DecodeGraphs:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, runner: "ModelRunner", max_num_seqs: int) -> "DecodeGraphs":
+    def capture(cls, runner: GraphRunner, max_num_seqs: int) -> "DecodeGraphs":
         t0 = time.perf_counter()
         self = cls(runner, batch_buckets(max_num_seqs))
         self._capture_all(warmups=2)

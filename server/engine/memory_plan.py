@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from allocator import PoolError
 from server.config import EngineConfig
-from server.engine.kv_cache import usable_blocks
+from server.wire.stats import KVPlan
 from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
 
@@ -27,26 +27,6 @@ GRAPH_RESERVE_BYTES = 512 << 20
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for block_size tokens."""
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-
-
-@dataclass(frozen=True)
-class KVPlan:
-    num_blocks: int          # including the reserved NULL_BLOCK
-    block_size: int
-    bytes: int
-    bytes_per_block: int
-    activation_peak: int = 0
-    # Block indices where the cache's memory chunks start and end (0, ..., num_blocks), or () for
-    # one piece: after a sleep, a wake maps the first chunk and the rest follow in the background.
-    chunk_bounds: tuple[int, ...] = ()
-
-    @property
-    def usable_blocks(self) -> int:
-        return usable_blocks(self.num_blocks)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.usable_blocks * self.block_size
 
 
 # Each chunk after the first is this many times the previous one: a wake costs the first chunk only,

@@ -1,5 +1,5 @@
 """The engine process: `python -m server.engine.process --fd N`, started by the API process
-(server/engine/client.py) with one end of a socket pair as fd N.
+(server/api/engine_client.py) with one end of a socket pair as fd N.
 
 It owns EngineCore (scheduler, pool, sleep state machine, model) and the weight-transfer receiver,
 since both write the model's tensors; the API process never creates a CUDA context. Threads:
@@ -8,7 +8,7 @@ since both write the model's tensors; the API process never creates a CUDA conte
   replies, the status);
 - a reader thread receives commands and queues them (ENGINE commands) or hands them to a command
   thread (THREAD commands: compiles, disk reads, joining a transfer group);
-- command threads, and the weight-transfer thread (server/weight_transfer/service.py), which hands a
+- command threads, and the weight-transfer thread (server/engine/transfer_service.py), which hands a
   receive's end back to the engine thread (an ENGINE command answered by a future).
 The process ends when the API asks (`shutdown`) or goes away (end of the channel, or its death
 signal: the kernel kills this process if the API process dies, so no engine outlives its server).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import queue
@@ -34,13 +33,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from server.engine.channel import (Call, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed,
-                                   Status, SyncChannel, WireError, encode_delta)
+from server.wire.messages import (Call, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed,
+                                   Status, SyncChannel, WireError)
+from server.engine.deltas import encode_delta
 from server.engine.commands import ENGINE, EngineCommands
 from server.engine.core import EngineCore
-from server.engine.outputs import RequestOutput
+from server.wire.outputs import RequestOutput
 from server.engine.sequence import Request
 from server.heap import freeze_startup_heap
+from server.process_death import die_with_parent
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -95,12 +96,13 @@ class EngineServer:
         self._sent_stats: Any = None
         transfers = None
         if transfer_config is not None:
-            from server.weight_transfer.service import WeightTransferService
+            from server.engine.transfer_service import WeightTransferService
             transfers = WeightTransferService(transfer_config, core, self.on_engine, self._submit)
         self.transfers = transfers
         self.commands = EngineCommands(core, self.on_engine, self._emit, transfers)
         core.wire_outputs(self._emit_request)  # only what is new crosses, encoded from the request itself
         core.runner.watch(self._rank_lost)
+        self._failures = 0  # steps failed in a row
 
     def _rank_lost(self, error: BaseException) -> None:
         """A tensor-parallel worker died (any thread): nothing can run again. The step that was running
@@ -300,53 +302,61 @@ class EngineServer:
                         self._stop = True  # the API is gone; the reader thread says so too
 
     def run(self) -> None:
+        """The engine thread: commands in the order they came, a pending sleep between steps, a step."""
         self._engine_thread = threading.current_thread()
         core = self.core
-        failures = 0
         while not self._stop:
             self._drain()
             # Only mode=wait waits for the requests in flight; abort and keep sleep at once (between steps).
-            if core.sleep_control.ready:
-                try:
-                    core.sleep_control.finish_sleep()  # its on_done answers the caller
-                except BaseException:
-                    log.exception("sleep failed")
-                self._stats = core.stats()
+            if core.sleep_control.pending:
+                self._finish_sleep_if_ready()
             if core.can_step and self.dead is None:
                 if not core.scheduler.running and time.monotonic() - self._last_step > ADMIT_QUIET_S:
                     self._gather_arrivals()
                     if not core.can_step or self._stop:
                         continue
-                try:
-                    started = time.monotonic()
-                    core.step()
-                    self._steps += 1
-                    took = time.monotonic() - started
-                    if took > SLOW_S:
-                        log.warning("engine step %d took %.2f s (%d sequences running)", self._steps, took,
-                                    len(core.scheduler.running))
-                    failures = 0
-                    if core.step_tokens:
-                        self._step_tokens.append(core.step_tokens)
-                        core.step_tokens = 0
-                except Exception as e:  # a failed step must not take the server down...
-                    log.exception("engine step failed; aborting the requests in flight")
-                    self._fail_all(e)
-                    failures += 1
-                    if failures >= MAX_CONSECUTIVE_FAILURES:
-                        # ...but a step that keeps failing (a lost device, a corrupted context)
-                        # means nothing can be served: say so instead of failing every request.
-                        log.critical("%d steps failed in a row; the engine is dead: %s", failures, e)
-                        self.dead = str(e)
-                self._stats = core.stats()
+                self._step()
                 self.flush()
-                self._last_step = time.monotonic()
             else:
                 self.flush()
                 self._wake.wait(0.5)
                 self._wake.clear()
         self._drain()  # the shutdown's reply
         self.flush()
+
+    def _finish_sleep_if_ready(self) -> None:
+        try:
+            if self.core.sleep_control.finish_sleep_if_ready() is not None:  # its on_done answers the caller
+                self._stats = self.core.stats()
+        except BaseException:
+            log.exception("sleep failed")
+            self._stats = self.core.stats()
+
+    def _step(self) -> None:
+        """One core step; a failed step fails the requests in flight, and one that keeps failing (a lost
+        device, a corrupted context) marks the engine dead instead of failing every request after it."""
+        core = self.core
+        try:
+            started = time.monotonic()
+            core.step()
+            self._steps += 1
+            took = time.monotonic() - started
+            if took > SLOW_S:
+                log.warning("engine step %d took %.2f s (%d sequences running)", self._steps, took,
+                            len(core.scheduler.running))
+            self._failures = 0
+            if core.step_tokens:
+                self._step_tokens.append(core.step_tokens)
+                core.step_tokens = 0
+        except Exception as e:
+            log.exception("engine step failed; aborting the requests in flight")
+            self._fail_all(e)
+            self._failures += 1
+            if self._failures >= MAX_CONSECUTIVE_FAILURES:
+                log.critical("%d steps failed in a row; the engine is dead: %s", self._failures, e)
+                self.dead = str(e)
+        self._stats = core.stats()
+        self._last_step = time.monotonic()
 
     def _gather_arrivals(self) -> None:
         """The admission window (ADMIT_QUIET_S): requests reached an idle engine; take in those still
@@ -399,17 +409,6 @@ def info_of(core: EngineCore) -> EngineInfo:
                       kv_plan=core.kv_plan, ranks=core.runner.ranks())
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel sends SIGKILL to this process when the API process dies (kill -9 included),
-    so an engine never outlives its server holding device memory, even mid-step."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.engine.process",
                                  description="sleepserve's engine process (started by `sleepserve serve`)")
@@ -418,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                          "the engine")
     ap.add_argument("--parent", type=int, required=True, help="the API process's pid")
     args = ap.parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     # Ctrl-C (and systemd's SIGTERM to the whole control group) reaches this process too: the API
     # process runs the graceful shutdown and then tells this one to stop, so the engine keeps serving
     # the requests that finish meanwhile. SIGKILL still ends it (and the API then exits with code 3).
@@ -467,7 +466,7 @@ def _serve(chans: list[SyncChannel], start: Start, build_engine: Callable[..., E
     process's exit code. Runs on the engine thread."""
     from allocator import PoolError
     from server.model.default_model import ModelNotFoundError
-    from server.model.loader import WeightLoadError
+    from server.wire.errors import WeightLoadError
 
     chan = chans[0]
     try:

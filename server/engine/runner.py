@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -19,104 +18,33 @@ import torch
 
 from allocator import PoolError
 from server.engine.grammar_masks import GrammarMasks, bit_values_on
+from server.engine.host_batch import DecodeTables, HostBatch, continuing
 from server.engine.kv_cache import NULL_BLOCK
-from server.engine.logprob_list import WireLogprobs
-from server.engine.outputs import TokenLogprobs
+from server.wire.outputs import TokenLogprobs
 from server.engine.sampler import DeviceSample, SamplingMeta, prompt_logprobs, read_sample, sample, sample_on_device
-from server.engine.scheduler import ScheduledBatch
-from server.engine.sequence import Request, Sequence
-from server.engine.tags import CUDA_GRAPH, KV_CACHE
+from server.engine.step_types import ScheduledBatch, StepResult
+from server.engine.sequence import Request, Sequence, SeqStatus
+from server.wire.tags import CUDA_GRAPH, KV_CACHE
 from server.model.attention import (AttentionContext, PrefillPlan, PrefillSpan, prefill_tile_rows, prefill_tile_tokens,
                                     prefill_tiles)
 from server.model.kv_layout import attach, kv_cache_shape
 from server.model.llama import LlamaForCausalLM
 from server.model.finite import FiniteCheck
 from server.model.loader import copy_weights, init_dummy_weights, iter_checkpoint, parameter_names
-from server.model.ops import ops_for
+from server.model.ops import TorchOps
 
 log = logging.getLogger("sleepserve.engine")
 
 
-Sampled = tuple[Sequence, int, "WireLogprobs | None"]  # a sequence, its new token, its logprobs (logprob_list.py)
 
 
-@dataclass
-class HostBatch:
-    """A step's inputs as plain lists, before they go to the device (in one copy)."""
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    decode_tables: list[list[int]]
-    decode_lens: list[int]
-    spans: list[tuple[int, int, int, list[int]]]   # (offset, new tokens, context length, block table)
-    sample_rows: list[int]                          # rows of the flat batch whose logits are sampled
-    sample_seqs: list[Sequence]
-    # Prompt log-probs: rows whose logits score the next prompt token, that token, and per request
-    # how many of those rows (in order) are its next entries.
-    prompt_rows: list[int] = field(default_factory=list)
-    prompt_targets: list[int] = field(default_factory=list)
-    prompt_groups: list[tuple[Request, int]] = field(default_factory=list)
-    # Async scheduling: the input ids as a device tensor (the previous step's sampled tokens, in row
-    # order) instead of `ids`, which then holds placeholders: they never went through the host.
-    # ids_rows: which of the previous step's sampled rows they are (a tensor-parallel worker picks the
-    # same rows of the tokens rank 0 broadcast to it).
-    ids_from: torch.Tensor | None = None
-    ids_rows: list[int] | None = None
+def _ops_for(device: torch.device):
+    """The model's kernels: Triton's fused ones on CUDA (imported only there), plain PyTorch elsewhere."""
+    if device.type == "cuda":
+        from server.model.fused_ops import TritonOps
 
-    @property
-    def decode_only(self) -> bool:
-        return not self.spans
-
-
-def continuing(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """tokens[rows] on the device (rows: ascending, a subset of range(len(tokens))), without waiting for it:
-    the index crosses pinned and non-blocking (a blocking copy would wait for the step that writes tokens)."""
-    if len(rows) == tokens.shape[0]:
-        return tokens
-    index = torch.tensor(rows)
-    if tokens.device.type == "cuda":
-        index = index.pin_memory().to(tokens.device, non_blocking=True)
-    return tokens[index]
-
-
-def pad_tables(tables: list[list[int]], width: int, out: np.ndarray) -> None:
-    """Write block tables into out [len(tables), width] (int64), each padded with NULL_BLOCK: the blocks
-    of all tables cross into numpy in one conversion and land by one mask, not a copy per row."""
-    if not tables:
-        return
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
-    out[...] = NULL_BLOCK
-    out[np.arange(width)[None, :] < lens[:, None]] = flat
-
-
-class DecodeTables:
-    """The padded block tables of the last batch of decodes, kept from step to step: a steady batch (the same
-    sequences in the same order) changes a row only when its sequence takes a new block (1 step in 16), so
-    a step writes those rows' new blocks instead of every table's blocks. A sequence's table only grows in
-    place (append) or is replaced by a new list (admission, preemption, finish: kv_cache.py), so a row is
-    current while its table is the same object with the same length; the tables are held, so no id repeats."""
-
-    def __init__(self) -> None:
-        self.refs: list[list[int]] = []
-        self.lens = np.zeros(0, dtype=np.int64)
-        self.array = np.zeros((0, 0), dtype=np.int64)
-
-    def padded(self, tables: list[list[int]], width: int) -> np.ndarray:
-        """tables as [len(tables), width] int64, each row padded with NULL_BLOCK (a view: copy it out)."""
-        n = len(tables)
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-        arr = self.array
-        if n == len(self.refs) and width <= arr.shape[1] and all(map(operator.is_, tables, self.refs)):
-            for i in np.flatnonzero(lens != self.lens).tolist():
-                old, row = int(self.lens[i]), tables[i]
-                arr[i, old:len(row)] = row[old:]
-        else:
-            arr = self.array = np.empty((n, width + 16), dtype=np.int64)  # room for 16 more blocks each
-            pad_tables(tables, arr.shape[1], arr)
-            self.refs = list(tables)
-        self.lens = lens
-        return arr[:, :width]
+        return TritonOps
+    return TorchOps
 
 
 class ModelRunner:
@@ -174,7 +102,7 @@ class ModelRunner:
     def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
         CUDA graphs for decode batches (captured once, their memory in the pool)."""
-        self.model.ops = ops_for(self.device)
+        self.model.ops = _ops_for(self.device)
         self.max_num_seqs = max_num_seqs
         self._warm_up()
         if self.device.type != "cuda":
@@ -375,8 +303,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]), prompt_hidden
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer
-                ) -> tuple[list[Sampled], list[tuple[Request, list[TokenLogprobs]]]]:
+    def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int], tokenizer) -> StepResult:
         """(sampled tokens, new prompt log-prob entries per request), both from this one forward."""
         return self.launch(batch, eos_ids, tokenizer, feeds_next=False).collect()
 
@@ -398,26 +325,36 @@ class ModelRunner:
                 scored.append((req, entries[at:at + count]))
                 at += count
         if not hb.sample_seqs:
-            return Launched(batch, hb, None, None, scored, tokenizer)
+            return Launched(batch, hb, None, None, scored, tokenizer, self)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
             meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
         if meta.grammar:  # the grammar first: what it forbids is never sampled, whatever else applies
             self.masks.apply(logits, hb.sample_seqs)
         ds = sample_on_device(logits, hb.sample_seqs, eos_ids, meta)
-        return Launched(batch, hb, ds, meta, scored, tokenizer)
+        return Launched(batch, hb, ds, meta, scored, tokenizer, self)
 
     @torch.inference_mode()
-    def sample(self, hb: HostBatch, logits: torch.Tensor, eos_ids: frozenset[int], tokenizer) -> list[Sampled]:
+    def sample(self, hb: HostBatch, logits: torch.Tensor, eos_ids: frozenset[int], tokenizer) -> StepResult:
+        """Sample on the host's time, synchronously (bench/step_profile.py times the stages one by one)."""
         if not hb.sample_seqs:
-            return []
+            return StepResult()
         # The grammar first: what it forbids is never sampled, whatever else applies.
         self.masks.apply(logits, hb.sample_seqs)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
             meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
         tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta)
-        return list(zip(hb.sample_seqs, tokens, logprobs))
+        return self.result(hb.sample_seqs, tokens, logprobs, [])
+
+    def result(self, seqs: list[Sequence], tokens: list[int], logprobs: list | None,
+               scored: list[tuple[Request, list[TokenLogprobs]]]) -> StepResult:
+        """The step's plain result; the grammars consume the sampled tokens first (their matchers are the
+        masks' state, and the next step's masks start computing now)."""
+        running = SeqStatus.RUNNING  # a row computed after its sequence ended (async scheduling) is dropped
+        done = self.masks.advance([(s, t) for s, t in zip(seqs, tokens) if s.matcher is not None and s.status is running])
+        return StepResult([s.seq_id for s in seqs], tokens, logprobs,
+                          [(req.request_id, entries) for req, entries in scored], done)
 
 
 @dataclass
@@ -430,15 +367,17 @@ class Launched:
     meta: SamplingMeta | None
     scored: list[tuple[Request, list[TokenLogprobs]]]
     tokenizer: object
-    mark: tuple = ()  # Scheduler.removals when it was launched (EngineCore: whether all its sequences still run)
+    runner: "ModelRunner | None" = None
 
     @property
     def tokens(self) -> torch.Tensor | None:
         """The sampled tokens on the device, one per hb.sample_seqs, in order."""
         return None if self.sampled is None else self.sampled.tokens
 
-    def collect(self) -> tuple[list[Sampled], list[tuple[Request, list[TokenLogprobs]]]]:
+    def collect(self) -> StepResult:
+        """Wait for the sampled tokens and return the step's plain result."""
+        assert self.runner is not None
         if self.sampled is None:
-            return [], self.scored
+            return self.runner.result([], [], None, self.scored)
         tokens, logprobs = read_sample(self.sampled, self.hb.sample_seqs, self.meta, self.tokenizer)  # type: ignore[arg-type]
-        return list(zip(self.hb.sample_seqs, tokens, logprobs)), self.scored
+        return self.runner.result(self.hb.sample_seqs, tokens, logprobs, self.scored)

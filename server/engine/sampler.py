@@ -13,10 +13,9 @@ from typing import Callable
 import torch
 
 from server.engine.detokenizer import decode_many, decodes_in_one_call
-from server.engine.outputs import Logprob, TokenLogprobs
+from server.wire.outputs import LOGPROB_FLOOR, Logprob, TokenLogprobs
 from server.engine.sequence import Sequence
 
-LOGPROB_FLOOR = -9999.0
 # Plain sampling (no log-probs) of at least this many rows goes through the fused kernels on CUDA
 # (bench/sampler.py on the H200: 64 rows 0.17 / 0.16 ms torch / fused, 256 rows 0.45 / 0.16).
 FUSED_MIN_ROWS = 128

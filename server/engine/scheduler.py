@@ -3,39 +3,41 @@
 Each step: running sequences first (a decode is one token; an unfinished prompt continues with a
 chunk), oldest first; if blocks run out, the newest running sequence is preempted (its blocks are
 freed and it waits to be recomputed). Then waiting sequences are admitted while the budget, the
-sequence limit and free blocks allow. After the batch ran, advance() records its progress.
+sequence limit and free blocks allow. After the batch ran, update_from_output() applies its result.
 
-The scheduler is the one writer of Sequence.num_computed (how many tokens have KV in the cache):
-admission sets it to the cached prefix, advance() adds what a step computed, preemption and
-finishing reset it.
+The scheduler is the one writer of a sequence's progress: Sequence.num_computed (how many tokens have
+KV in the cache: admission sets it to the cached prefix, a step's result adds what it computed,
+preemption and finishing reset it), its tokens, text and end (update_from_output), and its status.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from server.engine.detokenizer import detokenize_step
 from server.engine.kv_cache import BlockManager
-from server.engine.sequence import Sequence, SeqStatus
+from server.engine.sequence import Request, Sequence, SeqStatus, settle_texts
+from server.engine.step_types import ScheduledBatch, StepResult
 
 
 @dataclass
-class ScheduledBatch:
-    items: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
-    preempted: int = 0
-    num_tokens: int = 0  # the sum of new tokens
-
-    @property
-    def decode_only(self) -> bool:
-        """Every item is one token (the steady state of generation)."""
-        return self.num_tokens == len(self.items)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
+class StepUpdate:
+    """What update_from_output changed, for the core's outputs: the requests the step advanced (in order),
+    those that got their first token now, and those with a sequence that ended."""
+    touched: dict[str, Request] = field(default_factory=dict)
+    first: set[str] = field(default_factory=set)
+    done: set[str] = field(default_factory=set)
+    sampled: int = 0  # tokens sampled (vllm:iteration_tokens_total counts them)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 max_model_len: int = 1 << 62, eos_ids: frozenset[int] = frozenset(), tokenizer=None):
         self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.eos_ids = eos_ids
+        self.tokenizer = tokenizer  # the text of each new token (stop strings), in update_from_output
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -78,7 +80,9 @@ class Scheduler:
                 i += 1
         batch.num_tokens = self.max_num_batched_tokens - budget
         if batch.preempted:
+            batch.mark = self.removals
             return batch  # no admissions while the cache is under pressure
+        now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.blocks.match_prefix(seq)
@@ -87,16 +91,19 @@ class Scheduler:
             if not self.blocks.admit(seq, cached, start + n):
                 break
             seq.num_computed = seq.num_cached_tokens = start
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.items.append((seq, n))
             budget -= n
         batch.num_tokens = self.max_num_batched_tokens - budget
+        batch.mark = self.removals
         return batch
 
-    def schedule_ahead(self, seqs: list[Sequence], max_model_len: int,
-                       all_running: bool = False) -> tuple[ScheduledBatch, list[int]] | None:
+    def schedule_ahead(self, seqs: list[Sequence], all_running: bool = False
+                       ) -> tuple[ScheduledBatch, list[int]] | None:
         """Async scheduling (core.py): the next decode step of `seqs`, the sequences the step in flight
         samples, before its tokens reach the host. Each goes on with one token at position num_tokens (the
         token in flight) and gets the block for it now, except a sequence that ends with the token in flight
@@ -114,7 +121,7 @@ class Scheduler:
             live = [i for i, s in enumerate(seqs) if s.status is running]  # not aborted meanwhile
         if len(live) != len(self.running) or len(live) > self.max_num_batched_tokens:
             return None
-        bs, blocks = self.blocks.block_size, self.blocks
+        bs, blocks, max_model_len = self.blocks.block_size, self.blocks, self.max_model_len
         batch = ScheduledBatch()
         items = batch.items
         rows = []
@@ -133,10 +140,92 @@ class Scheduler:
         if not rows:
             return None
         batch.num_tokens = len(rows)
+        batch.mark = self.removals
         return batch, rows
 
+    def update_from_output(self, batch: ScheduledBatch, result: StepResult) -> StepUpdate:
+        """Apply what a step computed: the KV progress, prompt log-probs, the sampled tokens and their text,
+        the sequences that end (their blocks are freed here). A sequence that left `running` after the
+        batch was made (a stop in the step before, an abort) is dropped with what it computed.
+
+        One pass over the sequences does what each needs (append, the end checks, request times), so the
+        work per sequence is a few attribute reads for one that goes on; the text of every continuing
+        sequence is one detokenizer call for the step, then the checks that need the text (stop strings,
+        grammar, length)."""
+        items = batch.items
+        sampled = [s for s, _ in items] if len(result.seq_ids) == len(items) else None
+        if sampled is None or any(s.seq_id != i for s, i in zip(sampled, result.seq_ids)):
+            by_id = {s.seq_id: s for s, _ in items}
+            sampled = [by_id[i] for i in result.seq_ids]
+        tokens, logprobs = result.token_ids, result.logprobs or [None] * len(sampled)
+        if batch.mark != self.removals:  # some left `running` since: keep those that did not
+            running = SeqStatus.RUNNING
+            kept = [i for i, s in enumerate(sampled) if s.status is running]
+            if len(kept) < len(sampled):
+                sampled = [sampled[i] for i in kept]
+                tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
+            live = [it for it in items if it[0].status is running]
+            if len(live) < len(items):
+                batch = ScheduledBatch(live, batch.preempted, sum(n for _, n in live), batch.mark)
+        self.advance(batch)
+        if result.prompt_logprobs:
+            reqs = {s.request.request_id: s.request for s, _ in batch.items}
+            for rid, entries in result.prompt_logprobs:
+                if rid in reqs:
+                    reqs[rid].prompt_logprobs.extend(entries)  # type: ignore[union-attr]
+        complete = result.grammar_done
+        eos_ids, max_len, tokenizer = self.eos_ids, self.max_model_len, self.tokenizer
+        now = time.monotonic()
+        texts: list[Sequence] = []
+        pairs: list[tuple] = []
+        ended: list[Sequence] = []
+        update = StepUpdate(sampled=len(sampled))
+        touched, first = update.touched, update.first
+        req = None
+        for seq, token, lp in zip(sampled, tokens, logprobs):
+            if seq.request is not req:  # a request's sequences are mostly side by side
+                req = seq.request
+                if req.request_id not in touched:
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                        first.add(req.request_id)
+                    req.last_token_time = now
+                    touched[req.request_id] = req
+            if seq.append_token(token, lp, eos_ids):
+                if seq.lazy_text:  # no text before the end: only the length and grammar checks
+                    seq.append_text("", max_len, seq.seq_id in complete)
+                    if seq.finish_reason is not None:
+                        ended.append(seq)
+                    continue
+                d = seq.detok or seq.detokenizer(tokenizer)
+                piece = d.add_whole(token) if d.clean else None  # most tokens of a step: no decode
+                if piece is not None:
+                    seq.append_text(piece, max_len, seq.seq_id in complete)
+                    if seq.finish_reason is not None:
+                        ended.append(seq)
+                    continue
+                texts.append(seq)
+                pairs.append((d, token))
+            else:
+                ended.append(seq)
+        if texts:
+            stopped = len(ended)
+            for seq, delta in zip(texts, detokenize_step(pairs)):
+                seq.append_text(delta, max_len, seq.seq_id in complete)
+                if seq.finish_reason is not None:
+                    ended.append(seq)
+            if 0 < stopped < len(ended):  # free blocks in the batch's order, as one pass would
+                order = {id(s): i for i, s in enumerate(sampled)}
+                ended.sort(key=lambda s: order[id(s)])
+        settle_texts(ended)  # the lazy texts of every sequence that ended here, decoded together
+        for seq in ended:
+            self.finish(seq)
+            update.done.add(seq.request.request_id)
+        return update
+
     def advance(self, batch: ScheduledBatch) -> None:
-        """The batch ran: its new tokens have KV now, and blocks it filled join the prefix cache."""
+        """The batch ran: its new tokens have KV now, and blocks it filled join the prefix cache (part of
+        update_from_output; alone for a step that sampled nothing of interest, as in benches)."""
         bs, blocks = self.blocks.block_size, self.blocks
         if not blocks.enable_prefix_caching:  # nothing to register
             for seq, n in batch.items:

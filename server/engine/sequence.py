@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer, detokenize_many, find_stop
-from server.engine.logprob_list import LogprobList, WireLogprobs
-from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
-from server.engine.params import SamplingParams
+from server.wire.logprob_list import LogprobList, WireLogprobs
+from server.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from server.wire.params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -1,24 +1,38 @@
 """The sleep state machine: its one owner.
 
 SleepController decides every sleep, pause, wake and resume, keeps the level, the pause, the pending
-sleep (with its mode=wait drain) and whether the weights are whole, and publishes a frozen SleepState
-after each transition. The pool keeps the memory state per tag; the controller is the policy on top.
-The async engine and the in-process LLM only call it (both from the one thread that drives the engine).
+sleep (with its mode=wait drain) and whether the weights are whole (weights_valid, the parameters
+reloaded, weight_version, transfer_active, the open weight session), and publishes a frozen SleepState
+after each transition. It is the only writer of that state. The pool keeps the memory state per tag;
+the controller is the policy on top. The engine core and the in-process LLM only call it (both from the
+one thread that drives the engine); where a transition needs the engine to act (reset the KV, write
+the rotary tables again), the method returns what to do and the core does it.
+
+Weight updates that arrive in pieces (vLLM's start / update... / finish) follow this policy:
+- open_weight_session opens a session; update calls outside a session are sessions of their own.
+- begin_weight_write stops stepping (transfer_active) and marks the weights invalid: from the first
+  byte until the finish they may be a mix of two versions, and nothing is served from a mix.
+- end_weight_write records what landed. A write that failed after bytes landed breaks the session:
+  the weights stay invalid (503 weights_invalid) until a complete update (every parameter); so
+  does a failed write after earlier writes of the same session landed.
+- finish_weight_session makes the weights valid again if the session was whole and the weights were
+  valid before it (a partial update of valid weights is what the trainer asked for); if they were
+  invalid before (sleep level 2, a broken transfer), only once every parameter was reloaded. It also
+  sets weight_version.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Iterable, Protocol
 
 from allocator import MemoryPool
 from allocator.timing import Clock
-from server.engine.errors import ConflictError
+from server.wire.errors import ConflictError
 from server.engine.sleep_plan import DISCARDED, INTERNAL_ACTIONS, OFFLOADED, SleepPlan
-from server.engine.sleep_state import AWAKE, SleepReport, SleepState
-from server.engine.tags import ALL_TAGS, INTERNAL_TAGS, KV_CACHE, USER_TAGS, WEIGHTS, parse_tags
-from server.engine.weight_session import WeightSession
+from server.wire.sleep_state import AWAKE, SleepReport, SleepState
+from server.wire.tags import ALL_TAGS, INTERNAL_TAGS, KV_CACHE, USER_TAGS, WEIGHTS, parse_tags
 from server.heap import frozen_objects
 
 Done = Callable[["SleepReport | None", "BaseException | None"], None]
@@ -41,8 +55,26 @@ class SleepTarget(Protocol):
     def reset_prefix_cache(self) -> None: ...
 
 
+@dataclass
+class WeightSession:
+    """An update in pieces (start / update... / finish), from its start to its finish."""
+    valid_before: bool
+    explicit: bool           # opened by start (else one update call is the whole session)
+    loaded: set[str] = field(default_factory=set)
+    broken: bool = False
+    writes: int = 0
+
+
 @dataclass(frozen=True)
-class _Pending:
+class SessionEnd:
+    """What finish_weight_session decided, and what the engine must do about it."""
+    report: dict
+    rewrite_buffers: bool    # write the config-derived buffers (rotary tables) again: a level-2 sleep took them
+    forget_kv: bool          # KV computed with the old weights must never be reused
+
+
+@dataclass(frozen=True)
+class _PendingSleep:
     plan: SleepPlan
     offload: tuple[str, ...]
     discard: tuple[str, ...]
@@ -57,9 +89,8 @@ class SleepController:
         self.enabled = enabled
         self._level: int | None = None
         self._paused = False
-        self._pending: _Pending | None = None
-        # Whether the weights are whole, and what they are: written here, and by the weight-transfer
-        # session policy (server/engine/weight_session.py), which publishes after each change.
+        self._pending: _PendingSleep | None = None
+        # Whether the weights are whole, and what they are: written here only.
         self.weights_valid = True
         self.reloaded: set[str] = set()      # parameters loaded since the weights were last invalidated
         self.weight_version = weight_version
@@ -112,12 +143,12 @@ class SleepController:
         if plan.level == 0:
             if self._paused:
                 return SleepReport(action, changed=False, level=0)
-            self._pending = _Pending(plan, (), (), on_done, called)
+            self._pending = _PendingSleep(plan, (), (), on_done, called)
         else:
             offload, discard = self._diff(plan)
             if not offload and not discard:
                 return SleepReport(action, changed=False, level=plan.level)
-            self._pending = _Pending(plan, offload, discard, on_done, called)
+            self._pending = _PendingSleep(plan, offload, discard, on_done, called)
         if plan.mode == "wait":
             self.publish()  # draining: new requests are refused (or held) from now on
         return None
@@ -151,6 +182,10 @@ class SleepController:
         return p is not None and (p.plan.mode != "wait" or not self._target.has_unfinished
                                   or not self.state.can_run)
 
+    def finish_sleep_if_ready(self) -> SleepReport | None:
+        """Apply the pending sleep if it may be applied now (see `ready`); None if there is none or not yet."""
+        return self.finish_sleep() if self.ready else None
+
     def finish_sleep(self) -> SleepReport:
         """Apply the pending sleep. Returns once the memory is really released (the pool synchronizes).
         Its on_done, if any, hears the outcome too."""
@@ -177,7 +212,7 @@ class SleepController:
             pending.on_done(report, None)
         return report
 
-    def _apply(self, p: _Pending, clock: Clock) -> tuple[SleepReport, dict]:
+    def _apply(self, p: _PendingSleep, clock: Clock) -> tuple[SleepReport, dict]:
         """Apply a pending sleep; returns its report and the pool's timings (marking clock's phases)."""
         plan, target = p.plan, self._target
         target.drain()  # the step in flight ends first: it reads and writes what is about to change
@@ -313,6 +348,77 @@ class SleepController:
         self.publish()
 
 
+    # -- weight updates in pieces (the policy is in the module's docstring) ------------------------------
+
+    def open_weight_session(self) -> dict:
+        self.check_weight_update()
+        previous = self.weight_session
+        self.weight_session = WeightSession(valid_before=self.weights_valid, explicit=True)
+        return {"restarted": previous is not None, "weights_valid": self.weights_valid}
+
+    def begin_weight_write(self) -> None:
+        """The caller drained the step in flight first (it reads the weights)."""
+        self.check_weight_update()
+        if self.weight_session is None:
+            self.weight_session = WeightSession(valid_before=self.weights_valid, explicit=False)
+        self.transfer_active = True
+        self.weights_valid = False
+        self.publish()
+
+    def end_weight_write(self, loaded: set[str], failed: bool) -> bool:
+        """Record a write's outcome. True when it was a one-call session that must finish now."""
+        self.transfer_active = False
+        session = self.weight_session
+        assert session is not None, "end_weight_write without begin_weight_write"
+        session.writes += 1
+        if failed and (loaded or session.loaded):
+            # Bytes of this update landed (in this write or an earlier one of the session) and the rest
+            # never will: whatever the trainer does next, these weights are not a version it sent.
+            session.broken = True
+            session.loaded = set()
+            self.reloaded = set()  # a complete update is needed now
+        else:
+            session.loaded |= loaded
+        if failed and not session.loaded and not session.broken and session.writes == 1:
+            self.weights_valid = session.valid_before  # nothing landed: nothing changed
+            if not session.explicit:
+                self.weight_session = None
+            self.publish()
+            return False
+        if not session.explicit and not failed:
+            return True
+        self.publish()
+        return False
+
+    def finish_weight_session(self, weight_version: str | None, all_names: set[str]) -> SessionEnd:
+        session = self.weight_session
+        if self.transfer_active:
+            raise ConflictError("a weight transfer is still in progress; finish after it returns")
+        self.weight_session = None
+        if session is None:
+            return SessionEnd({"tensors": 0, "weights_valid": self.weights_valid,
+                               "weight_version": self.weight_version}, False, False)
+        if session.valid_before and not session.broken:
+            valid = True
+        else:
+            self.reloaded |= session.loaded
+            valid = all_names <= self.reloaded
+        self.weights_valid = valid
+        if session.loaded:
+            self.weight_updates += 1
+            self.weight_version = weight_version if weight_version is not None else str(self.weight_updates)
+        elif weight_version is not None:
+            self.weight_version = weight_version
+        self.publish()
+        # Buffers derived from the config (rotary tables) live under the weights tag too: a level-2 sleep
+        # discarded them with the weights. Weights valid when the session began kept them (rewriting costs
+        # ~85 ms at 32K positions on the CPU: more than the transfer).
+        return SessionEnd({"tensors": len(session.loaded), "weights_valid": valid,
+                           "weight_version": self.weight_version, "broken": session.broken},
+                          rewrite_buffers=bool(session.loaded) and not session.valid_before,
+                          forget_kv=bool(session.loaded))
+
+
 def _stamps(called: float) -> dict[str, float]:
     """When the call reached the engine thread and when its report was done, as perf_counter() reads them
     (CLOCK_MONOTONIC on Linux: one clock for every process), for the API process's channel timings
@@ -320,4 +426,4 @@ def _stamps(called: float) -> dict[str, float]:
     return {"called_s": called, "done_s": time.perf_counter()}
 
 
-__all__ = ["SleepController", "SleepTarget", "SleepState", "SleepReport"]
+__all__ = ["SleepController", "SleepTarget", "SleepState", "SleepReport", "WeightSession", "SessionEnd"]

@@ -1,4 +1,4 @@
-"""What a sleep call means, decided before anything is touched (docs/architecture.md, "Sleep semantics").
+"""What a sleep call means, decided before anything is touched (docs/sleep.md).
 
 A plan names what each tag should become; SleepController compares it with what the tags are and
 either applies the difference, answers that nothing changes (an idempotent repeat), or refuses.
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.engine.params import InvalidRequestError
-from server.engine.tags import CUDA_GRAPH, KV_CACHE, USER_TAGS, WEIGHTS, parse_tags
+from server.wire.params import InvalidRequestError
+from server.wire.tags import CUDA_GRAPH, KV_CACHE, USER_TAGS, WEIGHTS, parse_tags
 
 MODES = ("abort", "wait", "keep")
 OFFLOADED, DISCARDED = "offloaded", "discarded"

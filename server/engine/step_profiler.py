@@ -18,15 +18,6 @@ from pathlib import Path
 
 import torch
 
-PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
-
-
-def profiler_dir() -> Path | None:
-    """Where traces go, when profiling is enabled (VLLM_TORCH_PROFILER_DIR, as vLLM reads it); else None."""
-    value = os.environ.get(PROFILER_DIR_ENV, "").strip()
-    return Path(value) if value else None
-
-
 def device_busy(events) -> tuple[float, float]:
     """(microseconds the device was busy, microseconds from its first event to its last) over a profile's
     events: the union of the kernels' and copies' intervals. (0, 0) without device events (a CPU engine)."""

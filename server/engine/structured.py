@@ -10,7 +10,7 @@ import json
 import threading
 from collections import OrderedDict
 
-from server.engine.params import InvalidRequestError, StructuredOutputs
+from server.wire.params import InvalidRequestError, StructuredOutputs
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 

@@ -14,16 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from server.model.loader import WeightLoadError
+from server.wire.errors import NonFiniteWeightsError
 
-
-class NonFiniteWeightsError(WeightLoadError):
-    """An update wrote tensors holding NaN or Inf (HTTP 400, code nonfinite_weights); the weights are
-    then marked invalid (503 weights_invalid) until a good update."""
-
-    def __init__(self, message: str, names: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.names = names  # kept through pickling (BaseException.__reduce__ carries __dict__)
+__all__ = ["FiniteCheck", "NonFiniteWeightsError", "nonfinite_message"]
 
 
 def nonfinite_message(names: list[str] | tuple[str, ...]) -> str:

@@ -4,59 +4,23 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from server.engine.tags import WEIGHTS
+from server.wire.tags import WEIGHTS
 from server.model.config import ModelConfig
-from server.model.default_model import DEFAULT_NAME, ModelNotFoundError, converted_folder, default_gguf_path
 from server.model.llama import LlamaForCausalLM
 from server.model.shard import Shard, TensorParallel
+
+from server.wire.errors import WeightLoadError
 
 if TYPE_CHECKING:
     from server.model.finite import FiniteCheck
 
 log = logging.getLogger("sleepserve.model")
-
-
-class WeightLoadError(ValueError):
-    """A checkpoint that does not fit the served model; raised before any weight is touched."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    folder: Path | None   # a Hugging Face folder: config.json, safetensors, tokenizer (None: resolve_model's
-                          # convert=False, a GGUF file not converted yet)
-    name: str             # the default served-model name
-
-
-def cached_model_folder(model: str | None) -> Path | None:
-    """The folder resolve_model(model) would return, when that needs no conversion; None otherwise (a GGUF
-    file not converted yet, or no such model: resolve_model says why)."""
-    try:
-        return resolve_model(model, convert=False).folder
-    except (ModelNotFoundError, OSError):
-        return None
-
-
-def resolve_model(model: str | None, convert: bool = True) -> ModelSource:
-    """None -> the embedded default; a folder -> itself; a .gguf file -> its converted cache (convert=False: the
-    folder is None while the file is not converted yet)."""
-    if model is None or model == "" or model == DEFAULT_NAME:
-        return ModelSource(converted_folder(default_gguf_path(), convert), DEFAULT_NAME)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(converted_folder(path, convert), path.stem)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file")
-        return ModelSource(path, path.name)
-    raise ModelNotFoundError(
-        f"model {model!r} is neither a local folder nor a .gguf file (sleepserve never downloads from a hub)")
 
 
 # Weights come in slabs of about this size, each one pool allocation (one physical handle on CUDA),

@@ -88,10 +88,3 @@ def norm_then_gate_up_act(ops, mlp, norm, x: torch.Tensor, residual: torch.Tenso
     h, residual = norm(x, residual, ops)
     return ops.gate_up_act(mlp, h), residual
 
-
-def ops_for(device: torch.device):
-    if device.type == "cuda":
-        from server.model.fused_ops import TritonOps
-
-        return TritonOps
-    return TorchOps

@@ -33,7 +33,7 @@ def import_tokenizer_code() -> None:
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
     """The chat template's text for these messages; a template error is the client's to fix."""
-    from server.engine.errors import InvalidRequestError
+    from server.wire.errors import InvalidRequestError
 
     if not getattr(tokenizer, "chat_template", None) and not kwargs.get("chat_template"):
         raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",

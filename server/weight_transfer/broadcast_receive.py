@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from server.weight_transfer.group import Group
+from server.weight_transfer.group import TransferGroup
 from server.weight_transfer.protocol import TensorMeta, plan_buckets, region, unpack
 
 
@@ -48,7 +48,7 @@ class ReceiveStats:
 class BroadcastReceive:
     """One update's receive. `targets` are the model's parameters by name."""
 
-    def __init__(self, group: Group, targets: dict[str, torch.Tensor], device: torch.device, slots: int = 2,
+    def __init__(self, group: TransferGroup, targets: dict[str, torch.Tensor], device: torch.device, slots: int = 2,
                  sharded: dict[str, tuple[torch.Tensor, Any]] | None = None):
         self.group = group
         self.targets = targets

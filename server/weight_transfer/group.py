@@ -14,7 +14,7 @@ import torch.distributed as dist
 from server.weight_transfer import rendezvous
 
 
-class Group(Protocol):
+class TransferGroup(Protocol):
     rank: int
     world_size: int
     # The CUDA stream the transfers run on (NCCL), or None for a synchronous group (gloo): the
@@ -51,13 +51,13 @@ class GlooGroup:
 
 
 def open_group(backend: str, store: dist.Store, rank: int, world_size: int, device: torch.device,
-               timeout_s: float) -> Group:
+               timeout_s: float) -> TransferGroup:
     """Join (or, as rank 0, create) the group on an already connected store."""
     if backend == "gloo":
         return GlooGroup(store, rank, world_size, timeout_s)
-    from server.weight_transfer.nccl import NcclComm, NcclLibrary
+    from server.weight_transfer.nccl import NcclBroadcaster, NcclLibrary
 
     if rank == 0:
         rendezvous.publish_unique_id(store, NcclLibrary().unique_id())
     unique_id = rendezvous.read_unique_id(store)
-    return NcclComm(unique_id, rank, world_size, device, timeout_s)
+    return NcclBroadcaster(unique_id, rank, world_size, device, timeout_s)

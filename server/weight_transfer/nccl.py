@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 _FLOAT32 = 7
-_NCCL_DTYPES = {torch.uint8: 1, torch.int8: 0, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+# ncclDataType_t of each torch dtype NCCL moves.
+NCCL_DTYPES = {torch.uint8: 1, torch.int8: 0, torch.int32: 2, torch.int64: 4, torch.float16: 6,
                 torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
 _IN_PROGRESS = 7  # ncclInProgress
 # How often wait_for looks at an event: the host notices the last bytes at most this late (a 0.5 ms
@@ -55,6 +56,7 @@ class NcclLibrary:
         lib.ncclCommInitRank.argtypes = [ctypes.POINTER(vp), i, _UniqueId, i]
         lib.ncclBroadcast.argtypes = [vp, vp, sz, i, i, vp, vp]
         lib.ncclAllReduce.argtypes = [vp, vp, sz, i, i, vp, vp]
+        lib.ncclAllGather.argtypes = [vp, vp, sz, i, vp, vp]
         lib.ncclCommDestroy.argtypes = [vp]
         lib.ncclCommAbort.argtypes = [vp]
         lib.ncclCommGetAsyncError.argtypes = [vp, ctypes.POINTER(i)]
@@ -69,20 +71,25 @@ class NcclLibrary:
         self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)))
         return bytes(uid)
 
+    def init_rank(self, unique_id: bytes, world_size: int, rank: int) -> ctypes.c_void_p:
+        """ncclCommInitRank on the current device: this rank's communicator of the clique `unique_id` names."""
+        uid = _UniqueId()
+        ctypes.memmove(ctypes.byref(uid), unique_id, 128)
+        comm = ctypes.c_void_p()
+        self.check(self.lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank))
+        return comm
 
-class NcclComm:
-    """One communicator on one device. Broadcasts are enqueued on `stream`; wait_for() polls for
+
+class NcclBroadcaster:
+    """One communicator on one device for weight pushes. Broadcasts are enqueued on `stream`; wait_for() polls for
     completion so that a trainer that died mid-send ends in an abort, not a hang."""
 
     def __init__(self, unique_id: bytes, rank: int, world_size: int, device: torch.device, timeout_s: float):
         self.nccl = NcclLibrary()
         self.lib = self.nccl.lib  # the CDLL: its entry points
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
-        uid = _UniqueId()
-        ctypes.memmove(ctypes.byref(uid), unique_id, 128)
-        self.comm = ctypes.c_void_p()
         with torch.cuda.device(device):
-            self.nccl.check(self.lib.ncclCommInitRank(ctypes.byref(self.comm), world_size, uid, rank))
+            self.comm = self.nccl.init_rank(unique_id, world_size, rank)
             self.stream = torch.cuda.Stream(device)
             warmup = torch.zeros(1, device=device)
             self.nccl.check(self.lib.ncclAllReduce(warmup.data_ptr(), warmup.data_ptr(), 1, _FLOAT32, 0,
@@ -98,7 +105,7 @@ class NcclComm:
         # The buffer may come from another stream's allocation: order NCCL's stream after it.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.nccl.check(self.lib.ncclBroadcast(tensor.data_ptr() if self.rank == src else None, tensor.data_ptr(),
-                                              tensor.numel(), _NCCL_DTYPES[tensor.dtype], src, self.comm,
+                                              tensor.numel(), NCCL_DTYPES[tensor.dtype], src, self.comm,
                                               self.stream.cuda_stream))
         return self._record()
 

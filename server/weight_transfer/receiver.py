@@ -14,16 +14,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from server.model.finite import FiniteCheck, nonfinite_message
 from server.weight_transfer import handles, rendezvous
 from server.weight_transfer.broadcast_receive import BroadcastReceive
 from server.weight_transfer.config import WeightTransferConfig
-from server.weight_transfer.group import Group, open_group
+from server.weight_transfer.group import TransferGroup, open_group
 from server.weight_transfer.protocol import DTYPES, TensorMeta, unpack
 
 log = logging.getLogger("sleepserve.weights")
@@ -64,11 +63,13 @@ class Update:
 
 class WeightReceiver:
     def __init__(self, config: WeightTransferConfig, model: nn.Module, device: torch.device,
-                 check_finite: bool = True):
+                 finite_check: Callable[[], Any] | None = None):
         config.check_device(device.type)
         self.config = config
         self.device = device
-        self.check_finite = check_finite  # every tensor received is checked finite (model/finite.py)
+        # Makes the engine's check that every tensor received is finite (model/finite.py FiniteCheck: add,
+        # bad); None: not checked (--no-check-weights-finite).
+        self.finite_check = finite_check
         params = dict(model.named_parameters())
         # Tensor parallel: the trainer sends whole tensors to every rank; a rank keeps its slice of
         # each split one (`sharded`: its parameter and Shard) and the whole of the rest (`targets`).
@@ -81,7 +82,7 @@ class WeightReceiver:
                              "above 1 (each rank needs its slices); use nccl (gloo on CPU)")
         # A tied model has no lm_head of its own; trainers still send lm_head.weight: skip it.
         self.skipped = {"lm_head.weight"} if getattr(model, "lm_head", 0) is None else set()
-        self.group: Group | None = None
+        self.group: TransferGroup | None = None
         self.store: Any = None
         self.importer = handles.CudaImporter(device) if config.backend == "ipc" else None
         self._receiving: BroadcastReceive | None = None
@@ -210,14 +211,16 @@ class WeightReceiver:
     def _check_finite(self, loaded: set[str]) -> None:
         """After every byte landed (_receive synchronized the device): one sum per tensor, one host read.
         This rank's parameter: the whole tensor, or its slice of a split one."""
-        check = FiniteCheck(self.check_finite)
+        if self.finite_check is None:
+            return
+        check = self.finite_check()
         with self._on_device():
             for name in sorted(loaded):
                 target = self.targets.get(name)
                 check.add(name, target if target is not None else self.sharded[name][0])
             bad = check.bad()
         if bad:
-            raise TransferFailedError(nonfinite_message(bad), loaded, tuple(bad))
+            raise TransferFailedError(f"NaN or Inf in {', '.join(bad)}", loaded, tuple(bad))
 
     def _on_device(self) -> Any:
         """This thread's current CUDA device must be the model's (IPC rebuilds and streams use it)."""

@@ -26,7 +26,7 @@ import torch
 
 from server.weight_transfer import handles, rendezvous, safe_pickle
 from server.weight_transfer.config import DEFAULT_BUCKET_BYTES, WeightTransferConfig
-from server.weight_transfer.group import Group, open_group
+from server.weight_transfer.group import TransferGroup, open_group
 from server.weight_transfer.protocol import dtype_name, pack_into, plan_buckets, region
 
 
@@ -56,7 +56,7 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.after_bucket = after_bucket  # test and benchmark hook: called after each bucket left
         self.packed = packed      # nccl / gloo: packed buckets (vLLM's default), or one broadcast per tensor
-        self.group: Group | None = None
+        self.group: TransferGroup | None = None
         self.store: Any = None
         self._bucket: Any = None
         self._ring: list[torch.Tensor] = []
@@ -129,7 +129,7 @@ class WeightSender:
         process saw them), `sender` (buckets sent straight from the tensors' memory or packed; device
         time of packing) and the server's `update` answer (its receive timings)."""
         named = [(n, t.detach()) for n, t in named_tensors]
-        clock = _Clock()
+        clock = _SendClock()
         finish_body = {"weight_version": weight_version} if weight_version else {}
         if self.backend in ("nccl", "gloo"):
             update, sender, done = self._send_broadcast(named, clock, finish_body, open_session=True)
@@ -168,7 +168,7 @@ class WeightSender:
             self._http2.receive(route)  # the refusal's 4xx (WeightSendError)
             raise WeightSendError(f"the server refused the update: {message}")
 
-    def _send_broadcast(self, named: list[tuple[str, torch.Tensor]], clock: "_Clock", finish_body: dict | None,
+    def _send_broadcast(self, named: list[tuple[str, torch.Tensor]], clock: "_SendClock", finish_body: dict | None,
                         open_session: bool = False) -> tuple[dict, dict, dict | None]:
         """POST the update (open_session: it opens the session too); once the server says it receives,
         POST the finish too (finish_body; None: no finish), then broadcast. The server runs that finish right after this update's write
@@ -282,7 +282,7 @@ class WeightSender:
             self._ring = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
         return self._ring[:count]
 
-    def _send_handles(self, named: list[tuple[str, torch.Tensor]], clock: "_Clock",
+    def _send_handles(self, named: list[tuple[str, torch.Tensor]], clock: "_SendClock",
                       open_session: bool = False) -> tuple[dict, dict]:
         sizes = [t.numel() * t.element_size() for _, t in named]
         capacity = max(min(self.bucket_bytes, sum(sizes)), max(sizes, default=1))
@@ -418,7 +418,7 @@ class _Http:
             self.conn = None
 
 
-class _Clock:
+class _SendClock:
     """Seconds of each phase of a send, as laps of one clock."""
 
     def __init__(self) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from server import LLM, SamplingParams
-from tests.models import model_folder
-from tests.test_async_scheduling import run, same
+from testkit.models import model_folder
+from tests.engine.test_async_scheduling import run, same
 
 pytestmark = pytest.mark.gpu
 

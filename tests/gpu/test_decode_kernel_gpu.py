@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernel_cases import random_case, relative_error, split_decode
+from testkit.kernel_cases import random_case, relative_error, split_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def test_engine_long_context_at_batch_one_through_graphs_and_a_sleep(tmp_path):
     counts kept in the pool's CUDA_GRAPH memory: each greedy token's log-prob must be what scoring the same
     tokens as a prompt gives (the prefill kernel: close, not bit-equal), before and after a level-1 sleep."""
     from server import LLM, SamplingParams
-    from tests.models import model_folder
+    from testkit.models import model_folder
 
     llm = LLM(model=str(model_folder("llama-tiny", tmp_path)), device="cuda", load_format="dummy",
               kv_cache_memory="256MiB", max_num_seqs=8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import model_folder
+from testkit.models import model_folder
 from server import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -78,7 +78,7 @@ def test_all_engine_memory_is_in_the_pool(tiny):
 def test_fused_model_matches_the_pytorch_ops(tiny):
     """The whole forward with the fused kernels and GEMMs against the plain-PyTorch reference ops; at one
     row, the small-batch matmuls chained by dependent launch with the rotary and attention (small_gemm.py)."""
-    from tests.fused_cases import whole_model_error
+    from tests.model.fused_cases import whole_model_error
 
     llm = LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="256MiB", enforce_eager=True)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fused_cases import check_all
+from tests.model.fused_cases import check_all
 
 pytestmark = pytest.mark.gpu
 

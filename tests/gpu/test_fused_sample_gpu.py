@@ -1,11 +1,11 @@
-"""The fused sampler compiled on the GPU at a model's vocabulary (tests/sampling_checks.py says what is checked),
+"""The fused sampler compiled on the GPU at a model's vocabulary (tests/engine/sampling_checks.py says what is checked),
 and the engine's sampled tokens and log-probs through it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.sampling_checks import check_distribution, check_greedy_and_table, check_model_dtype_reads_as_float32
+from tests.engine.sampling_checks import check_distribution, check_greedy_and_table, check_model_dtype_reads_as_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def test_engine_log_probs_match_a_recomputation(tmp_path):
     Sampled at temperature 1 with logprobs=0 (also fused): each token's log-prob is what scoring the same
     tokens as a prompt gives (prompt_logprobs, the prefill's logits: close, not bit-equal)."""
     from server import LLM, SamplingParams
-    from tests.models import model_folder
+    from testkit.models import model_folder
 
     llm = LLM(model=str(model_folder("llama-tiny", tmp_path)), device="cuda", load_format="dummy",
               kv_cache_memory="256MiB", max_num_seqs=8)

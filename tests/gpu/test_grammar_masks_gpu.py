@@ -15,8 +15,8 @@ def test_masks_equal_llguidance_on_cuda():
     from transformers import AutoTokenizer
 
     from server.engine.structured import GrammarCompiler
-    from tests.models import tokenizer_folder
-    from tests.test_grammar_masks import walk
+    from testkit.models import tokenizer_folder
+    from tests.engine.test_grammar_masks import walk
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder())
     device = torch.device("cuda")

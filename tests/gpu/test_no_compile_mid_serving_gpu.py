@@ -15,7 +15,7 @@ import triton
 from server import LLM, SamplingParams
 from server.engine import fused_sample
 from server.model import decode_kernel, fused_ops, prefill_kernel, small_gemm
-from tests.models import model_folder
+from testkit.models import model_folder
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +62,7 @@ def test_serving_compiles_nothing_new(tiny):
 def test_start_up_warm_up_fits_a_short_context_on_the_device(tiny, max_model_len, block_size):
     """The start-up's warm-up step (two blocks of prefill over NULL_BLOCK, eager, Triton's prefill kernel) stays
     inside the rotary tables and the block table of a context shorter than two blocks, with CUDA graphs
-    captured after it, and the engine then serves (tests/test_step_layout.py checks the same on the CPU)."""
+    captured after it, and the engine then serves (tests/engine/test_step_layout.py checks the same on the CPU)."""
     llm = LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="64MiB",
               max_model_len=max_model_len, block_size=block_size, max_num_seqs=4)
     try:

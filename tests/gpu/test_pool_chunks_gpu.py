@@ -8,7 +8,7 @@ import torch
 
 from allocator import create_pool
 from server import LLM, SamplingParams
-from tests.models import model_folder
+from testkit.models import model_folder
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20

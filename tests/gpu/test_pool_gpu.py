@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from allocator import PoolError, create_pool  # noqa: E402
-from tests.cuda_pool import capture, free_bytes, host_rss  # noqa: E402
+from testkit.cuda_pool import capture, free_bytes, host_rss  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -354,7 +354,7 @@ def reference_kernels(index: int):
 
 
 def scenario_footprint() -> dict:
-    from tests import footprint as probe
+    from testkit import footprint as probe
 
     index = 0
     bare_alone = probe.bare_process_used(index)  # before this process touches CUDA

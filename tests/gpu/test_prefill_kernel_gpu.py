@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tests.kernel_cases import prefill_error, random_prefill_case
+from testkit.kernel_cases import prefill_error, random_prefill_case
 
 pytestmark = pytest.mark.gpu
 
@@ -44,12 +44,12 @@ def test_kernel_matches_reference(dtype, kind, heads, kv_heads, head_dim, block_
 def test_engine_fp32_same_tokens_with_and_without_the_kernel(tmp_path):
     """The fp32 engine on the GPU (every other fused kernel and the decode graphs in both runs): with the
     prefill kernel and with one SDPA per span, the same greedy tokens and prompt log-probs (chunked
-    prefills, prefix-cached spans: tests/kernel_cases.engine_prefill_check)."""
+    prefills, prefix-cached spans: testkit/kernel_cases.engine_prefill_check)."""
     from server import LLM
     from server.model.attention import prefill_spans_torch
     from server.model.fused_ops import TritonOps
-    from tests.kernel_cases import engine_prefill_check
-    from tests.models import model_folder
+    from testkit.kernel_cases import engine_prefill_check
+    from testkit.models import model_folder
 
     class SpanBySpan(TritonOps):
         prefill_attention = staticmethod(prefill_spans_torch)

@@ -4,7 +4,7 @@ process that ran one kernel, measured from the driver through GET /memory (devic
 read in the engine process).
 
 What a process that ran kernels keeps with every tensor freed (kernel code, cuBLAS handles and
-workspaces) is the reference, measured first in a fresh process (tests/footprint.py). A server that holds
+workspaces) is the reference, measured first in a fresh process (testkit/footprint.py). A server that holds
 more keeps something no sleep frees: e.g. a second cuBLAS handle with its workspace (64 MiB at torch's
 Hopper default workspace, ~4 MiB at a 4 MiB one) when start-up and steps ran on different threads of the
 engine process, as they did before the engine thread built the engine. Both the reference and the
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.footprint import one_kernel_process_used, reference_process_used, server_device_used
-from tests.http_server import ServerProcess
-from tests.models import model_folder
+from testkit.footprint import one_kernel_process_used, reference_process_used, server_device_used
+from testkit.http_server import ServerProcess
+from testkit.models import model_folder
 
 REPO = Path(__file__).resolve().parents[2]  # for the reference process, which imports this file
 

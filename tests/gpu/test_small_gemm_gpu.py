@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fused_cases import check_small_gemm
+from tests.model.fused_cases import check_small_gemm
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from server import LLM, SamplingParams
-from tests.models import model_folder
+from testkit.models import model_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -94,7 +94,7 @@ def test_tp2_async_scheduling_gives_the_synchronous_tokens(tiny):
     switched between the two modes (same weights, same graphs), float32 (batch-shape rounding far below any
     argmax margin): batch 1 and 5 run to their length with log-probs beside n=2 seeded sampling, then ends at
     different steps (a stop token, lengths) with a level-1 sleep (mode keep) while a step is in flight."""
-    from tests.test_async_scheduling import run, same
+    from tests.engine.test_async_scheduling import run, same
 
     llm = LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="256MiB", max_num_seqs=8,
               dtype="float32", tensor_parallel_size=2, tp_all_reduce="nccl")

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import torch
 
-from tests.http_server import ServerProcess, TorchrunServer, free_port, greedy_texts
-from tests.models import model_folder
+from testkit.http_server import ServerProcess, TorchrunServer, free_port, greedy_texts
+from testkit.models import model_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -16,10 +16,10 @@ import httpx
 import pytest
 import torch
 
-from tests.models import model_folder
+from testkit.models import model_folder
 from server.weight_transfer import safe_pickle
 from server.weight_transfer.sender import WeightSender
-from tests.http_server import ServerProcess
+from testkit.http_server import ServerProcess
 
 pytestmark = pytest.mark.gpu
 PROMPT_IDS = [[1, 450, 3014, 310, 3444, 338], [1, 822, 18755, 29898, 29876, 1125]]

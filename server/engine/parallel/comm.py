@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from server.weight_transfer.nccl import NCCL_DTYPES
+
 
 class DeviceComm(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -59,31 +61,24 @@ class GlooComm:
         """Nothing to do: a gloo collective fails by itself once a peer's sockets close."""
 
 
-_NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9, torch.int64: 4,
-                torch.int32: 2}
 _SUM = 0
 
 
-class NcclComm:
-    """ncclCommInitRank from a unique id that rank 0 publishes in the group's store."""
+class NcclGroupComm:
+    """The ranks' NCCL communicator, from a unique id that rank 0 publishes in the group's store."""
 
     name = "nccl"
 
     def __init__(self, store: dist.Store, key: str, rank: int, world: int, device: torch.device):
-        from server.weight_transfer.nccl import NcclLibrary, _UniqueId
+        from server.weight_transfer.nccl import NcclLibrary
 
         self.nccl = NcclLibrary()
-        lib = self.lib = self.nccl.lib
-        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-        lib.ncclAllGather.argtypes = [vp, vp, sz, i, vp, vp]
+        self.lib = self.nccl.lib
         self.rank, self.world, self.device = rank, world, device
         if rank == 0:
             store.set(key, self.nccl.unique_id())
-        uid = _UniqueId()
-        ctypes.memmove(ctypes.byref(uid), store.get(key), 128)
-        self.comm = ctypes.c_void_p()
         with torch.cuda.device(device):
-            self.nccl.check(lib.ncclCommInitRank(ctypes.byref(self.comm), world, uid, rank))
+            self.comm = self.nccl.init_rank(store.get(key), world, rank)
             probe = torch.ones(1, device=device)
             self.all_reduce(probe)
             torch.cuda.synchronize(device)
@@ -92,20 +87,20 @@ class NcclComm:
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.nccl.check(self.lib.ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), _NCCL_DTYPES[x.dtype], _SUM,
+        self.nccl.check(self.lib.ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], _SUM,
                                               self.comm, self._stream()))
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = x.contiguous()
         out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
-        self.nccl.check(self.lib.ncclAllGather(x.data_ptr(), out.data_ptr(), x.numel(), _NCCL_DTYPES[x.dtype],
+        self.nccl.check(self.lib.ncclAllGather(x.data_ptr(), out.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype],
                                               self.comm, self._stream()))
         return list(out.unbind(0))
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into every rank's x (in place, x contiguous), on the current stream."""
-        self.nccl.check(self.lib.ncclBroadcast(x.data_ptr(), x.data_ptr(), x.numel(), _NCCL_DTYPES[x.dtype], 0,
+        self.nccl.check(self.lib.ncclBroadcast(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], 0,
                                               self.comm, self._stream()))
         return x
 

@@ -23,11 +23,10 @@ from typing import Any, Callable
 import torch
 
 from server.config import EngineConfig
-from server.engine.errors import WorkerLostError
-from server.engine.parallel.group import TIMEOUT, Group, comm_options
+from server.wire.errors import WorkerLostError
+from server.engine.parallel.group import TIMEOUT, Group
 from server.engine.parallel.steps import no_delay
 from server.model.config import ModelConfig
-from server.model.loader import ModelSource
 from server.model.shard import TensorParallel
 
 log = logging.getLogger("sleepserve.engine")
@@ -140,7 +139,7 @@ class Workers:
 
     def __init__(self, config: EngineConfig, world: int, tp: TensorParallel):
         self.world = world
-        from server.engine.build import rank_device
+        from server.engine.rank import rank_device
 
         self.group = Group(0, 0, world, rank_device(config, 0), tp)
         self.conns: dict[int, Connection] = {}
@@ -408,33 +407,3 @@ def check_layout(config: EngineConfig, model_config: ModelConfig) -> None:
         if first + local > torch.cuda.device_count():
             raise ValueError(f"--tensor-parallel-size {world} needs {local} GPUs from cuda:{first} on this machine; "
                              f"it has {torch.cuda.device_count()}")
-
-
-def build_parallel(config: EngineConfig, source: ModelSource, model_config: ModelConfig):
-    """Start the workers and build rank 0 beside them. Returns (rank 0's RankParts, the ParallelPool)."""
-    from server.engine.build import build_rank
-    from server.engine.parallel.pool import ParallelPool
-    from server.engine.parallel.runner import ParallelRunner
-
-    check_layout(config, model_config)
-    world = config.tensor_parallel_size
-    tp = TensorParallel(model_config, 0, world)
-    workers = Workers(config, world, tp)
-    try:
-        workers.wait_ready()  # every worker read the model's config and is about to join
-        workers.group.start(**comm_options(config, model_config, workers.group.device))
-        parts = build_rank(config, source, model_config, tp, runner_class=ParallelRunner, workers=workers)
-        infos = workers.infos = workers.wait_ready()
-    except BaseException as e:
-        lost = workers.lost
-        workers.close()
-        if lost is not None and not isinstance(e, ValueError):
-            raise ValueError(f"tensor parallelism could not start: {lost}") from e
-        raise
-    log.info("tensor parallelism: %d ranks (%s); rank 0 is pid %d", world,
-             ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['device']}" for i in infos), os.getpid())
-    if config.tp_release_comm_on_sleep and workers.group.device.type == "cuda":
-        from server.engine.parallel.comm_cycle import suspend_support
-
-        log.info("--tp-release-comm-on-sleep: %s", suspend_support())
-    return parts, ParallelPool(parts.pool, workers, parts.runner, release_comm=config.tp_release_comm_on_sleep)

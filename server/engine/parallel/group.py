@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from server.config import EngineConfig
-from server.engine.parallel.comm import DeviceComm, GlooComm, NcclComm
+from server.engine.parallel.comm import DeviceComm, GlooComm, NcclGroupComm
 from server.model.config import ModelConfig
 from server.model.shard import TensorParallel
 
@@ -71,7 +71,7 @@ class Group:
         self.generation += 1
         all_reduce, symm_bytes = self.options["all_reduce"], self.options["symm_bytes"]
         if self.device.type == "cuda":
-            comm: DeviceComm = NcclComm(self.store, f"nccl-{self.generation}", self.rank, self.world, self.device)
+            comm: DeviceComm = NcclGroupComm(self.store, f"nccl-{self.generation}", self.rank, self.world, self.device)
             if all_reduce == "symm" and symm_bytes > 0:
                 from server.engine.parallel.symm import try_symm
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from allocator import MemoryPool, PoolError, PoolStats, SleepReport, WakeReport
+from allocator import MemoryPool, PoolError, PoolStats, PoolSleepReport, PoolWakeReport
 from allocator.timing import Clock
 from server.engine.parallel.executor import Workers
 
@@ -70,7 +70,7 @@ class ParallelPool:
 
     # -- sleep and wake on every rank --------------------------------------------------------------
 
-    def sleep(self, offload_tags: str | Iterable[str] = (), discard_tags: str | Iterable[str] = ()) -> SleepReport:
+    def sleep(self, offload_tags: str | Iterable[str] = (), discard_tags: str | Iterable[str] = ()) -> PoolSleepReport:
         offload, discard = _tags(offload_tags), _tags(discard_tags)
         clock = Clock()
         before = self.local.sleeping_tags()
@@ -84,16 +84,16 @@ class ParallelPool:
             self._on_ranks(list(outcomes), "wake", slept, lambda: self.local.wake_up(slept))
             raise PoolError(f"sleep failed on {self._name(failed)}; the ranks that had slept were woken again, "
                             "so every rank is as before the call")
-        reports: list[SleepReport] = list(outcomes.values())
+        reports: list[PoolSleepReport] = list(outcomes.values())
         comm: dict[str, Any] = {}  # comm_ms: each rank's milliseconds to drop its graphs and communicator
         if self.release_comm and not before and self.workers.group.comm is not None:
             comm["comm_ms"] = self._release_comm()
             clock.mark("comm_release")
-        return SleepReport(sum(r.bytes_offloaded for r in reports), sum(r.bytes_discarded for r in reports),
+        return PoolSleepReport(sum(r.bytes_offloaded for r in reports), sum(r.bytes_discarded for r in reports),
                            max(r.seconds for r in reports), max(r.copy_seconds for r in reports),
                            timings=self._timings(clock, outcomes, **comm))
 
-    def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
+    def wake_up(self, tags: str | Iterable[str] | None = None) -> PoolWakeReport:
         clock = Clock()
         before = self.local.sleeping_tags()
         wanted = None if tags is None else _tags(tags)
@@ -113,8 +113,8 @@ class ParallelPool:
         if self.workers.group.comm is None and not self.local.sleeping_tags():
             comm["comm_ms"] = self._recreate_comm(targets, before)
             clock.mark("comm_recreate")
-        reports: list[WakeReport] = list(outcomes.values())
-        return WakeReport(sum(r.bytes_restored for r in reports), sum(r.bytes_mapped for r in reports),
+        reports: list[PoolWakeReport] = list(outcomes.values())
+        return PoolWakeReport(sum(r.bytes_restored for r in reports), sum(r.bytes_mapped for r in reports),
                           max(r.seconds for r in reports), max(r.copy_seconds for r in reports),
                           timings=self._timings(clock, outcomes, **comm))
 

@@ -24,7 +24,8 @@ import torch
 from server.engine.parallel.executor import Workers
 from server.engine.parallel.steps import StepLag, pack_step
 from server.engine.parallel.worker import drop_graphs
-from server.engine.runner import HostBatch, Launched, ModelRunner
+from server.engine.host_batch import HostBatch
+from server.engine.runner import Launched, ModelRunner
 from server.engine.scheduler import ScheduledBatch
 from server.model.shard import TensorParallel
 

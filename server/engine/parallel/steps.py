@@ -19,7 +19,7 @@ import time
 from collections import deque
 from multiprocessing.connection import Connection
 
-from server.engine.runner import HostBatch
+from server.engine.host_batch import HostBatch
 
 
 def no_delay(conn: Connection) -> Connection:

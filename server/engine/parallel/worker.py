@@ -19,14 +19,14 @@ from typing import Any
 import torch
 
 from server.config import EngineConfig
-from server.engine.build import build_rank, rank_device
+from server.engine.rank import build_rank, rank_device
 from server.engine.parallel.group import Group, comm_options
 from server.engine.parallel.steps import StepLag, no_delay, unpack_step
-from server.engine.runner import continuing
+from server.engine.host_batch import continuing
 from server.engine.sampler import PROMPT_ROWS_PER_PASS
 from server.heap import freeze_startup_heap
 from server.model.config import ModelConfig
-from server.model.loader import resolve_model
+from server.model.source import resolve_model
 from server.model.shard import TensorParallel
 
 log = logging.getLogger("sleepserve.engine")
@@ -216,7 +216,10 @@ class Worker:
 
         config, address, port, rank, world = arg
         if self.receiver is None or self.receiver.config != config:
-            self.receiver = WeightReceiver(config, self.runner.model, self.runner.device, self.runner.check_finite)
+            from server.model.finite import FiniteCheck
+
+            self.receiver = WeightReceiver(config, self.runner.model, self.runner.device,
+                                           FiniteCheck if self.runner.check_finite else None)
         return self.receiver.init(address, port, rank, world)
 
     def op_wt_receive(self, update) -> dict:
@@ -285,7 +288,7 @@ def worker_main(rank: int, address: str) -> int:
 
 def join_torchrun(place) -> int:
     """A worker that torchrun started (--tp-launch torchrun, RANK > 0): it joins rank 0 at MASTER_ADDR,
-    retrying while rank 0's server starts, on the GPU of its LOCAL_RANK (build.rank_device)."""
+    retrying while rank 0's server starts, on the GPU of its LOCAL_RANK (rank.rank_device)."""
     print(f"sleepserve: tensor-parallel rank {place.rank} joins rank 0 at {place.address}", file=sys.stderr,
           flush=True)
     return _join(place.rank, place.master_addr, place.port, place.key, store_host=place.master_addr, alive=True)
