@@ -231,7 +231,7 @@ def test_openai_client_cost_reads_every_answer_from_the_stand_in(tmp_path):
 
     out = subprocess.run([sys.executable, "bench/openai_client_cost.py", "--concurrency", "8", "--chunks", "5",
                           "--rounds", "1", "--server-processes", "1", "--out", str(tmp_path)],
-                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads((tmp_path / "openai-client-cost.json").read_text())["rows"]}
     assert rows["plain"]["requests"] == rows["stream"]["requests"] == 8
