@@ -29,6 +29,8 @@
 # and 64 x 512 prompts (head_dim 64 and 128), kernel vs span by span, and the in-process 1B engine's output
 # tok/s at 64 and 256 prompts at once with each path, with the 256 / 64 ratio (issue 15's target 2.5x).
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
+# By name only: moe-test, moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-fidelity (--batch-invariant:
+# docs/batch-invariance.md; fidelity needs the embedded model's weights there), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
 # size and threads: bench/vmm_floor.py), tms (our pool beside torch_memory_saver: bench/tms_compare.py;
@@ -125,6 +127,17 @@ for stage in $stages; do
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
     structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
     flows)      run flows $PY bench/readme_flows.py --out "$RESULTS" ;;
+    moe-test)   run moe-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider ;;
+    moe)        # the Qwen3-30B-A3B shape, dummy weights: decode vs the roofline of the bytes a step reads, level-1/2
+                # sleep and wake vs raw pinned bandwidth, routed-expert capture at batch 256 (bench/moe.py)
+                run moe $PY bench/moe.py --device cuda --repeats 2 --cycles 2 --steps 32 --out "$RESULTS" ;;
+    binv-test)  run binv-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_batch_invariant_gpu.py \
+                  -p no:cacheprovider ;;
+    binv)       # --batch-invariant against the default: decode tok/s at batch 1/64/256, 1B and 8B, in one run
+                run binv $PY bench/batch_invariant.py --out "$RESULTS" ;;
+    binv-fidelity) run binv-fidelity $PY bench/batch_invariant_fidelity.py --out "$RESULTS" ;;
+    finite)     # the non-finite check of weight updates: its cost on the 8B push, check on and off
+                run finite $PY bench/finite_check.py --push --out "$RESULTS" ;;
     limits)     run limits $PY bench/sleep_limits.py --out "$RESULTS" ;;
     vmmfloor)   run vmmfloor $PY bench/vmm_floor.py --gib 100 --out "$RESULTS"
                 run vmm-aftermath $PY bench/vmm_floor.py --gib 100 --aftermath --out "$RESULTS" ;;

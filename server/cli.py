@@ -126,9 +126,16 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "re-captures the decode CUDA graphs (the wake takes longer)", False, boolean,
            negation="--no-tp-release-comm-on-sleep"),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
+    Option("--enable-return-routed-experts", "mixture-of-experts models: record the experts each token was routed "
+           "to, returned to requests that set return_routed_experts (docs/moe.md)", False, boolean,
+           negation="--no-enable-return-routed-experts"),
     Option("--async-scheduling", "schedule and launch the next step while the device runs this one, and finish "
            "this one's outputs meanwhile (at tensor parallelism too: rank 0 broadcasts the sampled tokens)", True, boolean,
            negation="--no-async-scheduling"),
+    Option("--batch-invariant", "every reduction in an order fixed whatever the batch: a request's tokens and "
+           "log-probs are bitwise the same alone or among any others, and equal to its prompt_logprobs when "
+           "re-scored (docs/batch-invariance.md); off unless set here or by VLLM_BATCH_INVARIANT=1", None, boolean,
+           negation="--no-batch-invariant"),
     Option("--stream-interval", "a streamed request gets a chunk every N engine steps (N tokens a choice; its first "
            "tokens and its end at once): fewer chunks for the API process and the clients to handle at high "
            "concurrency, at N steps of latency between chunks", 1, positive_int, metavar="N"),
@@ -259,7 +266,9 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "kv_cache_memory": values["kv_cache_memory"], "gpu_memory_utilization": values["gpu_memory_utilization"],
         "load_format": values["load_format"], "served_model_name": values["served_model_name"],
         "enable_prefix_caching": not values["no_prefix_caching"], "enforce_eager": values["enforce_eager"],
+        "enable_return_routed_experts": values["enable_return_routed_experts"],
         "async_scheduling": values["async_scheduling"], "stream_interval": values["stream_interval"],
+        "batch_invariant": values["batch_invariant"],
         "seed": values["seed"], "tensor_parallel_size": values["tensor_parallel_size"],
         "tp_all_reduce": values["tp_all_reduce"], "tp_launch": values["tp_launch"],
         "tp_release_comm_on_sleep": values["tp_release_comm_on_sleep"],

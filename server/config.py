@@ -54,6 +54,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = True
     enforce_eager: bool = False               # no CUDA graphs
+    # Mixture-of-experts models: every step writes the experts each token was routed to into a device
+    # buffer; requests that ask (return_routed_experts) get them with their output (docs/moe.md).
+    enable_return_routed_experts: bool = False
     # Launch step t+1 before step t's tokens reach the host, and do t's host work while t+1 runs
     # (server/engine/core.py); on by default: batch 1 1.24x and batch 64 1.36-1.55x faster on an H200, the
     # same tokens. At TP > 1 rank 0 broadcasts each step's sampled tokens to the workers (parallel/runner.py).
@@ -63,6 +66,10 @@ class EngineConfig:
     # chunk is mostly the socket write (docs/measurements.md, "What misses its target"). SGLang's --stream-interval; 1: every token.
     stream_interval: int = 1
     seed: int = 0
+    # Every reduction in a fixed order, whatever the batch (server/model/batch_invariant.py): a request's
+    # tokens and log-probs are bitwise the same alone or among others, and re-scored as a prompt.
+    # None: from VLLM_BATCH_INVARIANT (vLLM's switch), off when unset.
+    batch_invariant: bool | None = None
     # Ranks of tensor parallelism: rank 0 runs in the engine's process, the others in worker processes
     # it starts (server/engine/parallel/), one GPU each (gloo on CPU).
     tensor_parallel_size: int = 1
@@ -95,6 +102,9 @@ class EngineConfig:
     held_request_timeout: float = 600.0
 
     def __post_init__(self) -> None:
+        if self.batch_invariant is None:
+            flag = os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower()
+            self.batch_invariant = flag in ("1", "true", "yes", "on")
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.kv_wake_chunk = parse_size(self.kv_wake_chunk)
         if self.kv_wake_chunk is None or self.kv_wake_chunk < 0:
@@ -123,6 +133,9 @@ class EngineConfig:
             raise ValueError(f"tp_launch must be spawn or torchrun, got {self.tp_launch!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.batch_invariant and self.tp_all_reduce == "symm":
+            raise ValueError("--batch-invariant sums the tensor-parallel ranks' parts in rank order (an all-gather "
+                             "and a sum), which --tp-all-reduce symm would replace: drop one of the two flags")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 

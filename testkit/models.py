@@ -26,6 +26,19 @@ CONFIGS: dict[str, dict] = {
                         num_key_value_heads=1, head_dim=32, vocab_size=1024, tie_word_embeddings=True),
 }
 
+# Mixture-of-experts shapes (Qwen3-MoE). Qwen3-30B-A3B: 30.5 B parameters, 3.3 B active per token (61 GB in bf16).
+MOE_CONFIGS: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+                          rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # The same kind of layer, small: fast GPU tests and bench/moe.py --small.
+    "qwen3-moe-tiny": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=49152,
+                           num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, tie_word_embeddings=False,
+                           rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
@@ -48,6 +61,22 @@ def model_folder(name: str, root: Path, max_position_embeddings: int = 131072) -
            "rms_norm_eps": 1e-5, "max_position_embeddings": max_position_embeddings, "bos_token_id": 1,
            "eos_token_id": 2, "torch_dtype": "bfloat16", "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0,
            "attention_bias": False, "mlp_bias": False, **CONFIGS[name]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    src = tokenizer_folder()
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, out / f)
+    return out
+
+
+def moe_model_folder(name: str, root: Path, max_position_embeddings: int = 40960) -> Path:
+    """config.json of a Qwen3-MoE shape (bf16; weights come from --load-format dummy) plus the tokenizer files."""
+    out = Path(root) / name
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_act": "silu",
+           "max_position_embeddings": max_position_embeddings, "bos_token_id": 1, "eos_token_id": 2,
+           "torch_dtype": "bfloat16", "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           **MOE_CONFIGS[name]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     src = tokenizer_folder()
     for f in TOKENIZER_FILES:

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response
 
 from server.api import generation
 from server.api.body import parse_body
-from server.api.formatting import TokenNames, chat_choice, chat_logprobs, envelope, prompt_logprobs_json, usage
+from server.api.formatting import (TokenNames, chat_choice, chat_logprobs, envelope, prompt_logprobs_json,
+                                   routed_experts_json, usage)
 from server.api.schemas import ChatCompletionRequest
 from server.api.streaming import ENCODER, ChunkFrame, events, json_ids, json_str, sse, sse_response
 from server.wire.outputs import RequestOutput
@@ -79,6 +80,8 @@ class ChatChunks:
                       "stop_reason": o.stop_reason}
             if self.with_ids:
                 choice["token_ids"] = o.delta_token_ids
+            if self.body.return_routed_experts and o.routed_experts is not None:
+                choice["routed_experts"] = routed_experts_json(o.routed_experts)
             result.append(self.frame(ENCODER.encode(choice)))
         return b"".join(result)
 
@@ -115,7 +118,10 @@ async def create_chat_completion(request: Request) -> Response:
     choices = []
     for o in final.outputs:
         lp = chat_logprobs(o.token_ids, o.logprobs or [], body.top_logprobs or 0, names) if body.logprobs else None
-        choices.append(chat_choice(o, lp, **({"token_ids": o.token_ids} if body.return_token_ids else {})))
+        extra_choice: dict[str, Any] = {"token_ids": o.token_ids} if body.return_token_ids else {}
+        if body.return_routed_experts and o.routed_experts is not None:
+            extra_choice["routed_experts"] = routed_experts_json(o.routed_experts)
+        choices.append(chat_choice(o, lp, **extra_choice))
     extra: dict[str, Any] = {}
     if body.return_token_ids:
         extra["prompt_token_ids"] = final.prompt_token_ids

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from server.api import generation
 from server.api.body import parse_body
 from server.api.formatting import (CompletionLogprobs, TokenNames, completion_choice, encode_json, encoded_envelope,
-                                   envelope, prompt_logprobs_json, usage)
+                                   envelope, prompt_logprobs_json, routed_experts_json, usage)
 from server.api.schemas import CompletionRequest, Prompt
 from server.api.streaming import ENCODER, ChunkFrame, events, json_ids, json_str, sse_response
 from server.wire.outputs import CompletionOutput, RequestOutput
@@ -98,6 +98,8 @@ class CompletionFormat:
                 extra["prompt_logprobs"] = None
         if body.return_token_ids:
             extra["token_ids"] = token_ids
+        if body.return_routed_experts and o.routed_experts is not None:  # with the choice's end
+            extra["routed_experts"] = routed_experts_json(o.routed_experts)
         return completion_choice(key, o, text, lp, **extra)
 
 

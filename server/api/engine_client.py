@@ -65,7 +65,7 @@ class Load:
 class _Seq:
     """One sampled sequence as the API has it: the whole so far, and what is new since the route last took it."""
     __slots__ = ("token_ids", "text", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
-                 "new_ids", "new_text", "new_logprobs")
+                 "new_ids", "new_text", "new_logprobs", "routed_experts")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -77,6 +77,7 @@ class _Seq:
         self.new_ids: list[int] = []
         self.new_text = ""
         self.new_logprobs: list | None = None
+        self.routed_experts = None  # a numpy array, with the end, when the request asked
 
 
 class OutputStream:
@@ -108,7 +109,7 @@ class OutputStream:
             self.prompt_logprobs = prompt_logprobs
         if metrics is not None:
             self.metrics = RequestMetrics(*metrics)
-        for index, token_ids, text, logprobs, cumulative, finish_reason, stop_reason, final_text in seq_deltas:
+        for index, token_ids, text, logprobs, cumulative, finish_reason, stop_reason, final_text, routed in seq_deltas:
             acc = self.seqs[index]
             acc.token_ids += token_ids
             acc.new_ids += token_ids
@@ -121,6 +122,8 @@ class OutputStream:
                 acc.new_logprobs += logprobs  # type: ignore[operator]
             acc.cumulative_logprob = cumulative
             acc.finish_reason, acc.stop_reason = finish_reason, stop_reason
+            if routed is not None:
+                acc.routed_experts = routed
         self._news = True
         self._ready.set()
 
@@ -142,7 +145,7 @@ class OutputStream:
             outputs.append(CompletionOutput(i, acc.text, acc.token_ids, acc.cumulative_logprob,
                                             None if lps is None else LogprobList(lps), acc.finish_reason,
                                             acc.stop_reason, acc.new_text, acc.new_ids,
-                                            None if new_lps is None else LogprobList(new_lps)))
+                                            None if new_lps is None else LogprobList(new_lps), acc.routed_experts))
             acc.new_ids, acc.new_text = [], ""
             if acc.new_logprobs is not None:
                 acc.new_logprobs = []

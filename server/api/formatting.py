@@ -5,9 +5,12 @@ are fixed by OpenAI's API reference, not by us.
 """
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from server.wire.logprob_list import LogprobList, WireLogprobs
 from server.wire.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -123,6 +126,14 @@ def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs], k: int,
         row["top_logprobs"] = [item(t, alt) for t, alt in _top(entry, k)]
         content.append(row)
     return {"content": content}
+
+
+def routed_experts_json(routed: Any) -> dict[str, Any]:
+    """A choice's routed experts, compactly: the array's bytes (C order, little-endian) in base64, with its
+    dtype and shape [tokens, sparse layers, top-k] (docs/moe.md). A JSON list of lists would be ~3x larger."""
+    arr = np.ascontiguousarray(routed)
+    little = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+    return {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": base64.b64encode(little.tobytes()).decode()}
 
 
 def completion_choice(index: int, o: CompletionOutput, text: str, logprobs: dict | None,

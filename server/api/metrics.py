@@ -306,6 +306,8 @@ class EngineCollector:
             return GaugeMetricFamily(P + name, doc, value=value)
 
         yield gauge("requests_running", "Sequences in the running batch", s["running"])
+        yield gauge("batch_invariant", "1 when every reduction keeps one order whatever the batch (--batch-invariant)",
+                    1.0 if getattr(self.config, "batch_invariant", False) else 0.0)
         yield gauge("requests_waiting", "Sequences waiting to be scheduled", s["waiting"])
         yield gauge("kv_cache_blocks_used", "KV-cache blocks in use", s["kv_blocks_used"])
         yield gauge("kv_cache_blocks_total", "KV-cache blocks in the pool", s["kv_blocks_total"])

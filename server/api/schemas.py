@@ -87,6 +87,7 @@ class _Sampling(RequestBody):
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    return_routed_experts: bool = False  # SGLang's field; the server needs --enable-return-routed-experts
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -173,6 +174,7 @@ class _Sampling(RequestBody):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=self._bias(), skip_special_tokens=self.skip_special_tokens, structured_outputs=spec,
+            return_routed_experts=self.return_routed_experts,
             # A whole response needs only the end: no output (frame item, wake-up, text) per step.
             output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY)
 

@@ -39,6 +39,7 @@ def server_info(request: Request, config_format: ConfigFormat) -> dict[str, Any]
                   "max_model_len": info.max_model_len, "vocab_size": info.vocab_size},
         "device": info.device,
         "engine_config": asdict(info.config),
+        "batch_invariant": bool(info.config.batch_invariant),
         "kv_cache": {"num_blocks": info.kv_plan.num_blocks - 1, "block_size": info.kv_plan.block_size,
                      "bytes": info.kv_plan.bytes, "capacity_tokens": info.kv_plan.capacity_tokens},
         "processes": {"api_pid": os.getpid(), "engine_pid": info.pid,

@@ -152,6 +152,9 @@ class EngineCore:
         """The prompt's token ids and the params to run it with (max_tokens resolved, grammar compiled),
         or InvalidRequestError. Changes nothing, so a batch can check every prompt before adding any."""
         params.validate(self.model_config.vocab_size)
+        routed = self.routed_experts_asked(params.return_routed_experts)
+        if routed != params.return_routed_experts:
+            params = replace(params, return_routed_experts=routed)
         if params.structured_outputs is not None and params.grammar is None:
             # The server compiled it already (the engine process's compile command, cached by spec);
             # the in-process LLM compiles here.
@@ -161,6 +164,20 @@ class EngineCore:
                 raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
             prompt_token_ids = self.encode(prompt)
         return check_prompt_ids(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+
+    def routed_experts_asked(self, asked: bool | None) -> bool:
+        """return_routed_experts resolved: None follows --enable-return-routed-experts (vLLM returns them to
+        every request then); yes on a dense model or without the flag is a 400 naming the field."""
+        recorded = self.config.enable_return_routed_experts
+        if asked is None:
+            return recorded
+        if asked and not self.model_config.num_experts:
+            raise InvalidRequestError(f"return_routed_experts: the served model ({self.model_config.model_type}) has "
+                                      "no experts", param="return_routed_experts")
+        if asked and not recorded:
+            raise InvalidRequestError("return_routed_experts needs the server started with "
+                                      "--enable-return-routed-experts", param="return_routed_experts")
+        return asked
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.get(request_id)

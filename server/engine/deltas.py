@@ -25,9 +25,10 @@ def encode_delta(req: "Request") -> Delta:
                 continue  # the API has its end already
             s.end_sent = True
         text, new_text, new_ids, new_logprobs = s.delta()
+        ended = s.finish_reason is not None
         seqs.append((s.index, new_ids, new_text, new_logprobs,
                      s.cumulative_logprob if s.logprobs is not None else None, s.finish_reason, s.stop_reason,
-                     text if s.finish_reason is not None else None))
+                     text if ended else None, s.routed_output() if ended else None))
     finished = req.finished
     metrics = None
     if finished:

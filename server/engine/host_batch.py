@@ -35,6 +35,9 @@ class HostBatch:
     # same rows of the tokens rank 0 broadcast to it).
     ids_from: torch.Tensor | None = None
     ids_rows: list[int] | None = None
+    # Sequences that asked for their routed experts (routed_experts.py): (sequence, its first row in the
+    # batch, that row's position, rows).
+    routed: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:

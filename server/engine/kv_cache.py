@@ -134,7 +134,8 @@ class BlockManager:
         """Cached blocks holding a prefix of seq's tokens. At least one token is always left to
         compute, since the last prompt token's logits are what the first sample needs. A request
         that still needs prompt log-probs reuses nothing: they come from computing every position."""
-        if not self.enable_prefix_caching or seq.request.prompt_logprobs_pending:
+        if (not self.enable_prefix_caching or seq.request.prompt_logprobs_pending
+                or seq.params.return_routed_experts):  # a hit's routed experts were never recorded
             seq.block_hashes = []
             return []
         bs = self.block_size

@@ -22,6 +22,11 @@ def measure_activation_peak(model: LlamaForCausalLM, num_tokens: int, block_size
     scratch = torch.zeros(kv_cache_shape(cfg, blocks, block_size), dtype=dtype, device=dev)
     saved = [(l.self_attn.k_cache, l.self_attn.v_cache) for l in model.model.layers]
     attach(model.model.layers, scratch)
+    saved_ops = model.ops
+    if cfg.num_experts:  # the fused MoE's buffers ([tokens*k, I] and [tokens*k, H]) are the peak, not the reference's
+        from server.model.fused_moe import moe
+
+        model.ops = type("FusedMoeOps", (saved_ops,), {"moe": staticmethod(moe)})
     try:
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
@@ -41,6 +46,7 @@ def measure_activation_peak(model: LlamaForCausalLM, num_tokens: int, block_size
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
     finally:
+        model.ops = saved_ops
         for layer, (k, v) in zip(model.model.layers, saved):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         del scratch

@@ -106,7 +106,11 @@ def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelCon
             "give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len")
     runner = runner_class(model, pool, plan.num_blocks, config.block_size, dtype, plan.chunk_bounds, **runner_args)
     runner.check_finite = config.check_weights_finite
-    runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
+    if config.enable_return_routed_experts and tp.rank == 0:  # the router is whole on every rank: rank 0's ids
+        runner.enable_routed_experts(max(config.batched_tokens(device), config.max_num_seqs))
+    tp.ordered_reduce = bool(config.batch_invariant)
+    runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
+                        batch_invariant=bool(config.batch_invariant))
     if config.enable_sleep_mode and config.prepare_backups != "off":
         prepare_backups(pool, config.prepare_backups == "auto")
     return RankParts(pool, model, runner, plan, load_seconds, weight_version)

@@ -19,6 +19,7 @@ import torch
 from allocator import PoolError
 from server.engine.grammar_masks import GrammarMasks, bit_values_on
 from server.engine.host_batch import DecodeTables, HostBatch, continuing
+from server.engine.routed_experts import RoutedExperts
 from server.engine.kv_cache import NULL_BLOCK
 from server.wire.outputs import TokenLogprobs
 from server.engine.sampler import DeviceSample, SamplingMeta, prompt_logprobs, read_sample, sample, sample_on_device
@@ -38,8 +39,17 @@ log = logging.getLogger("sleepserve.engine")
 
 
 
-def _ops_for(device: torch.device):
-    """The model's kernels: Triton's fused ones on CUDA (imported only there), plain PyTorch elsewhere."""
+def _ops_for(device: torch.device, batch_invariant: bool = False):
+    """The model's kernels: Triton's fused ones on CUDA (imported only there), plain PyTorch elsewhere;
+    with batch_invariant, those whose every reduction keeps one order whatever the batch (batch_invariant.py)."""
+    if batch_invariant:
+        if device.type == "cuda":
+            from server.model.batch_invariant_kernels import BatchInvariantTritonOps
+
+            return BatchInvariantTritonOps
+        from server.model.batch_invariant import BatchInvariantTorchOps
+
+        return BatchInvariantTorchOps
     if device.type == "cuda":
         from server.model.fused_ops import TritonOps
 
@@ -98,11 +108,21 @@ class ModelRunner:
         self.masks = GrammarMasks(c.vocab_size, self.device, bits)
         self._sampling: SamplingMeta | None = None  # the last batch's (sampler.py): steady batches reuse it
         self.decode_tables = DecodeTables()  # the last decode batch's padded block tables, kept up to date
+        self.batch_invariant = False  # finish_setup sets it
+        # --enable-return-routed-experts: the buffer the sparse layers write their top-k ids into (enable_routed_experts).
+        self.routed: RoutedExperts | None = None
 
-    def finish_setup(self, enforce_eager: bool, max_num_seqs: int) -> None:
+    def enable_routed_experts(self, max_tokens: int) -> None:
+        """Record routed experts (before finish_setup: the decode graphs capture the sparse layers' writes)."""
+        warm_up = 1 + min(2 * self.block_size, self.model.max_positions)  # _warm_up's batch
+        self.routed = RoutedExperts(self.model, self.pool, max(max_tokens, warm_up))
+
+    def finish_setup(self, enforce_eager: bool, max_num_seqs: int, batch_invariant: bool = False) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
-        CUDA graphs for decode batches (captured once, their memory in the pool)."""
-        self.model.ops = _ops_for(self.device)
+        CUDA graphs for decode batches (captured once, their memory in the pool). batch_invariant: the
+        ops whose reductions keep one order whatever the batch (model/batch_invariant.py)."""
+        self.batch_invariant = batch_invariant
+        self.model.ops = _ops_for(self.device, batch_invariant)
         self.max_num_seqs = max_num_seqs
         self._warm_up()
         if self.device.type != "cuda":
@@ -131,6 +151,10 @@ class ModelRunner:
 
             # the model's output dtype: a decode graph's logits buffer is in it (graphs.py)
             warm_up_sampler(self.model.config.vocab_size, self.device, self.model.output_weight().dtype)
+            if self.model.config.num_experts:  # every fused-MoE variant (a long prefill's tiles too)
+                from server.model.fused_moe import warm_up as warm_up_moe
+
+                warm_up_moe(self.model)
             torch.cuda.synchronize(self.device)
 
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------
@@ -173,6 +197,7 @@ class ModelRunner:
         # Decodes (one new token) first: they share one batched attention call.
         items = sorted(batch.items, key=lambda it: it[1] != 1)
         hb = HostBatch([], [], [], [], [], [], [], [])
+        routed = self.routed is not None
         next_scored: dict[str, int] = {}  # per request: the first prompt token still without a log-prob
         for seq, n in items:
             start = seq.num_computed
@@ -188,6 +213,8 @@ class ModelRunner:
                     hb.prompt_targets.extend(req.prompt_token_ids[first:end + 1])
                     hb.prompt_groups.append((req, end + 1 - first))
                     next_scored[req.request_id] = end + 1
+            if routed and seq.params.return_routed_experts:
+                hb.routed.append((seq, offset, start, n))
             table = seq.block_table
             if n == 1:
                 hb.ids.append(seq.token_ids[start])
@@ -222,7 +249,13 @@ class ModelRunner:
         # one token long and not be).
         rows = [i for i, (s, n) in enumerate(zip(seqs, lens)) if n == len(s.token_ids)]
         sample_seqs = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
-        return HostBatch(ids, starts, slots, tables, lens, [], rows, sample_seqs)
+        return HostBatch(ids, starts, slots, tables, lens, [], rows, sample_seqs, routed=self._routed_rows(seqs, starts))
+
+    def _routed_rows(self, seqs: list[Sequence], starts: list[int]) -> list[tuple[Sequence, int, int, int]]:
+        """A one-token-per-sequence batch's rows of the sequences that asked for their routed experts."""
+        if self.routed is None:
+            return []
+        return [(s, i, p, 1) for i, (s, p) in enumerate(zip(seqs, starts)) if s.params.return_routed_experts]
 
     def prepare_ahead(self, batch: ScheduledBatch, after: "Launched", rows: list[int]) -> HostBatch:
         """prepare() for a batch scheduled before the previous step's tokens reached the host (async
@@ -236,7 +269,8 @@ class ModelRunner:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
         lens = [p + 1 for p in starts]
         return HostBatch([0] * len(seqs), starts, slots, tables, lens, [], list(range(len(seqs))), seqs,
-                         ids_from=continuing(after.tokens, rows), ids_rows=rows)  # type: ignore[arg-type]
+                         ids_from=continuing(after.tokens, rows), ids_rows=rows,  # type: ignore[arg-type]
+                         routed=self._routed_rows(seqs, starts))
 
     def to_device(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """(input ids, positions, attention context, sample rows) on the device, from ONE host-to-
@@ -316,6 +350,8 @@ class ModelRunner:
         (async scheduling; a tensor-parallel runner then broadcasts them to every rank)."""
         hb = self.prepare(batch) if after is None else self.prepare_ahead(batch, after, rows or [])
         logits, prompt_hidden = self.forward(hb)
+        # Asked-for routed experts: their copy to the host, queued behind the forward (no wait here).
+        routed = (*self.routed.copy_out(len(hb.ids)), hb.routed) if hb.routed and self.routed else None
         scored: list[tuple[Request, list[TokenLogprobs]]] = []
         if prompt_hidden is not None:  # synchronizes (a prefill with prompt log-probs is never overlapped)
             ks = [req.params.prompt_logprobs or 0 for req, count in hb.prompt_groups for _ in range(count)]
@@ -325,14 +361,14 @@ class ModelRunner:
                 scored.append((req, entries[at:at + count]))
                 at += count
         if not hb.sample_seqs:
-            return Launched(batch, hb, None, None, scored, tokenizer, self)
+            return Launched(batch, hb, None, None, scored, tokenizer, self, routed)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
-            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device, self.batch_invariant)
         if meta.grammar:  # the grammar first: what it forbids is never sampled, whatever else applies
             self.masks.apply(logits, hb.sample_seqs)
         ds = sample_on_device(logits, hb.sample_seqs, eos_ids, meta)
-        return Launched(batch, hb, ds, meta, scored, tokenizer, self)
+        return Launched(batch, hb, ds, meta, scored, tokenizer, self, routed)
 
     @torch.inference_mode()
     def sample(self, hb: HostBatch, logits: torch.Tensor, eos_ids: frozenset[int], tokenizer) -> StepResult:
@@ -343,18 +379,19 @@ class ModelRunner:
         self.masks.apply(logits, hb.sample_seqs)
         meta = self._sampling
         if meta is None or not meta.matches(hb.sample_seqs):
-            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device)
+            meta = self._sampling = SamplingMeta(hb.sample_seqs, logits.device, self.batch_invariant)
         tokens, logprobs = sample(logits, hb.sample_seqs, eos_ids, tokenizer, meta)
         return self.result(hb.sample_seqs, tokens, logprobs, [])
 
     def result(self, seqs: list[Sequence], tokens: list[int], logprobs: list | None,
-               scored: list[tuple[Request, list[TokenLogprobs]]]) -> StepResult:
+               scored: list[tuple[Request, list[TokenLogprobs]]], routed: tuple | None = None) -> StepResult:
         """The step's plain result; the grammars consume the sampled tokens first (their matchers are the
         masks' state, and the next step's masks start computing now)."""
         running = SeqStatus.RUNNING  # a row computed after its sequence ended (async scheduling) is dropped
         done = self.masks.advance([(s, t) for s, t in zip(seqs, tokens) if s.matcher is not None and s.status is running])
+        rows = self.routed.rows_of(*routed) if routed is not None and self.routed is not None else []
         return StepResult([s.seq_id for s in seqs], tokens, logprobs,
-                          [(req.request_id, entries) for req, entries in scored], done)
+                          [(req.request_id, entries) for req, entries in scored], done, rows)
 
 
 @dataclass
@@ -368,6 +405,7 @@ class Launched:
     scored: list[tuple[Request, list[TokenLogprobs]]]
     tokenizer: object
     runner: "ModelRunner | None" = None
+    routed: tuple | None = None  # asked-for routed experts on their way to the host: (host rows, copy event, items)
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -378,6 +416,6 @@ class Launched:
         """Wait for the sampled tokens and return the step's plain result."""
         assert self.runner is not None
         if self.sampled is None:
-            return self.runner.result([], [], None, self.scored)
+            return self.runner.result([], [], None, self.scored, self.routed)
         tokens, logprobs = read_sample(self.sampled, self.hb.sample_seqs, self.meta, self.tokenizer)  # type: ignore[arg-type]
-        return self.runner.result(self.hb.sample_seqs, tokens, logprobs, self.scored)
+        return self.runner.result(self.hb.sample_seqs, tokens, logprobs, self.scored, self.routed)

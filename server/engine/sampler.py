@@ -63,7 +63,7 @@ class SamplingMeta:
     decode steps of a steady batch (the same sequences in the same order) reuse it, so a step does no
     per-row Python and no host-to-device copy for its parameters (ModelRunner keeps the last one)."""
 
-    def __init__(self, seqs: list[Sequence], device: torch.device):
+    def __init__(self, seqs: list[Sequence], device: torch.device, batch_invariant: bool = False):
         self.seqs = list(seqs)
         # One summary per distinct params object (a request's n sequences share one; a batch of requests
         # holds a few dozen), then each field's column in C: a new batch composition (a sequence ending,
@@ -109,8 +109,11 @@ class SamplingMeta:
         # in one pass over each row (fused_sample.py): each row's temperature, 0 for a greedy one. Greedy
         # rows with no log-probs keep the argmax, already one pass; plain sampling of fewer rows than
         # FUSED_MIN_ROWS keeps the torch path, which launches faster (H200: 0.08 against 0.17 ms at 1 row).
+        # Not in the batch-invariant mode: whether a row went through it would follow the batch (its size,
+        # its other rows' params), and prompt log-probs are scored by the torch path's log-softmax.
         self.fused_temps = None
-        if (device.type == "cuda" and self.top_k is None and self.min_p is None and not self.seeded
+        if (device.type == "cuda" and not batch_invariant and self.top_k is None and self.min_p is None
+                and not self.seeded
                 and self.k == 0 and (self.want or (not self.all_greedy and len(seqs) >= FUSED_MIN_ROWS))):
             self.fused_temps = _on([0.0 if g else float(t) for g, t in zip(greedy, temps)], device)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from server.engine.detokenizer import detokenize_step
 from server.engine.kv_cache import BlockManager
+from server.engine.routed_experts import store as store_routed
 from server.engine.sequence import Request, Sequence, SeqStatus, settle_texts
 from server.engine.step_types import ScheduledBatch, StepResult
 
@@ -168,6 +169,11 @@ class Scheduler:
             if len(live) < len(items):
                 batch = ScheduledBatch(live, batch.preempted, sum(n for _, n in live), batch.mark)
         self.advance(batch)
+        if result.routed_experts:
+            by_seq = {s.seq_id: s for s, _ in batch.items}
+            for seq_id, start, rows in result.routed_experts:
+                if seq_id in by_seq:
+                    store_routed(by_seq[seq_id], start, rows)
         if result.prompt_logprobs:
             reqs = {s.request.request_id: s.request for s, _ in batch.items}
             for rid, entries in result.prompt_logprobs:

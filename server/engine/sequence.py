@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer, detokenize_many, find_stop
@@ -60,6 +61,8 @@ class Sequence:
         self._emitted_text = 0
         self._emitted_tokens = 0
         self.end_sent = False  # the engine process sent its end (channel.encode_delta): nothing more of it
+        # With return_routed_experts: the experts each position was routed to (routed_experts.py), by position.
+        self.routed_experts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -184,7 +187,16 @@ class Sequence:
             self.index, text, self.token_ids[self.num_prompt_tokens:],
             self.cumulative_logprob if lps is not None else None, LogprobList(lps[:]) if lps is not None else None,
             self.finish_reason, self.stop_reason, new_text, new_ids,
-            LogprobList(new_logprobs) if new_logprobs is not None else None)
+            LogprobList(new_logprobs) if new_logprobs is not None else None,
+            self.routed_output() if self.finish_reason is not None else None)
+
+    def routed_output(self) -> np.ndarray | None:
+        """With return_routed_experts, the rows of every token that went through the model (all but the
+        last sampled one): [tokens, sparse layers, top-k]."""
+        held = self.routed_experts
+        if held is None or not self.params.return_routed_experts:
+            return None
+        return held[:self.num_tokens - 1].copy()
 
 
 def settle_texts(seqs: list[Sequence]) -> None:

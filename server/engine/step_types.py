@@ -4,7 +4,7 @@ done) goes back to Scheduler.update_from_output, the one place that applies it t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.wire.logprob_list import WireLogprobs
 from server.wire.outputs import TokenLogprobs
@@ -39,6 +39,9 @@ class StepResult:
     logprobs: list[WireLogprobs | None] | None = None     # per row, when any row asked (logprob_list.py)
     prompt_logprobs: list[tuple[str, list[TokenLogprobs]]] = field(default_factory=list)  # (request id, new entries)
     grammar_done: set[int] = field(default_factory=set)   # seq ids whose grammar admits no further token
+    # Routed experts of the sequences that asked (routed_experts.py): (seq id, first position, rows
+    # [positions, sparse layers, top-k]).
+    routed_experts: list[tuple[int, int, Any]] = field(default_factory=list)
 
 
 __all__ = ["ScheduledBatch", "StepResult"]

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from server.engine.core import EngineCore
 from server.model.finite import FiniteCheck, nonfinite_message
+from server.model.loader import receiver_names
 from server.wire.errors import EngineUnavailableError, InvalidRequestError, NonFiniteWeightsError
 from server.weight_transfer import safe_pickle
 from server.weight_transfer.config import WeightTransferConfig
@@ -76,8 +77,8 @@ class WeightTransferService:
         self.core = core
         self.on_engine = on_engine   # from a command thread: run on the engine thread, wait for it
         self.defer = defer           # from the transfer thread: run on the engine thread, do not wait
-        self.receiver = WeightReceiver(config, core.model, core.device,
-                                       FiniteCheck if core.config.check_weights_finite else None)
+        self.receiver = WeightReceiver(config, core.model, core.device, *receiver_names(core.model),
+                                       finite_check=FiniteCheck if core.config.check_weights_finite else None)
         self.workers = getattr(core.runner, "workers", None)  # parallel/executor.Workers at TP > 1
         self._thread = _Worker()
         self.packed_default: bool | None = None   # init_info.packed of the last init

@@ -17,6 +17,7 @@ import triton.language as tl
 from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
 from server.model.launch import gdc_launch
+from server.model.fused_moe import moe as fused_moe
 from server.model.ops import norm_then_gate_up_act, norm_then_qkv
 from server.model.small_gemm import chained, small_gemm, small_rows
 
@@ -93,6 +94,7 @@ def _silu_mul_packed(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
 
 class TritonOps:
     name = "triton"
+    batch_invariant = False
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -178,6 +180,8 @@ class TritonOps:
         return triton_decode_attention(q, *args, **kwargs, gdc=chained(q))
 
     prefill_attention = staticmethod(triton_prefill_attention)  # every span of the step in one launch
+    # The sparse MLP (fused_moe.py): routing and grouping in one to four kernels, the experts in three; no host sync.
+    moe = staticmethod(fused_moe)
 
 
 def _split_qkv(attn, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The Llama family (Llama / SmolLM2, Mistral, Qwen2, Qwen3) in plain PyTorch over a flat token batch.
+"""The Llama family (Llama / SmolLM2, Mistral, Qwen2, Qwen3, and with sparse MLPs Qwen3-MoE and Mixtral:
+moe.py) in plain PyTorch over a flat token batch.
 
 Module and parameter names mirror Hugging Face checkpoints, so loading and in-place weight updates
 are a by-name copy. Parameters are created on the meta device and materialized by the loader inside
@@ -12,6 +13,7 @@ from torch import nn
 
 from server.model.attention import AttentionContext, attend
 from server.model.config import ModelConfig
+from server.model.moe import EXPERT_NAMES, SparseMoeBlock
 from server.model.ops import TorchOps
 from server.model.rope import cos_sin_table
 from server.model.shard import TensorParallel
@@ -40,7 +42,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, q, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias and cfg.model_type not in ("qwen2", "qwen2_moe"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -63,7 +65,11 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, D), None, ops)[0].view(T, self.num_heads, D)
             k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
         q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention, ops.prefill_attention)
+        if ops.batch_invariant:  # one per-token path for decodes and prefills alike (batch_invariant.py)
+            out = ops.attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        else:
+            out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention,
+                         ops.prefill_attention)
         return self.tp.row_parallel(self.o_proj, out.reshape(T, self.num_heads * D), ops.linear)
 
 
@@ -86,10 +92,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg, tp)
-        self.mlp = MLP(cfg, tp)
+        # A sparse layer's experts go under the checkpoint's module name (mlp, Mixtral's block_sparse_moe).
+        self.moe_name: str | None = None
+        if cfg.is_sparse_layer(index):
+            self.moe_name = EXPERT_NAMES[cfg.model_type][0]
+            self.add_module(self.moe_name, SparseMoeBlock(cfg, tp, index))
+        else:
+            self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -100,6 +112,9 @@ class DecoderLayer(nn.Module):
         # for bit Hugging Face's `residual + hidden`.
         q, k, v, residual = ops.norm_qkv(self.self_attn, self.input_layernorm, x, residual)
         x = self.self_attn(q, k, v, cos, sin, ctx, ops)
+        if self.moe_name is not None:
+            h, residual = self.post_attention_layernorm(x, residual, ops)
+            return self._modules[self.moe_name](h, ops), residual
         act, residual = ops.norm_gate_up_act(self.mlp, self.post_attention_layernorm, x, residual)
         return self.mlp.down(act, ops), residual
 
@@ -126,7 +141,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -170,7 +185,9 @@ class LlamaForCausalLM(nn.Module):
         same matmul writes there instead and `out` is returned (the sampler converts it where it needs to): one buffer
         serves every graph, where a fp32 output per graph would cost ~0.5 MB x batch x graphs."""
         if self.tp.enabled:  # each rank's vocabulary slice, gathered (in the model's dtype: half the bytes)
-            logits = self.tp.gather_vocab(F.linear(hidden, self.output_weight()))
+            w = self.output_weight()
+            part = self.ops.lm_head(hidden, w, None) if self.ops.batch_invariant else F.linear(hidden, w)
+            logits = self.tp.gather_vocab(part)
             return logits.float() if out is None else out.copy_(logits)
         logits = self.ops.lm_head(hidden, self.output_weight(), out)
         return logits if out is not None else logits.float()

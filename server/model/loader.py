@@ -13,6 +13,7 @@ from torch import nn
 from server.wire.tags import WEIGHTS
 from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
+from server.model.moe import HF_STACKED, SparseMoeBlock
 from server.model.shard import Shard, TensorParallel
 
 from server.wire.errors import WeightLoadError
@@ -185,9 +186,11 @@ def iter_checkpoint(files: list[Path], model: LlamaForCausalLM | None = None) ->
                     shard = model.tp.shard(name) if model is not None else None
                     if shard is None:
                         yield name, st.get_tensor(name)
-                    else:
-                        sl = st.get_slice(name)
-                        yield name, sl[shard.index(len(sl.get_shape()))]
+                        continue
+                    sl = st.get_slice(name)
+                    index = shard.index(len(sl.get_shape()))
+                    # A stacked gate|up tensor's share is two ranges (shard.GateUpShard): cut from the whole.
+                    yield name, shard.take(st.get_tensor(name)) if index is None else sl[index]
         except WeightLoadError:
             raise
         except Exception as e:
@@ -201,7 +204,55 @@ _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
 
 def _targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters()}
+    return checkpoint_targets(model)
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name a checkpoint or a weight update may use -> the tensor it lands in (this rank's part).
+    The parameters' own names, plus for each sparse layer (moe.py) the checkpoint's per-expert names,
+    views of the stacked experts, and transformers 5's names of the stacks and the router (its
+    in-memory model, which a trainer sends). Built once per model (the views never move)."""
+    cached = getattr(model, "_checkpoint_targets", None)
+    if cached is not None:
+        return cached
+    targets = {n: p for n, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock):
+            targets.update(module.experts.views(f"{name}.experts"))
+            hf = name.rsplit(".", 1)[0] + ".mlp"  # transformers 5 calls every sparse MLP `mlp`
+            targets.setdefault(f"{hf}.gate.weight", module.gate.weight)
+            for hf_name, ours in HF_STACKED.items():
+                targets[f"{hf}.experts.{hf_name}"] = getattr(module.experts, ours)
+    model._checkpoint_targets = targets
+    return targets
+
+
+def _expert_units(model: nn.Module) -> dict[str, list[str]]:
+    """A stacked expert tensor's names (ours and transformers 5's) -> the per-expert names it holds."""
+    cached = getattr(model, "_expert_units", None)
+    if cached is not None:
+        return cached
+    units: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock):
+            hf = name.rsplit(".", 1)[0] + ".mlp"
+            for hf_name, ours in HF_STACKED.items():
+                held = module.experts.expert_names(f"{name}.experts", ours)
+                units[f"{name}.experts.{ours}"] = units[f"{hf}.experts.{hf_name}"] = held
+            if hf != name:
+                units[f"{hf}.gate.weight"] = [f"{name}.gate.weight"]
+    model._expert_units = units
+    return units
+
+
+def unit_names(model: nn.Module, names: Iterable[str]) -> set[str]:
+    """What loading these names wrote, in the units parameter_names() counts: a stacked expert tensor
+    is every per-expert name it holds (a model is whole once each expert is, however they were sent)."""
+    units = _expert_units(model)
+    out: set[str] = set()
+    for name in names:
+        out.update(units.get(name, (name,)))
+    return out
 
 
 def full_shape(model: LlamaForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
@@ -237,7 +288,7 @@ def check_checkpoint(model: LlamaForCausalLM, shapes: dict[str, tuple[tuple[int,
         if dt not in _FLOAT_DTYPES:
             problems.append(f"{name}: dtype {dt} is not a floating-point type")
     if require_all:
-        missing = sorted(set(targets) - seen)
+        missing = sorted(parameter_names(model) - unit_names(model, seen))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             problems.append(f"missing tensors: {', '.join(missing[:5])}{more}")
@@ -273,7 +324,7 @@ def copy_weights(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tenso
             check.add(target, targets[target])
         loaded.add(target)
     model.init_buffers()
-    return loaded
+    return unit_names(model, loaded)
 
 
 def load_checkpoint(model: LlamaForCausalLM, path: Path) -> set[str]:
@@ -304,5 +355,17 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     model.init_buffers()
 
 
-def parameter_names(model: LlamaForCausalLM) -> set[str]:
-    return set(_targets(model))
+def receiver_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], Callable[[Iterable[str]], set[str]]]:
+    """What a weight-transfer receiver takes: the names a trainer may send (checkpoint_targets) and how its
+    writes count (unit_names)."""
+    return checkpoint_targets(model), lambda names: unit_names(model, names)
+
+
+def parameter_names(model: nn.Module) -> set[str]:
+    """The names a complete load covers: every parameter's, a sparse layer's experts by their
+    per-expert checkpoint names (unit_names maps the stacked names onto them)."""
+    cached = getattr(model, "_parameter_names", None)
+    if cached is None:
+        cached = unit_names(model, (n for n, _ in model.named_parameters()))
+        model._parameter_names = cached
+    return cached

@@ -10,11 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from server.model.attention import decode_attention_torch, prefill_spans_torch, write_kv
+from server.model.moe import moe_torch
 from server.model.rope import apply_rotary
 
 
 class TorchOps:
     name = "torch"
+    # Whether every reduction's order is fixed independently of the batch (batch_invariant.py's ops).
+    batch_invariant = False
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -75,6 +78,8 @@ class TorchOps:
 
     decode_attention = staticmethod(decode_attention_torch)
     prefill_attention = staticmethod(prefill_spans_torch)  # one SDPA per span (attention.attend's prefill_fn)
+    # A sparse layer (moe.py): the router's top-k, then the experts' weighted sum.
+    moe = staticmethod(moe_torch)
 
 
 def norm_then_qkv(ops, attn, norm, x: torch.Tensor, residual: torch.Tensor | None):

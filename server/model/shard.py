@@ -4,7 +4,8 @@ rank holds, and the two collectives the model calls.
 Column-parallel (split the output rows): q/k/v (by KV-head group, so each rank's query heads read
 its own KV heads), gate/up, the vocabulary of the embedding and of the LM head. Row-parallel (split
 the input columns, partial sums added by one all-reduce): o_proj and down_proj. Norms are whole on
-every rank. KV heads fewer than ranks are replicated (each rank holds the one its query heads read).
+every rank. Mixture-of-experts layers (moe.py) cut every expert along its intermediate dimension:
+gate/up rows (w13's two halves) and down columns; the router is whole on every rank. KV heads fewer than ranks are replicated (each rank holds the one its query heads read).
 Sizes that do not divide evenly split into chunks that differ by at most one head or row (the
 embedded SmolLM2 has 9 query and 3 KV heads); the vocabulary is padded to equal shards so the
 logits gather in one all-gather.
@@ -74,7 +75,38 @@ _COLUMN_KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
 _ROW_O = re.compile(r"\.self_attn\.o_proj\.(weight|bias)$")
 _COLUMN_MLP = re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias)$")
 _ROW_MLP = re.compile(r"\.mlp\.down_proj\.(weight|bias)$")
+_COLUMN_SHARED = re.compile(r"\.mlp\.shared_expert\.(gate|up)_proj\.weight$")  # Qwen2-MoE's shared expert
+_ROW_SHARED = re.compile(r"\.mlp\.shared_expert\.down_proj\.weight$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# Experts: one by one (the checkpoint's names), or stacked ([E, 2I, H] and [E, H, I]; vLLM's and transformers 5's names).
+_COLUMN_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$")
+_ROW_EXPERT = re.compile(r"\.experts\.\d+\.(down_proj|w2)\.weight$")
+_STACKED_W13 = re.compile(r"\.experts\.(w13_weight|gate_up_proj)$")
+_STACKED_W2 = re.compile(r"\.experts\.(w2_weight|down_proj)$")
+
+
+@dataclass(frozen=True)
+class GateUpShard:
+    """This rank's part of a stacked gate|up tensor [E, 2I, H]: rows [start, stop) of the gate half and
+    the same rows of the up half, side by side ([E, 2 * (stop - start), H]). Not one slice of the file:
+    index() is None, and a reader takes it from the whole tensor."""
+    start: int
+    stop: int
+    full: int   # I, one half's rows
+
+    def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        return (local[0], 2 * self.full, *local[2:])
+
+    def index(self, ndim: int) -> None:
+        return None
+
+    def take(self, whole: torch.Tensor) -> torch.Tensor:
+        n = self.stop - self.start
+        return torch.cat([whole.narrow(1, self.start, n), whole.narrow(1, self.full + self.start, n)], dim=1)
+
+    @torch.no_grad()
+    def place(self, param: torch.Tensor, part: torch.Tensor) -> None:
+        param.copy_(part)
 
 
 class TensorParallel:
@@ -86,6 +118,9 @@ class TensorParallel:
             raise ValueError(f"rank {rank} is outside a world of {world}")
         self.rank, self.world, self.full_config = rank, world, cfg
         self.comm = None  # all_reduce(x) -> x, all_gather(x) -> [x of each rank], set once the group starts
+        # --batch-invariant: every all-reduce sums the ranks' parts in rank order (an all-gather, then the
+        # sum here), whatever the message's size: a ring or tree all-reduce's order follows its chunks.
+        self.ordered_reduce = False
         H, KV = cfg.num_heads, cfg.num_kv_heads
         if H % KV:
             raise ValueError(f"{H} query heads do not group evenly over {KV} KV heads")
@@ -104,19 +139,26 @@ class TensorParallel:
         if cfg.intermediate_size < world:
             raise ValueError(f"--tensor-parallel-size {world} is larger than the MLP width {cfg.intermediate_size}")
         self.inter = split(cfg.intermediate_size, world, rank)
+        if cfg.num_experts and cfg.moe_intermediate_size < world:
+            raise ValueError(f"--tensor-parallel-size {world} is larger than the experts' width "
+                             f"{cfg.moe_intermediate_size}")
+        self.moe_inter = split(cfg.moe_intermediate_size, world, rank) if cfg.num_experts else (0, 0)
+        self.shared_inter = split(cfg.shared_expert_intermediate_size, world, rank)
         self.vocab_shard = -(-cfg.vocab_size // world)
         v0 = rank * self.vocab_shard
         self.vocab = (v0, min(v0 + self.vocab_shard, cfg.vocab_size))
         # The config of this rank's modules: its heads and MLP rows (the vocabulary stays whole there:
         # tokens are validated against it; the embedding and LM head take vocab_shard rows).
         self.config = replace(cfg, num_heads=self.q[1] - self.q[0], num_kv_heads=self.kv[1] - self.kv[0],
-                              intermediate_size=self.inter[1] - self.inter[0])
+                              intermediate_size=self.inter[1] - self.inter[0],
+                              moe_intermediate_size=self.moe_inter[1] - self.moe_inter[0],
+                              shared_expert_intermediate_size=self.shared_inter[1] - self.shared_inter[0])
 
     @property
     def enabled(self) -> bool:
         return self.world > 1
 
-    def shard(self, name: str) -> Shard | None:
+    def shard(self, name: str) -> "Shard | GateUpShard | None":
         """How the checkpoint tensor `name` is split on this rank; None when every rank holds it whole."""
         if self.world == 1:
             return None
@@ -131,6 +173,23 @@ class TensorParallel:
                          rank=r)
         if _COLUMN_MLP.search(name):
             return Shard(0, *self.inter, cfg.intermediate_size, self.inter[1] - self.inter[0], rank=r)
+        if cfg.num_experts:
+            lo, hi = self.moe_inter
+            I = cfg.moe_intermediate_size
+            if _COLUMN_EXPERT.search(name):
+                return Shard(0, lo, hi, I, hi - lo, rank=r)
+            if _ROW_EXPERT.search(name):
+                return Shard(1, lo, hi, I, hi - lo, rank=r)
+            if _STACKED_W13.search(name):
+                return GateUpShard(lo, hi, I)
+            if _STACKED_W2.search(name):
+                return Shard(2, lo, hi, I, hi - lo, rank=r)
+            lo, hi = self.shared_inter
+            S = cfg.shared_expert_intermediate_size
+            if _COLUMN_SHARED.search(name):
+                return Shard(0, lo, hi, S, hi - lo, rank=r)
+            if _ROW_SHARED.search(name):
+                return Shard(1, lo, hi, S, hi - lo, rank=r)
         row = _ROW_O.search(name) or _ROW_MLP.search(name)
         if row:
             if name.endswith(".bias"):
@@ -145,6 +204,10 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the partial results of a row-parallel layer over the ranks, in place."""
         if self.world > 1:
+            if self.ordered_reduce:
+                from server.model.batch_invariant import ordered_all_reduce
+
+                return ordered_all_reduce(self._comm(), x)
             self._comm().all_reduce(x)
         return x
 
@@ -155,6 +218,8 @@ class TensorParallel:
         the matmul without tensor parallelism (the ops set's)."""
         if self.world == 1:
             return linear(x) if one_device is None else one_device(linear, x)
+        if self.ordered_reduce:
+            return self.all_reduce(linear(x) if one_device is None else one_device(linear, x))
         comm = self._comm()
         staging = getattr(comm, "staging", None)
         out = None if staging is None or x.dim() != 2 else staging(x.shape[0], linear.out_features, x.dtype)
@@ -187,4 +252,4 @@ class TensorParallel:
         return torch.cat(self._comm().all_gather(logits), dim=-1)[:, :self.full_config.vocab_size]
 
 
-__all__ = ["Shard", "TensorParallel", "split"]
+__all__ = ["GateUpShard", "Shard", "TensorParallel", "split"]

@@ -108,7 +108,8 @@ class Reply:
 #               metrics (when it finishes: (arrival, first_scheduled, first_token, last_token) times and the
 #               request's preemptions, else None))
 #   SeqDelta = (index, new token ids, new text, new log-probs (WireLogprobs each) or None, cumulative_logprob,
-#               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None))
+#               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None),
+#               routed experts (once, when it finishes, if asked: a numpy array, routed_experts.py; else None))
 #   WireLogprobs: logprob_list.py (plain values: Logprob objects pickle ~10x slower, and a FINAL_ONLY
 #               request's last delta carries all of its log-probs at once).
 Delta = tuple

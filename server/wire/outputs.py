@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 # The lowest log-prob reported: -inf (a token masked out) and NaN are sent as this, since JSON has neither.
@@ -34,6 +35,9 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: Sequence[TokenLogprobs] | None = None
+    # With return_routed_experts, once finished: the experts each token was routed to, an integer array
+    # [prompt + generated - 1 tokens, sparse layers, top-k] (vLLM's layout; server/engine/routed_experts.py).
+    routed_experts: Any = None
 
     @property
     def finished(self) -> bool:

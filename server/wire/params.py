@@ -87,6 +87,10 @@ class SamplingParams:
     # off the engine thread, the engine compiles it on admission when nobody did.
     grammar: Any = field(default=None, repr=False, compare=False)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The experts each token was routed to, on the finished output (CompletionOutput.routed_experts). None: the
+    # engine's default, which is yes when it records them (--enable-return-routed-experts; vLLM returns them
+    # to every request then); the HTTP routes say yes or no per request.
+    return_routed_experts: bool | None = None
 
     MAX_LOGPROBS = 20          # OpenAI's and vLLM's default limit for sampled tokens
     MAX_PROMPT_LOGPROBS = 100  # teacher scoring asks for more (TRL's get_sequence_logprobs: 100)

@@ -32,6 +32,7 @@ def test_defaults():
     assert v["host"] == "127.0.0.1" and v["port"] == 8000 and v["dev_mode"] is False and v["model"] is None
     settings, engine = split_options(v)
     assert settings.api_key is None and engine["enable_prefix_caching"] is True and engine["max_num_seqs"] == 256
+    assert engine["batch_invariant"] is None  # unset: the engine's config reads VLLM_BATCH_INVARIANT, else off
 
 
 def test_every_flag_reads_its_environment_variable():
@@ -41,7 +42,7 @@ def test_every_flag_reads_its_environment_variable():
                "max_num_seqs": ("3", 3), "max_num_batched_tokens": ("128", 128), "block_size": ("32", 32),
                "max_held_requests": ("7", 7), "held_request_timeout": ("2.5", 2.5),
                "no_docs": ("1", True), "shutdown_grace_period": ("2.5", 2.5), "tensor_parallel_size": ("2", 2),
-               "tp_release_comm_on_sleep": ("1", True), "stream_interval": ("4", 4),
+               "tp_release_comm_on_sleep": ("1", True), "stream_interval": ("4", 4), "batch_invariant": ("1", True),
                "api_server_count": ("2", 2), "no_check_weights_finite": ("1", True)}
     for opt in SERVE_OPTIONS:
         raw, expected = samples.get(opt.dest, ("x-value", "x-value"))

@@ -212,6 +212,7 @@ class Worker:
     # -- weight transfer: this rank's receiver, driven by rank 0 (weight_transfer/service.py) ---------
 
     def op_wt_init(self, arg: tuple) -> dict:
+        from server.model.loader import receiver_names
         from server.weight_transfer.receiver import WeightReceiver
 
         config, address, port, rank, world = arg
@@ -219,7 +220,8 @@ class Worker:
             from server.model.finite import FiniteCheck
 
             self.receiver = WeightReceiver(config, self.runner.model, self.runner.device,
-                                           FiniteCheck if self.runner.check_finite else None)
+                                           *receiver_names(self.runner.model),
+                                           finite_check=FiniteCheck if self.runner.check_finite else None)
         return self.receiver.init(address, port, rank, world)
 
     def op_wt_receive(self, update) -> dict:

@@ -1,0 +1,311 @@
+"""Mixture-of-experts serving on one device (Qwen3-30B-A3B's shape, random weights), in one run:
+
+- decode tok/s at batch 1, 64 and 256 beside the roofline of the bytes a step really reads: the experts the
+  batch activated (counted from the routed experts the engine returned for those very steps), the attention,
+  norm and router weights, the LM head, and the KV cache read, at the memory bandwidth measured in the run
+  (or its FLOPs at the measured matmul rate, whichever is slower);
+- level-1 sleep and wake seconds per cycle, the first included, beside the raw pinned copy bandwidth for
+  the same bytes; level 2 and a reload; device memory in use while asleep;
+- the cost of routed-expert capture at batch 256: the same decode with the flag off (another engine), on
+  without asking (the sparse layers' buffer writes), and on with every request asking;
+- CUDA: one sparse layer alone (fused_moe.py) at 1, 64, 256 and 8192 tokens, its default tiles against a few
+  others, beside the bytes of the experts it read (the tile table is where to tune).
+
+Prints one JSON object (stdout, also --out/moe.json) and its progress on stderr; a phase that runs past
+--phase-timeout prints what it has and exits 124.
+
+    python bench/moe.py --device cuda --out $OUT            # H200: Qwen3-30B-A3B (61 GB in bf16)
+    python bench/moe.py --small                              # CPU, a tiny Qwen3-MoE: < 60 s (tests/test_bench_moe.py)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import hardware, now_iso, write_json  # noqa: E402
+from testkit.models import MOE_CONFIGS, moe_model_folder  # noqa: E402
+
+GB = 1e9
+RESULT: dict = {}
+
+
+class Phases:
+    """Progress on stderr, and a watchdog: a phase past its limit prints the results so far and exits 124."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.name: str | None = None
+        self.started = 0.0
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def __call__(self, name: str) -> "Phases":
+        self.name, self.started = name, time.perf_counter()
+        print(f"[moe] {name} ...", file=sys.stderr, flush=True)
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        print(f"[moe] {self.name}: {time.perf_counter() - self.started:.1f} s", file=sys.stderr, flush=True)
+        self.name = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if self.name is not None and time.perf_counter() - self.started > self.limit_s:
+                RESULT["timed_out"] = f"{self.name} ran past {self.limit_s:.0f} s"
+                print(json.dumps(RESULT, default=str), flush=True)
+                os._exit(124)
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = np.random.default_rng(seed)
+    return [g.integers(100, min(vocab, 49152), length).tolist() for _ in range(batch)]
+
+
+def decode_rate(llm, batch: int, prompt_len: int, steps: int, ask: bool, repeats: int) -> dict:
+    """Decode tok/s of `batch` sequences: generate(steps + 1) minus generate(1) on the same prompts (prefix
+    caching off: both prefill alike), the median of `repeats`. With ask, also the routed experts of the run."""
+    from server import SamplingParams
+
+    ids = prompts(batch, prompt_len, llm.engine.model_config.vocab_size, seed=batch)
+
+    def run(n: int) -> tuple[float, list]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, return_routed_experts=ask)
+        t = time.perf_counter()
+        outs = llm.generate(ids, params)
+        return time.perf_counter() - t, outs
+
+    run(2)  # warm-up
+    times = []
+    outs: list = []
+    for _ in range(repeats):
+        full, outs = run(steps + 1)
+        prefill, _ = run(1)
+        times.append(max(full - prefill, 1e-9))
+    seconds = statistics.median(times)
+    res = {"batch": batch, "steps": steps, "prompt_tokens": prompt_len, "decode_s": seconds,
+           "step_ms": 1e3 * seconds / steps, "tok_s": batch * steps / seconds}
+    if ask:
+        res["routed"] = [o.outputs[0].routed_experts for o in outs]
+    return res
+
+
+def activated_experts(routed: list[np.ndarray], prompt_len: int, steps: int) -> float:
+    """Mean over the decode steps and sparse layers of the distinct experts the batch's tokens went to."""
+    counts = []
+    for s in range(steps):
+        pos = prompt_len + s  # the token each sequence fed at decode step s
+        rows = np.stack([r[pos] for r in routed])  # [batch, layers, k]
+        counts += [len(np.unique(rows[:, layer])) for layer in range(rows.shape[1])]
+    return float(np.mean(counts))
+
+
+def step_bytes(model, batch: int, context: float, experts: float) -> tuple[float, float]:
+    """(bytes, FLOPs) of one decode step: weights outside the experts once (the embedding only for the rows
+    looked up), `experts` of each sparse layer's experts, and the KV of `context` tokens per sequence."""
+    from server.model.moe import ExpertStack
+
+    c = model.config
+    elem = next(model.parameters()).element_size()
+    stacks = [m for m in model.modules() if isinstance(m, ExpertStack)]
+    expert_bytes = sum(m.w13_weight[0].numel() + m.w2_weight[0].numel() for m in stacks) * elem  # one expert/layer
+    params = dict(model.named_parameters())
+    in_stacks = sum(p.numel() for n, p in params.items() if ".experts." in n) * elem
+    embed = params["model.embed_tokens.weight"].numel() * elem
+    dense = sum(p.numel() for p in model.parameters()) * elem - in_stacks - embed
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * elem * batch * context
+    nbytes = dense + experts * expert_bytes + batch * c.hidden_size * elem + kv
+    active = (sum(p.numel() for n, p in params.items() if ".layers." in n and ".experts." not in n)
+              + c.num_experts_per_tok * expert_bytes / elem)
+    flops = 2 * batch * (active + c.vocab_size * c.hidden_size) + 4 * c.num_layers * c.num_heads * c.head_dim * batch * context
+    return nbytes, flops
+
+
+TILES = [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64),
+         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)]
+
+
+def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth: float, flops: float) -> list[dict]:
+    """One sparse layer's experts (align + both GEMMs + combine) per token count: the default tiles and each of
+    TILES, timed with CUDA events (median of 20), beside the bytes of the distinct experts the tokens chose."""
+    from server.model.fused_moe import fused_experts, route, tiles
+
+    H, I, E, K = (config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
+                  config["num_experts_per_tok"])
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, device=device, dtype=torch.bfloat16, generator=g) / I ** 0.5
+    gate = torch.randn(E, H, device=device, dtype=torch.bfloat16, generator=g) / H ** 0.5
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16, generator=g)
+        ids, weights = route(x, gate, K, True, True)
+
+        def timed(cfg) -> float:
+            for _ in range(3):
+                fused_experts(x, w13, w2, ids, weights, cfg)
+            times = []
+            for _ in range(20):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fused_experts(x, w13, w2, ids, weights, cfg)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3)
+            return statistics.median(times)
+
+        default = tiles(T * K, max(H, I), E)
+        sweep = {json.dumps(t): timed(t) for t in TILES}
+        best = min(sweep, key=sweep.get)
+        experts = len(torch.unique(ids))
+        nbytes = experts * 3 * H * I * 2
+        floor_us = 1e6 * max(nbytes / bandwidth, 2 * 3 * H * I * T * K / flops)
+        rows.append({"tokens": T, "experts_read": experts, "default_tile": default, "default_us": sweep.get(
+            json.dumps(default), None) or timed(default), "best_tile": json.loads(best), "best_us": sweep[best],
+            "roofline_us": floor_us, "sweep_us": sweep})
+    return rows
+
+
+def sleep_cycles(llm, weight_bytes: int, cycles: int, device: torch.device) -> dict:
+    from bench.sleep_wake import used
+
+    rows = []
+    for _ in range(cycles):
+        awake = used(device)
+        t = time.perf_counter()
+        s = llm.sleep(level=1)
+        sleep_s = time.perf_counter() - t
+        asleep = used(device)
+        t = time.perf_counter()
+        llm.wake_up()
+        wake_s = time.perf_counter() - t
+        rows.append({"sleep_s": sleep_s, "engine_sleep_s": s.seconds, "wake_s": wake_s, "awake_used": awake,
+                     "asleep_used": asleep, "sleep_gbps": weight_bytes / sleep_s / GB,
+                     "wake_gbps": weight_bytes / wake_s / GB})
+    t = time.perf_counter()
+    llm.sleep(level=2)
+    l2_sleep = time.perf_counter() - t
+    asleep2 = used(device)
+    t = time.perf_counter()
+    llm.wake_up()
+    l2_wake = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.update_weights()  # dummy weights: the same seeded values again
+    reload_s = time.perf_counter() - t
+    return {"level1": rows, "level2": {"sleep_s": l2_sleep, "wake_s": l2_wake, "reload_dummy_s": reload_s,
+                                       "asleep_used": asleep2}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MOE_CONFIGS))
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per batch")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cycles", type=int, default=3, help="level-1 sleep/wake cycles (the first is reported too)")
+    ap.add_argument("--phase-timeout", type=float, default=420.0)
+    ap.add_argument("--no-off-engine", action="store_true", help="skip the flag-off engine (capture cost)")
+    ap.add_argument("--small", action="store_true", help="CPU, a tiny Qwen3-MoE, few steps: a smoke run")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.small:
+        args.device, args.model, args.batches = "cpu", "qwen3-moe-tiny", "1,4,8"
+        args.steps, args.prompt_len, args.repeats, args.cycles = 4, 16, 1, 1
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batches.split(",")]
+    phases = Phases(args.phase_timeout)
+    from bench.roofline import Device
+    from server import LLM
+
+    RESULT.update({"bench": "moe", "date": now_iso(), "hardware": hardware(device), "model": args.model,
+                   "config": MOE_CONFIGS[args.model], "args": {k: str(v) for k, v in vars(args).items()}})
+    folder = moe_model_folder(args.model, Path(tempfile.mkdtemp()))
+    max_len = args.prompt_len + args.steps + 8
+    kw = dict(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches),
+              max_model_len=max_len, enable_prefix_caching=False)
+    if device.type == "cpu":
+        kw["kv_cache_memory"] = "64MiB"
+    with phases("measure the device"):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dev = Device.measure(device, dtype)
+        RESULT["device"] = {"bandwidth_gbps": dev.bandwidth / GB, "gemm_tflops": dev.gemm_flops / 1e12}
+        if device.type == "cuda":
+            from bench.sleep_wake import raw_pinned_gbps
+
+            RESULT["raw_pinned_gbps"] = raw_pinned_gbps()
+
+    if device.type == "cuda":
+        with phases("one sparse layer, tiles"):
+            RESULT["layer"] = layer_times(MOE_CONFIGS[args.model], device, [1, 64, 256, 8192], dev.bandwidth,
+                                          dev.gemm_flops)
+            torch.cuda.empty_cache()
+
+    with phases("start the engine (routed experts on)"):
+        t = time.perf_counter()
+        llm = LLM(enable_return_routed_experts=True, **kw)
+        RESULT["start_s"] = time.perf_counter() - t
+    model = llm.engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    RESULT["weight_bytes"] = weight_bytes
+    RESULT["parameters"] = sum(p.numel() for p in model.parameters())
+    decode = []
+    for batch in batches:
+        with phases(f"decode at batch {batch}"):
+            routed = decode_rate(llm, batch, args.prompt_len, args.steps, ask=True, repeats=1)
+            experts = activated_experts(routed.pop("routed"), args.prompt_len, args.steps)
+            row = decode_rate(llm, batch, args.prompt_len, args.steps, ask=False, repeats=args.repeats)
+            context = args.prompt_len + (args.steps + 1) / 2  # the mean context a decode step reads
+            nbytes, flops = step_bytes(model, batch, context, experts)
+            floor = max(nbytes / dev.bandwidth, flops / dev.gemm_flops)
+            row.update({"experts_per_layer": experts, "step_bytes": nbytes, "roofline_step_ms": 1e3 * floor,
+                        "roofline_tok_s": batch / floor, "fraction_of_roofline": floor / (row["step_ms"] / 1e3)})
+            if batch == max(batches):
+                asking = decode_rate(llm, batch, args.prompt_len, args.steps, ask=True, repeats=args.repeats)
+                row["asking_tok_s"] = asking["tok_s"]
+            decode.append(row)
+            RESULT["decode"] = decode
+    with phases("sleep and wake"):
+        RESULT["sleep"] = sleep_cycles(llm, weight_bytes, args.cycles, device)
+        raw = RESULT.get("raw_pinned_gbps")
+        if raw:
+            first = RESULT["sleep"]["level1"][0]
+            RESULT["sleep"]["level1_vs_raw"] = {"sleep_first": first["sleep_gbps"] / raw["d2h"],
+                                                "wake_first": first["wake_gbps"] / raw["h2d"]}
+    llm.close()
+    del llm, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    top = decode[-1]
+    capture = {"batch": top["batch"], "on_not_asking_tok_s": top["tok_s"], "on_asking_tok_s": top["asking_tok_s"]}
+    if not args.no_off_engine:
+        with phases("flag off: decode at the largest batch"):
+            with LLM(**kw) as off:
+                row = decode_rate(off, top["batch"], args.prompt_len, args.steps, ask=False, repeats=args.repeats)
+            capture["off_tok_s"] = row["tok_s"]
+            capture["cost_not_asking"] = 1 - top["tok_s"] / row["tok_s"]
+            capture["cost_asking"] = 1 - top["asking_tok_s"] / row["tok_s"]
+    RESULT["routed_capture"] = capture
+    print(json.dumps(RESULT, default=str), flush=True)
+    if args.out:
+        write_json(args.out, "moe", RESULT)
+
+
+if __name__ == "__main__":
+    main()

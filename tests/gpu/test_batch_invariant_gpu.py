@@ -1,0 +1,96 @@
+"""--batch-invariant on the GPU (bf16, CUDA graphs on; the embedded SmolLM2's weights where its package is
+installed): the CPU tests of tests/engine/test_batch_invariant.py, run here on a CUDA engine with 255 other
+requests and all four targets; plus the fixed-tile matmul's bitwise rows on the hardware (the interpreter's
+dot is numpy's), and the plain path's matmul showing why the mode exists (its rows do follow the batch)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from server import LLM
+from testkit.batch_invariance import ALL_TARGETS
+from tests.engine.test_batch_invariant import (  # noqa: F401 (run here too)
+    BUDGET,
+    test_alone_and_among_others_bitwise,
+    test_long_prompt_in_other_chunks_bitwise,
+    test_prefix_cache_hit_bitwise,
+    test_rescored_as_a_prompt_equals_the_sampled_logprobs,
+    test_sleep_cycles_keep_the_bits,
+    test_the_mode_reaches_the_model,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[str, str]:
+    """(folder, load format): $SLEEPSERVE_BI_MODEL, else the embedded SmolLM2 where its package is installed,
+    else llama-tiny with random weights (bitwise invariance needs no trained weights)."""
+    if os.environ.get("SLEEPSERVE_BI_MODEL"):
+        return os.environ["SLEEPSERVE_BI_MODEL"], "auto"
+    from server.model.default_model import ModelNotFoundError
+    from server.model.source import resolve_model
+
+    try:
+        return str(resolve_model(None).folder), "auto"
+    except ModelNotFoundError:
+        from testkit.models import model_folder
+
+        return str(model_folder("llama-tiny", tmp_path_factory.mktemp("models"))), "dummy"
+
+
+@pytest.fixture(scope="module")
+def inv(model):
+    folder, load_format = model
+    engine = LLM(model=folder, load_format=load_format, device="cuda", batch_invariant=True,
+                 max_num_batched_tokens=BUDGET, kv_cache_memory="2GiB", max_model_len=1024, max_num_seqs=256)
+    assert engine.engine.runner.graphs is not None, "the H200 test is meant to run decode steps in CUDA graphs"
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def n_others() -> int:
+    return int(os.environ.get("SLEEPSERVE_BI_OTHERS", "255"))
+
+
+@pytest.fixture(scope="module")
+def targets() -> list:
+    return ALL_TARGETS
+
+
+def test_graphs_replayed_in_the_mode(inv):
+    from server import SamplingParams
+
+    inv.generate([[1000, 1001, 1002]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert inv.engine.runner.replayed, "the last decode step did not replay a graph"
+
+
+@pytest.mark.parametrize("N, K", [(960, 576), (576, 1536), (49152, 576), (6144, 4096), (4096, 14336)])
+def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K):
+    """A row among 1..300 rows (1 to 5 tiles of 64), in any place: the same bits; and close to cuBLAS."""
+    from server.model.batch_invariant_kernels import fixed_tile_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    x = torch.randn(K, device="cuda", generator=g).to(torch.bfloat16)
+    alone = fixed_tile_matmul(x[None], w)[0]
+    torch.testing.assert_close(alone.float(), (x[None] @ w.t())[0].float(), rtol=2e-2, atol=2e-2)
+    for rows in (2, 63, 64, 65, 255, 300):
+        for at in sorted({0, 17, rows // 2, rows - 1} & set(range(rows))):
+            batch = torch.randn(rows, K, device="cuda", generator=g).to(torch.bfloat16)
+            batch[at] = x
+            assert torch.equal(fixed_tile_matmul(batch, w)[at], alone), (rows, at)
+
+
+def test_the_plain_path_does_follow_the_batch():
+    """cuBLAS (and the small-batch kernel) give one row other bits at other batch sizes on this device: what
+    the fixed-tile matmul removes. If this ever passes bitwise, the default mode became invariant by itself."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(14336, 4096, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    x = torch.randn(1, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    rows = [torch.mm(torch.cat([x, torch.randn(n - 1, 4096, device="cuda", generator=g).to(torch.bfloat16)]),
+                     w.t())[0] for n in (1, 8, 64, 256, 2048)]
+    assert not all(torch.equal(rows[0], r) for r in rows[1:])

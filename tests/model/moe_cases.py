@@ -1,0 +1,82 @@
+"""Checks of the fused MoE kernels (server/model/fused_moe.py) against the PyTorch reference (model/moe.py),
+shared by the interpreter test (CPU) and the GPU test."""
+from __future__ import annotations
+
+import torch
+
+
+def moe_inputs(T: int, E: int, K: int, H: int, I: int, dtype: torch.dtype, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    gate = (torch.randn(E, H, generator=g) / H ** 0.5).to(device, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(device, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(device, dtype)
+    return x, gate, w13, w2
+
+
+def check_fused_moe(dtype: torch.dtype, device: str, tol: float, shapes=None, config=None) -> str:
+    """Routing ids equal the reference's (weights within tol); the experts' sum within tol of the reference
+    on the same routing, for decode-sized and prefill-sized batches; blocks that are only padding and
+    experts no token picked included (T=1 routes to 2 of 8)."""
+    from server.model.fused_moe import fused_experts, route
+    from server.model.moe import experts_torch, route_torch
+
+    report = []
+    for T, E, K, H, I, renorm in shapes or [(1, 8, 2, 64, 48, True), (5, 8, 2, 64, 48, False), (37, 16, 4, 32, 80, True)]:
+        x, gate, w13, w2 = moe_inputs(T, E, K, H, I, dtype, device)
+        ids, weights = route(x, gate, K, renorm, round_weights=False)
+        ref_ids, ref_weights = route_torch(x, gate, K, renorm, round_weights=False)
+        assert torch.equal(ids, ref_ids), (T, ids, ref_ids)
+        assert torch.allclose(weights, ref_weights.float(), atol=1e-5), (weights, ref_weights)
+        got = fused_experts(x, w13, w2, ids, weights, config)
+        want = experts_torch(x, w13, w2, ref_ids, ref_weights)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err <= tol, f"T={T} E={E} K={K}: relative error {err:.2e} > {tol}"
+        report.append(f"T={T}: {err:.1e}")
+    return ", ".join(report)
+
+
+def check_align(device: str) -> None:
+    """Every assignment appears once, in its expert's group; groups padded to whole blocks."""
+    from server.model.fused_moe import align
+
+    g = torch.Generator().manual_seed(1)
+    E, bm = 8, 16
+    ids = torch.randint(0, E, (23, 2), generator=g, dtype=torch.int32).to(device)
+    rows, block_expert, padded = align(ids, E, bm)
+    rows, block_expert, n = rows.cpu(), block_expert.cpu(), int(padded.item())
+    flat = ids.reshape(-1).cpu()
+    M = flat.numel()
+    assert n % bm == 0 and n <= M + E * (bm - 1)
+    real = rows[:n][rows[:n] < M]
+    assert sorted(real.tolist()) == list(range(M)) and (rows[n:] == M).all()
+    for b in range(n // bm):
+        block = rows[b * bm:(b + 1) * bm]
+        assert (flat[block[block < M].long()] == block_expert[b]).all()
+
+
+def check_moe_layer(dtype: torch.dtype, device: str, tol: float, shapes=None) -> str:
+    """fused_moe.moe on a sparse layer against moe_torch: the one-program route+align of a decode batch
+    (T <= SMALL_TOKENS) and the kernels of a larger one; the routed ids it records equal the reference's."""
+    from types import SimpleNamespace
+
+    from server.model.fused_moe import SMALL_TOKENS, moe
+    from server.model.moe import moe_torch
+
+    report = []
+    for T, E, K, H, I, renorm, rounded in shapes or [(1, 8, 2, 64, 48, True, True), (3, 16, 4, 32, 48, False, False),
+                                                     (SMALL_TOKENS, 8, 2, 64, 48, True, False),
+                                                     (SMALL_TOKENS + 1, 8, 2, 64, 48, True, True)]:
+        x, gate, w13, w2 = moe_inputs(T, E, K, H, I, dtype, device, seed=T)
+        layers = []
+        for _ in range(2):
+            experts = SimpleNamespace(w13_weight=w13, w2_weight=w2)
+            layers.append(SimpleNamespace(gate=SimpleNamespace(weight=gate), experts=experts, top_k=K,
+                                          norm_topk_prob=renorm, round_weights=rounded,
+                                          routed=torch.full((T + 3, K), -1, dtype=torch.int32, device=device)))
+        got, want = moe(x, layers[0]), moe_torch(x, layers[1])
+        assert torch.equal(layers[0].routed, layers[1].routed), (T, layers[0].routed, layers[1].routed)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err <= tol, f"T={T} E={E} K={K}: relative error {err:.2e} > {tol}"
+        report.append(f"T={T}: {err:.1e}")
+    return ", ".join(report)

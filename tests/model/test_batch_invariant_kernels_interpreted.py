@@ -1,0 +1,119 @@
+"""The batch-invariant mode's CUDA kernels (server/model/batch_invariant_kernels.py) run by Triton's CPU
+interpreter on small shapes: a matmul row's bits in any position of any number of rows (tiles of 64 rows:
+1 to 130 rows span one to three tiles), and a token's attention the same as a decode alone, among other
+decodes, or inside prefill spans."""
+from __future__ import annotations
+
+import pytest
+
+from tests.interpreter import run_interpreted
+
+pytest.importorskip("triton")
+
+# The interpreter's tl.dot is numpy's matmul, whose OpenBLAS computes a row differently by its place in the
+# block (its micro-kernels: rows 6-11 of 64 differ from rows 0-5), which an MMA does not: here it is one 1-row
+# product per row, so this test checks the kernel's tiling (no row reads another's, K in one order whatever M,
+# padding masked); tests/gpu/test_batch_invariant_gpu.py checks the hardware's.
+ROWWISE_DOT = r"""
+import numpy as np
+_matmul = np.matmul
+def _rowwise(a, b, *args, **kwargs):
+    if a.ndim != 2:
+        return _matmul(a, b, *args, **kwargs)
+    return np.concatenate([_matmul(a[i:i + 1], b, *args, **kwargs) for i in range(a.shape[0])])
+np.matmul = _rowwise
+"""
+MATMUL = ROWWISE_DOT + r"""
+import torch
+from server.model.batch_invariant_kernels import fixed_tile_matmul
+g = torch.Generator().manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-5),):  # (fp16 adds a minute of interpreter and no tiling to check)
+    w = torch.randn(96, 80, generator=g).to(dtype)   # K = 80: a masked last K step
+    b = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(80, generator=g).to(dtype)
+    alone = fixed_tile_matmul(x[None], w, b)[0]
+    torch.testing.assert_close(alone.float(), (x.float() @ w.float().t() + b.float()), rtol=tol, atol=tol)
+    for rows in (5, 70, 130):
+        for at in sorted({0, rows // 2, rows - 1}):
+            batch = torch.randn(rows, 80, generator=g).to(dtype)
+            batch[at] = x
+            out = torch.empty(rows, 96, dtype=dtype)
+            assert torch.equal(fixed_tile_matmul(batch, w, b, out=out)[at], alone), (dtype, rows, at)
+print("ok")
+"""
+
+ATTENTION = r"""
+import torch
+from server.model.attention import AttentionContext, PrefillSpan
+from server.model.batch_invariant_kernels import BatchInvariantTritonOps as ops
+bs, H, KVH, D = 16, 6, 2, 32
+g = torch.Generator().manual_seed(1)
+cache = torch.randn(40, bs, 2, KVH, D, generator=g)   # block-major: K and V are strided views (kv_layout.py)
+k_cache, v_cache = cache[:, :, 0], cache[:, :, 1]
+table = (torch.randperm(39, generator=g)[:6] + 1).long()
+q_tok = torch.randn(H, D, generator=g)
+ctx_len = 83
+
+def decode(others):
+    q = torch.randn(others + 1, H, D, generator=g)
+    q[others // 2] = q_tok
+    tables = torch.randint(1, 40, (others + 1, 7), generator=g)
+    tables[others // 2, :6] = table
+    lens = torch.randint(1, 100, (others + 1,), generator=g)
+    lens[others // 2] = ctx_len
+    ctx = AttentionContext(torch.zeros(others + 1, dtype=torch.long), others + 1, tables, lens, None)
+    return ops.attend(q, None, None, k_cache, v_cache, ctx, 0.17)[others // 2]
+
+def in_span(chunk, decodes):
+    other = PrefillSpan(decodes, 9, 20, torch.randint(1, 40, (2,), generator=g))
+    mine = PrefillSpan(decodes + 9, chunk, ctx_len, table)
+    T = decodes + 9 + chunk
+    q = torch.randn(T, H, D, generator=g)
+    q[T - 1] = q_tok
+    ctx = AttentionContext(torch.zeros(T, dtype=torch.long), decodes, torch.randint(1, 40, (decodes, 2), generator=g),
+                           torch.randint(1, 32, (decodes,), generator=g), 32, prefills=[other, mine])
+    return ops.attend(q, None, None, k_cache, v_cache, ctx, 0.17)[T - 1]
+
+alone = decode(0)
+for r in (decode(3), decode(9), in_span(1, 0), in_span(20, 2), in_span(83, 5)):
+    assert torch.equal(r, alone)
+k = k_cache[table].flatten(0, 1)[:ctx_len].repeat_interleave(H // KVH, dim=1)
+v = v_cache[table].flatten(0, 1)[:ctx_len].repeat_interleave(H // KVH, dim=1)
+want = torch.einsum("hk,khd->hd", torch.einsum("hd,khd->hk", q_tok, k).mul(0.17).softmax(-1), v)
+torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+# The whole engine on the CUDA path's ops (BatchInvariantTritonOps, their kernels interpreted) on a one-layer
+# model: a prompt longer than the token budget (so prefilled in chunks), alone and among other requests, greedy
+# and seeded, then re-scored as a prompt: what the H200 test checks, minus the hardware and the graphs.
+ENGINE = ROWWISE_DOT + r"""
+import tempfile
+from dataclasses import replace
+from server import LLM
+from server.model.batch_invariant_kernels import BatchInvariantTritonOps
+from testkit.batch_invariance import GREEDY, SEEDED, alone_and_among, explain, rescored
+from testkit.models import model_folder
+llm = LLM(model=str(model_folder("llama-micro", tempfile.mkdtemp())), device="cpu", load_format="dummy",
+          batch_invariant=True, max_num_batched_tokens=16, kv_cache_memory="16MiB", max_model_len=256)
+llm.engine.runner.model.ops = BatchInvariantTritonOps
+prompt = [5 + (7 * i) % 1000 for i in range(28)]
+targets = [(prompt, replace(GREEDY, max_tokens=3)), (prompt, replace(SEEDED, max_tokens=3))]
+for alone, among in alone_and_among(llm, 2, targets=targets):
+    assert alone == among, explain(alone, among)
+gen, scored = rescored(llm, prompt, replace(GREEDY, max_tokens=3))
+assert gen[1] == scored, explain(gen, (gen[0], scored))
+print("ok")
+"""
+
+
+def test_the_engine_on_the_cuda_ops_in_interpreter():
+    assert run_interpreted(ENGINE, timeout=600).strip().endswith("ok")
+
+
+def test_fixed_tile_matmul_rows_are_invariant_in_interpreter():
+    assert run_interpreted(MATMUL).strip().endswith("ok")
+
+
+def test_per_token_attention_is_the_same_in_decode_and_prefill_in_interpreter():
+    assert run_interpreted(ATTENTION).strip().endswith("ok")

@@ -1,0 +1,65 @@
+"""The fused MoE kernels (server/model/fused_moe.py) under Triton's CPU interpreter, against the PyTorch
+reference: routing, the align step, both grouped GEMMs and the combine."""
+from __future__ import annotations
+
+import pytest
+
+from tests.interpreter import run_interpreted
+
+pytest.importorskip("triton")
+
+CHECK = r"""
+import torch
+from tests.model.moe_cases import check_align, check_fused_moe, check_moe_layer
+check_align("cpu")
+print(check_moe_layer(torch.float32, "cpu", 1e-5))
+print(check_fused_moe(torch.float32, "cpu", 1e-5))
+# the prefill tiles (64-row blocks) on a batch that spans several blocks per expert
+print(check_fused_moe(torch.float32, "cpu", 1e-5, shapes=[(70, 4, 2, 32, 48, True)],
+                      config={"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32}))
+print(check_fused_moe(torch.float16, "cpu", 2e-2, shapes=[(9, 8, 2, 64, 48, True)]))
+"""
+
+
+def test_fused_moe_matches_the_reference_in_interpreter():
+    print(run_interpreted(CHECK))
+
+
+@pytest.mark.parametrize("gate_up, tile", [(True, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
+                                           (False, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64))])
+def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile):
+    """The interpreter does not run Triton's compiler: the GEMM (the Qwen3-30B-A3B shapes, bf16) goes through its
+    whole pipeline to an sm_90 cubin, as on the H200; so do the routing and align kernels."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from server.model.fused_moe import _grouped_gemm, _offsets, _route, _route_align_small
+
+    def build(fn, sig, const):
+        sig = {**sig, **{name: "constexpr" for name in const}}
+        try:
+            return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        except RuntimeError as e:
+            if "ptxas" in str(e) and "not found" in str(e).lower():
+                pytest.skip(f"no ptxas with this Triton: {e}")
+            raise
+
+    ptr = {p: "*bf16" for p in ("a_ptr", "b_ptr", "c_ptr")}
+    ints = {p: "i32" for p in ("M", "N", "stride_a", "stride_be", "stride_bn", "stride_c")}
+    sig = {**ptr, "weights_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "padded_ptr": "*i32",
+           **ints}
+    const = dict(KDIM=2048 if gate_up else 768, A_DIV=8 if gate_up else 1, GATE_UP=gate_up, WEIGHTED=not gate_up,
+                 IEEE=False, **tile)
+    assert build(_grouped_gemm, sig, const).asm["cubin"]
+    route = build(_route, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32", "E": "i32",
+                           "stride": "i32"}, dict(K=8, BLOCK_E=128, BLOCK_K=8, RENORM=True, ROUND=True))
+    offsets = build(_offsets, {"counts_ptr": "*i32", "cursor_ptr": "*i32", "block_expert_ptr": "*i32",
+                               "padded_ptr": "*i32", "E": "i32", "max_blocks": "i32"},
+                    dict(BLOCK_M=16, BLOCK_E=128, BLOCK_B=64))
+    small = build(_route_align_small, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+                                       "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "padded_ptr": "*i32",
+                                       "T": "i32", "E": "i32", "stride": "i32", "max_blocks": "i32"},
+                  dict(K=8, BLOCK_E=128, BLOCK_K=8, BLOCK_A=64, RENORM=True, ROUND=True, BLOCK_M=16, BLOCK_B=64))
+    assert route.asm["cubin"] and offsets.asm["cubin"] and small.asm["cubin"]
