@@ -43,7 +43,8 @@ def test_every_flag_reads_its_environment_variable():
                "max_held_requests": ("7", 7), "held_request_timeout": ("2.5", 2.5),
                "no_docs": ("1", True), "shutdown_grace_period": ("2.5", 2.5), "tensor_parallel_size": ("2", 2),
                "tp_release_comm_on_sleep": ("1", True), "stream_interval": ("4", 4), "batch_invariant": ("1", True),
-               "api_server_count": ("2", 2), "no_check_weights_finite": ("1", True)}
+               "api_server_count": ("2", 2), "no_check_weights_finite": ("1", True),
+               "enable_return_routed_experts": ("1", True)}
     for opt in SERVE_OPTIONS:
         raw, expected = samples.get(opt.dest, ("x-value", "x-value"))
         if opt.choices and opt.dest not in samples:
