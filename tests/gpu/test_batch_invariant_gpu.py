@@ -93,4 +93,6 @@ def test_the_plain_path_does_follow_the_batch():
     x = torch.randn(1, 4096, device="cuda", generator=g).to(torch.bfloat16)
     rows = [torch.mm(torch.cat([x, torch.randn(n - 1, 4096, device="cuda", generator=g).to(torch.bfloat16)]),
                      w.t())[0] for n in (1, 8, 64, 256, 2048)]
-    assert not all(torch.equal(rows[0], r) for r in rows[1:])
+    if all(torch.equal(rows[0], r) for r in rows[1:]):
+        # A control, not a requirement: seen on the H200 (cuBLAS, torch 2.11) at this shape on 2026-12-04.
+        pytest.skip("cuBLAS gave this row the same bits at every batch size here: the control shows nothing")

@@ -26,10 +26,18 @@ def check_fused_moe(dtype: torch.dtype, device: str, tol: float, shapes=None, co
         x, gate, w13, w2 = moe_inputs(T, E, K, H, I, dtype, device)
         ids, weights = route(x, gate, K, renorm, round_weights=False)
         ref_ids, ref_weights = route_torch(x, gate, K, renorm, round_weights=False)
-        assert torch.equal(ids, ref_ids), (T, ids, ref_ids)
-        assert torch.allclose(weights, ref_weights.float(), atol=1e-5), (weights, ref_weights)
+        same = (ids == ref_ids).all(-1)
+        if not same.all():
+            # In fp16/bf16 the kernel's router logits round apart from torch's: only a near tie between the
+            # k-th and the next expert may flip (seen on the H200 at T=256, fp16). fp32 must match exactly.
+            assert dtype != torch.float32, (T, ids, ref_ids)
+            logits = x.float() @ gate.float().t()
+            top = logits.topk(K + 1, dim=-1).values
+            margin = (top[:, K - 1] - top[:, K])[~same]
+            assert (margin <= 4 * torch.finfo(dtype).eps * logits.abs().amax()).all(), (T, margin)
+        assert torch.allclose(weights[same], ref_weights.float()[same], atol=1e-5), (weights, ref_weights)
         got = fused_experts(x, w13, w2, ids, weights, config)
-        want = experts_torch(x, w13, w2, ref_ids, ref_weights)
+        want = experts_torch(x, w13, w2, ids, weights)  # the same routing: the experts' sum alone is compared
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         assert err <= tol, f"T={T} E={E} K={K}: relative error {err:.2e} > {tol}"
         report.append(f"T={T}: {err:.1e}")
