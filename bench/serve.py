@@ -346,6 +346,7 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
             if core.has_unfinished:
                 core.step()
                 steps += core.step_tokens > 0
+                core.step_tokens = 0  # the driver clears it, as the engine process does
             elif nxt < len(order):
                 time.sleep(max(0.0, start + reqs[order[nxt]].at - time.perf_counter()))
         duration = time.perf_counter() - start
@@ -721,7 +722,7 @@ def report(result: dict) -> None:
                   f"{1e3 * r['duration_s']:.0f}", _client(r)] for r in sat],
                 ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)", "engine steps",
                  "all first tokens ms", "tokens/chunk", "sends ms", "span ms", "client cores/procs"]))
-    print("engine steps: steps that ran tokens during the pass (the server's vllm:iteration_tokens_total count); "
+    print("engine steps: steps that sampled tokens during the pass (the server's vllm:iteration_tokens_total count); "
           "above the output length, the steps admission was spread over. all first tokens: from the first send "
           "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. sends: first send to last send (the clients' own "
           "pace; 0 in process). span: first send to last answer, both paths. "
