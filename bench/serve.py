@@ -518,7 +518,7 @@ def main() -> None:
                     help="run each saturation pass this many times, HTTP and in-process alike, and keep the one with "
                          "the median output tok/s (default 3 on CUDA, 1 on CPU; every run's tok/s is in the JSON)")
     ap.add_argument("--api-server-count", default="1",
-                    help="the server's --api-server-count, comma-separated for one HTTP pass set each (e.g. 1,4), all "
+                    help="the server's --api-server-count (a number or auto, the server's default), comma-separated for one HTTP pass set each (e.g. 1,4,auto), all "
                          "against the same in-process reference")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
     ap.add_argument("--spy", type=Path, default=None,
@@ -577,7 +577,7 @@ def main() -> None:
     raw = args.client == "raw"
     result["client"] = args.client
     result["repeat"] = args.repeat
-    counts = [int(c) for c in args.api_server_count.split(",") if c.strip()]
+    counts = [c.strip() if c.strip() == "auto" else int(c) for c in args.api_server_count.split(",") if c.strip()]
     if args.url is not None and len(modes) * len(counts) > 1:
         raise SystemExit("--url with --async-scheduling both or several --api-server-count: the flags are the running "
                          "server's; run once per server")
