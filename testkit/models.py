@@ -61,6 +61,11 @@ def model_folder(name: str, root: Path, max_position_embeddings: int = 131072) -
            "rms_norm_eps": 1e-5, "max_position_embeddings": max_position_embeddings, "bos_token_id": 1,
            "eos_token_id": 2, "torch_dtype": "bfloat16", "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0,
            "attention_bias": False, "mlp_bias": False, **CONFIGS[name]}
+    return _write_folder(out, cfg)
+
+
+def _write_folder(out: Path, cfg: dict) -> Path:
+    """config.json and the tokenizer's files: a model folder whose weights come from --load-format dummy."""
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     src = tokenizer_folder()
     for f in TOKENIZER_FILES:
@@ -77,12 +82,7 @@ def moe_model_folder(name: str, root: Path, max_position_embeddings: int = 40960
            "max_position_embeddings": max_position_embeddings, "bos_token_id": 1, "eos_token_id": 2,
            "torch_dtype": "bfloat16", "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
            **MOE_CONFIGS[name]}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    src = tokenizer_folder()
-    for f in TOKENIZER_FILES:
-        if (src / f).is_file():
-            shutil.copy(src / f, out / f)
-    return out
+    return _write_folder(out, cfg)
 
 
 def parameter_count(name: str) -> int:

@@ -56,12 +56,8 @@ class EngineCore:
                  model_config: ModelConfig, served_model_name: str, tokenizer, pool: MemoryPool, model: torch.nn.Module,
                  runner: ModelRunner, blocks: BlockManager, scheduler: Scheduler, kv_plan: KVPlan,
                  max_model_len: int, load_seconds: float, weight_version: str | None):
-        self.config = config
-        self.device = device
-        self.dtype = dtype
-        self.model_path = model_path
-        self.model_config = model_config
-        self.served_model_name = served_model_name
+        self.config, self.device, self.dtype = config, device, dtype
+        self.model_path, self.model_config, self.served_model_name = model_path, model_config, served_model_name
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
         self.pool = pool

@@ -136,44 +136,52 @@ def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     return split_attention(q, k_cache, v_cache, tables, lens, scale, split)
 
 
-class BatchInvariantTorchOps(TorchOps):
+class InvariantProjections:
+    """The projections of a batch-invariant ops set, each one call of `cls.matmul`, a matmul whose rows never
+    depend on how many there are: the CPU ops (fixed_rows_mm) and the CUDA ops (fixed_tile_matmul) share them.
+    Mixed in before the ops set it changes (TorchOps, TritonOps), whose silu_mul_packed and kernels it uses."""
+
+    batch_invariant = True
+    matmul = staticmethod(fixed_rows_mm)
+
+    @classmethod
+    def qkv(cls, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One GEMM over the q|k|v weights side by side (the loader lays them out so): a third of the calls."""
+        out = cls.matmul(x, attn.qkv_weight, attn.qkv_bias)
+        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        return out[:, :q], out[:, q:q + kv], out[:, q + kv:]
+
+    @classmethod
+    def gate_up_act(cls, mlp, x: torch.Tensor) -> torch.Tensor:
+        return cls.silu_mul_packed(cls.matmul(x, mlp.gate_up_weight, mlp.gate_up_bias))
+
+    @classmethod
+    def norm_qkv(cls, attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
+        return norm_then_qkv(cls, attn, norm, x, residual)
+
+    @classmethod
+    def norm_gate_up_act(cls, mlp, norm, x: torch.Tensor, residual: torch.Tensor):
+        return norm_then_gate_up_act(cls, mlp, norm, x, residual)
+
+    @classmethod
+    def linear(cls, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return cls.matmul(x, module.weight, module.bias)
+
+    @classmethod
+    def lm_head(cls, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return cls.matmul(hidden, weight, None, out)
+
+
+class BatchInvariantTorchOps(InvariantProjections, TorchOps):
     """TorchOps with every reduction's order fixed independently of the batch (the CPU path of the mode)."""
 
     name = "torch-batch-invariant"
-    batch_invariant = True
 
     @staticmethod
     def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, slots)
         return q, k
-
-    @staticmethod
-    def qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One GEMM over the q|k|v weights side by side (the loader lays them out so): a third of the calls."""
-        out = fixed_rows_mm(x, attn.qkv_weight, attn.qkv_bias)
-        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        return out[:, :q], out[:, q:q + kv], out[:, q + kv:]
-
-    @staticmethod
-    def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
-        return BatchInvariantTorchOps.silu_mul_packed(fixed_rows_mm(x, mlp.gate_up_weight, mlp.gate_up_bias))
-
-    @staticmethod
-    def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
-        return norm_then_qkv(BatchInvariantTorchOps, attn, norm, x, residual)
-
-    @staticmethod
-    def norm_gate_up_act(mlp, norm, x: torch.Tensor, residual: torch.Tensor):
-        return norm_then_gate_up_act(BatchInvariantTorchOps, mlp, norm, x, residual)
-
-    @staticmethod
-    def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return fixed_rows_mm(x, module.weight, module.bias)
-
-    @staticmethod
-    def lm_head(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        return fixed_rows_mm(hidden, weight, None, out)
 
     @staticmethod
     def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from server.model.batch_invariant import token_layout
+from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
-from server.model.fused_ops import TritonOps, _rope_and_cache, _split_qkv
-from server.model.ops import norm_then_gate_up_act, norm_then_qkv
+from server.model.fused_ops import TritonOps, _rope_and_cache
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -116,11 +115,11 @@ def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     return triton_decode_attention(q, k_cache, v_cache, tables, lens, scale, None, None, gdc=False)
 
 
-class BatchInvariantTritonOps(TritonOps):
+class BatchInvariantTritonOps(InvariantProjections, TritonOps):
     """TritonOps with the matmuls and attention above; the per-row kernels as they are, never chained."""
 
     name = "triton-batch-invariant"
-    batch_invariant = True
+    matmul = staticmethod(fixed_tile_matmul)
 
     @staticmethod
     def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
@@ -135,29 +134,5 @@ class BatchInvariantTritonOps(TritonOps):
                                   HALF=D // 2, HEADS_P2=triton.next_power_of_2(max(H, k.shape[1])),
                                   BLOCK_SIZE=k_cache.shape[1], num_warps=4, GDC=False)
         return q, k
-
-    @staticmethod
-    def qkv(attn, x: torch.Tensor):
-        return _split_qkv(attn, fixed_tile_matmul(x, attn.qkv_weight, attn.qkv_bias))
-
-    @staticmethod
-    def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
-        return norm_then_qkv(BatchInvariantTritonOps, attn, norm, x, residual)
-
-    @staticmethod
-    def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
-        return TritonOps.silu_mul_packed(fixed_tile_matmul(x, mlp.gate_up_weight, mlp.gate_up_bias))
-
-    @staticmethod
-    def norm_gate_up_act(mlp, norm, x: torch.Tensor, residual: torch.Tensor):
-        return norm_then_gate_up_act(BatchInvariantTritonOps, mlp, norm, x, residual)
-
-    @staticmethod
-    def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return fixed_tile_matmul(x, module.weight, module.bias)
-
-    @staticmethod
-    def lm_head(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        return fixed_tile_matmul(hidden, weight, None, out)
 
     attend = staticmethod(attend_per_token)

@@ -93,6 +93,7 @@ def _silu_mul_packed(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
 
 
 class TritonOps:
+    """The CUDA path's kernels, fused where a step gains (TorchOps, ops.py, is the reference they match)."""
     name = "triton"
     batch_invariant = False
 

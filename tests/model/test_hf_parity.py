@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from server import SamplingParams
+from testkit.moe_models import hf_greedy
 from tests.conftest import PROMPTS
 
 NEW_TOKENS = 32
@@ -12,17 +13,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_reference(default_model_folder):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_folder)
-    model = AutoModelForCausalLM.from_pretrained(default_model_folder, dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = tok(p, return_tensors="pt").input_ids
-            out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-            refs.append(out[0, ids.shape[1]:].tolist())
-    return refs
+    return hf_greedy(default_model_folder, PROMPTS, NEW_TOKENS)
 
 
 def greedy(n: int = NEW_TOKENS) -> SamplingParams:
