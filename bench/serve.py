@@ -346,6 +346,7 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
             if core.has_unfinished:
                 core.step()
                 steps += core.step_tokens > 0
+                core.step_tokens = 0  # the driver clears it, as the engine process does
             elif nxt < len(order):
                 time.sleep(max(0.0, start + reqs[order[nxt]].at - time.perf_counter()))
         duration = time.perf_counter() - start
@@ -517,7 +518,7 @@ def main() -> None:
                     help="run each saturation pass this many times, HTTP and in-process alike, and keep the one with "
                          "the median output tok/s (default 3 on CUDA, 1 on CPU; every run's tok/s is in the JSON)")
     ap.add_argument("--api-server-count", default="1",
-                    help="the server's --api-server-count, comma-separated for one HTTP pass set each (e.g. 1,4), all "
+                    help="the server's --api-server-count (a number or auto, the server's default), comma-separated for one HTTP pass set each (e.g. 1,4,auto), all "
                          "against the same in-process reference")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
     ap.add_argument("--spy", type=Path, default=None,
@@ -576,7 +577,7 @@ def main() -> None:
     raw = args.client == "raw"
     result["client"] = args.client
     result["repeat"] = args.repeat
-    counts = [int(c) for c in args.api_server_count.split(",") if c.strip()]
+    counts = [c.strip() if c.strip() == "auto" else int(c) for c in args.api_server_count.split(",") if c.strip()]
     if args.url is not None and len(modes) * len(counts) > 1:
         raise SystemExit("--url with --async-scheduling both or several --api-server-count: the flags are the running "
                          "server's; run once per server")
@@ -721,7 +722,7 @@ def report(result: dict) -> None:
                   f"{1e3 * r['duration_s']:.0f}", _client(r)] for r in sat],
                 ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)", "engine steps",
                  "all first tokens ms", "tokens/chunk", "sends ms", "span ms", "client cores/procs"]))
-    print("engine steps: steps that ran tokens during the pass (the server's vllm:iteration_tokens_total count); "
+    print("engine steps: steps that sampled tokens during the pass (the server's vllm:iteration_tokens_total count); "
           "above the output length, the steps admission was spread over. all first tokens: from the first send "
           "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. sends: first send to last send (the clients' own "
           "pace; 0 in process). span: first send to last answer, both paths. "

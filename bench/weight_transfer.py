@@ -40,7 +40,7 @@ from testkit.models import model_folder  # noqa: E402
 from server.weight_transfer import rendezvous  # noqa: E402
 from server.weight_transfer.group import open_group  # noqa: E402
 from server.weight_transfer.protocol import pack_into, plan_buckets  # noqa: E402
-from server.weight_transfer.sender import WeightSender, _Clock  # noqa: E402
+from server.weight_transfer.sender import WeightSender, _SendClock  # noqa: E402
 from testkit.http_server import ServerProcess  # noqa: E402
 
 GB = 1e9
@@ -272,7 +272,7 @@ def control(sender: WeightSender, named, row: dict, rounds: int = 30) -> None:
         lap("health", lambda: sender._http.get("/health"))
         lap("engine_floor", lambda: sender.post("/reset_prefix_cache", {}))
         lap("start", lambda: sender.post("/start_weight_update", {}))
-        clock = _Clock()
+        clock = _SendClock()
         answer: dict = {}
         lap("update", lambda: answer.update(sender._send_broadcast(small, clock, None)[0] if distributed
                                             else sender._send_handles(small, clock)[0]))

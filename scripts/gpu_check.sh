@@ -156,6 +156,10 @@ for stage in $stages; do
     serve64)    spy=(); command -v py-spy > /dev/null && spy=(--spy "$RESULTS/serve64/spy")
                 run serve64 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
                   --out "$RESULTS/serve64" ${spy[@]+"${spy[@]}"} ;;
+    serve-default) # serve64 with the server's default flags (--api-server-count auto): what `sleepserve serve` gives
+                run serve-default $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
+                  --api-server-count auto --out "$RESULTS/serve-default" ;;
+    clientcost) run clientcost $PY bench/openai_client_cost.py --out "$RESULTS" ;;
     serve64-interval) run serve64-interval $PY bench/serve.py --device cuda --model llama-1b --rates none \
                   --saturation 64,256 --stream-interval 4 --out "$RESULTS/serve64-interval" ;;
     rollout)    run rollout-1b $PY bench/rollout.py --device cuda --model llama-1b --out "$RESULTS"

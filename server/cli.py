@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from server.api.servers import AUTO, api_server_count, auto_api_server_count
 from server.logging_setup import LEVELS
 
 ENV_PREFIX = "SLEEPSERVE_"
@@ -103,8 +104,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--no-docs", "do not serve /docs, /redoc and /openapi.json (they need the API key when one is set)",
            False, boolean, negation="--docs"),
     Option("--api-server-count", "API processes in front of the engine: each parses and answers its share of the "
-           "requests (one handles ~1,000 short requests/s); more help large bursts and many streams", 1, positive_int,
-           metavar="N"),
+           "requests (one handles ~1,000 short requests/s); more help large bursts and many streams. auto: one per "
+           "two cores beyond the engine's two, 1 to 4", "auto", api_server_count, metavar="N|auto"),
     Option("--shutdown-grace-period", "seconds requests in flight may run on after SIGTERM; then they end "
            "with finish_reason abort", 10.0, seconds, metavar="S"),
     Option("--dev-mode", "mount the sleep-mode routes (/sleep, /wake_up, /update_weights, ...)", False, boolean,
@@ -140,6 +141,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "concurrency, at N steps of latency between chunks", 1, positive_int, metavar="N"),
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),
+    Option("--no-check-weights-finite", "do not check that every weight update's tensors are finite (by default "
+           "one sum per tensor on the device refuses NaN or Inf with 400 and leaves the weights invalid until a good "
+           "update)", False, boolean, negation="--check-weights-finite"),
     Option("--offload-dir", "CPU device: folder for offloaded weights while asleep (default: the temp folder)",
            None, metavar="DIR"),
     Option("--prepare-backups", "allocate the host backup of level-1 sleep right after start-up, in the "
@@ -252,7 +256,8 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         dev_mode=values["dev_mode"], log_level=values["log_level"],
         allowed_hosts=tuple(h.strip() for h in (values["allowed_hosts"] or "").split(",") if h.strip()),
         docs=not values["no_docs"], shutdown_grace_period=values["shutdown_grace_period"],
-        api_server_count=values["api_server_count"],
+        api_server_count=(auto_api_server_count() if values["api_server_count"] == AUTO
+                          else values["api_server_count"]),
         weight_transfer_config=_weight_transfer(values["weight_transfer_config"]))
     engine = {
         "model": values["model"] or None, "device": values["device"], "dtype": values["dtype"],
@@ -268,7 +273,7 @@ def split_options(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "tp_all_reduce": values["tp_all_reduce"], "tp_launch": values["tp_launch"],
         "tp_release_comm_on_sleep": values["tp_release_comm_on_sleep"],
         "offload_dir": values["offload_dir"], "prepare_backups": values["prepare_backups"],
-        "kv_wake_chunk": values["kv_wake_chunk"],
+        "kv_wake_chunk": values["kv_wake_chunk"], "check_weights_finite": not values["no_check_weights_finite"],
         "while_asleep": values["while_asleep"],
         "max_held_requests": values["max_held_requests"], "held_request_timeout": values["held_request_timeout"],
     }

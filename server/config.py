@@ -94,6 +94,9 @@ class EngineConfig:
     kv_wake_chunk: int | str | None = "2GiB"
     # Requests that arrive while paused or asleep (server/api/hold.py): held until the engine can
     # serve, bounded in number and in seconds; or, with "reject", refused at once with 503.
+    # Every weight update checks on the device that what landed is finite (NaN/Inf refused with 400, the
+    # weights then invalid until a good update: server/model/finite.py); one read of each tensor.
+    check_weights_finite: bool = True
     while_asleep: str = "hold"                # hold | reject
     max_held_requests: int = 1024
     held_request_timeout: float = 600.0

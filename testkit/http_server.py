@@ -22,7 +22,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0  # a first run converts the default model (about 40 s) before serving
 # Small limits keep CPU tests fast: a short context makes over-context prompts cheap to build.
-BASE_ARGS = ["--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--log-level", "info"]
+# One API process (the default, auto, starts up to four on a host with more cores): a test that wants more says so.
+BASE_ARGS = ["--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--log-level", "info",
+             "--api-server-count", "1"]
 
 
 def free_port() -> int:

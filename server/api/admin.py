@@ -7,18 +7,21 @@ state after it.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, is_dataclass
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from server import __version__
 from server.api import weight_transfer
 from server.api.auth import require_admin_key
 from server.api.body import parse_body, read_json
+from server.api.collective_rpc import CollectiveRpcRequest
+from server.api.collective_rpc import collective_rpc as run_collective_rpc
 from server.api.disk_weights import load_from_disk
 from server.api.schemas import UpdateWeightsRequest
+from server.api.server_info import ConfigFormat
+from server.api.server_info import server_info as describe_server
+from server.wire.errors import InvalidRequestError
 from server.wire.sleep_state import SleepReport
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], tags=["dev mode"])
@@ -32,14 +35,28 @@ def _answer(request: Request, report: SleepReport, **extra: Any) -> dict[str, An
 async def sleep(request: Request, level: int = 1, tags: list[str] | None = Query(None),
                 mode: str = "abort") -> dict[str, Any]:
     """Tags may repeat (?tags=a&tags=b) or come comma-separated (?tags=a,b); none means all."""
-    report = await request.app.state.engine.sleep(level=level, tags=tags, mode=mode)
+    with _from_query("level", "tags", "mode"):
+        report = await request.app.state.engine.sleep(level=level, tags=tags, mode=mode)
     return _answer(request, report)
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request, tags: list[str] | None = Query(None)) -> dict[str, Any]:
-    report = await request.app.state.engine.wake_up(tags)
+    with _from_query("tags"):
+        report = await request.app.state.engine.wake_up(tags)
     return _answer(request, report)
+
+
+@contextmanager
+def _from_query(*names: str) -> Iterator[None]:
+    """The engine names the argument it refuses (`mode`); the client sent it as a query parameter, which
+    vLLM's validation names `query.mode`, as FastAPI's own query errors here do (errors.py)."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        if e.param not in names:
+            raise
+        raise InvalidRequestError(str(e), f"query.{e.param}", e.code) from None
 
 
 @router.get("/is_sleeping")
@@ -55,7 +72,8 @@ async def pause(request: Request, mode: str = "abort", clear_cache: bool = True,
     `wait_for_inflight_requests=true` means mode=wait."""
     if wait_for_inflight_requests:
         mode = "wait"
-    report = await request.app.state.engine.sleep(level=0, tags=None, mode=mode, clear_cache=clear_cache)
+    with _from_query("mode"):
+        report = await request.app.state.engine.sleep(level=0, tags=None, mode=mode, clear_cache=clear_cache)
     return _answer(request, report, status="paused")
 
 
@@ -67,7 +85,7 @@ async def resume(request: Request) -> dict[str, Any]:
 
 @router.get("/is_paused")
 async def is_paused(request: Request) -> dict[str, Any]:
-    return {"is_paused": request.app.state.engine.state.paused}
+    return {"is_paused": request.app.state.engine.state.vllm_paused}
 
 
 @router.post("/reset_prefix_cache")
@@ -97,41 +115,18 @@ async def update_weights(request: Request) -> dict[str, Any]:
 
 
 
+@router.post("/collective_rpc")
+async def collective_rpc(request: Request) -> dict[str, Any]:
+    """vLLM's collective RPC for the methods that mean something here (collective_rpc.py): reload_weights."""
+    body = await parse_body(request, CollectiveRpcRequest)
+    return await run_collective_rpc(request, body)
+
+
 @router.get("/server_info")
-async def server_info(request: Request) -> dict[str, Any]:
-    """The resolved configuration (flags after defaults and the environment), as vLLM's dev route."""
-    engine = request.app.state.engine
-    info = engine.info
-    settings = request.app.state.settings
-    return {
-        "version": __version__,
-        "model": {"served_model_name": info.served_model_name, "path": info.model_path,
-                  "model_type": info.model_type, "dtype": info.dtype,
-                  "max_model_len": info.max_model_len, "vocab_size": info.vocab_size},
-        "device": info.device,
-        "engine_config": asdict(info.config),
-        "batch_invariant": bool(info.config.batch_invariant),
-        "kv_cache": {"num_blocks": info.kv_plan.num_blocks - 1, "block_size": info.kv_plan.block_size,
-                     "bytes": info.kv_plan.bytes, "capacity_tokens": info.kv_plan.capacity_tokens},
-        "processes": {"api_pid": os.getpid(), "engine_pid": info.pid,
-                      "api_server_count": settings.api_server_count},
-        "server": {"host": settings.host, "port": settings.port, "dev_mode": settings.dev_mode,
-                   "api_key_set": settings.api_key is not None,
-                   "admin_api_key_set": settings.effective_admin_key is not None,
-                   "log_level": settings.log_level},
-        "world_size": info.config.tensor_parallel_size,
-        "tensor_parallel": {"size": info.config.tensor_parallel_size, "ranks": info.ranks},
-        "weight_transfer_config": _transfer_config(request),
-        "weight_version": engine.state.weight_version,
-    }
-
-
-def _transfer_config(request: Request) -> dict[str, Any] | None:
-    """--weight-transfer-config as resolved; null when the server was started without one."""
-    config = getattr(request.app.state, "weight_transfer", None)
-    if config is None:
-        return None
-    return asdict(config) if is_dataclass(config) else dict(vars(config))
+async def server_info(request: Request, config_format: ConfigFormat = "text") -> dict[str, Any]:
+    """The resolved configuration (flags after defaults and the environment): ours, and vLLM's
+    vllm_config / vllm_env / system_env (server_info.py)."""
+    return describe_server(request, config_format)
 
 
 @router.get("/get_world_size")

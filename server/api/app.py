@@ -28,7 +28,8 @@ from server.api.middleware import BodyLimit, ContainErrors
 from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
 from server.api.tokens import TokenizerPreload, Tokens
-from server.api.servers import START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers, listening_sockets, metrics_folder
+from server.api.servers import (MAX_AUTO_API_SERVERS, START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers,
+                                listening_sockets, metrics_folder)
 from server.config import EngineConfig, profiler_dir
 from server.api.engine_client import EngineClient, EngineStartError
 from server.api.spawn import SpawnedEngine, spawn_engine
@@ -118,6 +119,8 @@ def startup_lines(engine: EngineClient, settings: ServerSettings) -> list[str]:
         "sleep mode dev routes: " + (f"on (POST /sleep, /wake_up, /update_weights, ...; {admin_key})"
                                      if settings.dev_mode else "off (start with --dev-mode to enable)"),
         "API key: " + ("required on /v1/*" if settings.api_key else "none (anyone who can connect may generate)"),
+        f"API processes: {settings.api_server_count} (--api-server-count; auto, the default, picks 1 per 2 cores "
+        f"beyond the engine's 2, at most {MAX_AUTO_API_SERVERS}; this host has {os.cpu_count()} cores)",
         f"HTTP: {_http_stack()}",
     ]
 

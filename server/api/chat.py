@@ -16,16 +16,11 @@ from server.api.formatting import (TokenNames, chat_choice, chat_logprobs, envel
 from server.api.schemas import ChatCompletionRequest
 from server.api.streaming import ENCODER, ChunkFrame, events, json_ids, json_str, sse, sse_response
 from server.wire.outputs import RequestOutput
-from server.wire.params import InvalidRequestError
 
 router = APIRouter()
 
 KIND = "chat.completion"
 CHUNK_KIND = "chat.completion.chunk"
-# Arguments the server passes to the template itself; a client may not override them.
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
-                                      "continue_final_message", "documents", "return_dict", "return_tensors",
-                                      "chat_template"})
 
 
 class ChatChunks:
@@ -96,21 +91,6 @@ class ChatChunks:
         return [envelope(*self.head, [], usage=usage([self.last]))]
 
 
-def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
-    kwargs = dict(body.chat_template_kwargs or {})
-    clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if clash:
-        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
-    kwargs["add_generation_prompt"] = body.add_generation_prompt
-    if body.continue_final_message:
-        kwargs["continue_final_message"] = True
-    if body.documents is not None:
-        kwargs["documents"] = body.documents
-    if body.chat_template is not None:
-        kwargs["chat_template"] = body.chat_template
-    return kwargs
-
-
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
@@ -118,7 +98,7 @@ async def create_chat_completion(request: Request) -> Response:
     params = body.to_params()
     request.app.state.tokens.check_count(len(body.messages), "messages")  # every message costs tokens
     messages = body.template_messages()
-    kwargs = _template_kwargs(body)
+    kwargs = body.template_kwargs()
     generation.check_available(request)
     params = await generation.compile_grammar(request, params, body.structured()[1])
     engine = request.app.state.engine

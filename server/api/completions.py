@@ -61,6 +61,8 @@ async def _check_prompts(request: Request, prompts: list[Prompt], params: Sampli
 class CompletionFormat:
     """Engine outputs → choices, for whole responses and stream chunks alike."""
 
+    whole = True  # a whole response's choices always carry prompt_logprobs (null unless asked), as vLLM's do
+
     def __init__(self, body: CompletionRequest, prompts: list[CheckedPrompt]):
         self.body = body
         self.prompts = prompts
@@ -92,6 +94,8 @@ class CompletionFormat:
                 extra["prompt_token_ids"] = out.prompt_token_ids
             if body.prompt_logprobs is not None:
                 extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.names)
+            elif self.whole:
+                extra["prompt_logprobs"] = None
         if body.return_token_ids:
             extra["token_ids"] = token_ids
         if body.return_routed_experts and o.routed_experts is not None:  # with the choice's end
@@ -101,6 +105,8 @@ class CompletionFormat:
 
 class CompletionChunks(CompletionFormat):
     """Each (prompt index, engine output) → one stream chunk per choice that has news, framed as SSE."""
+
+    whole = False
 
     def __init__(self, request_id: str, created: int, model: str, body: CompletionRequest,
                  prompts: list[CheckedPrompt]):

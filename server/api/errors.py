@@ -14,14 +14,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.wire.sleep_state import SleepState
-from server.wire.errors import ConflictError, EngineDeadError, EngineUnavailableError, InvalidRequestError
-from server.wire.errors import WeightLoadError
+from server.wire.errors import (ConflictError, EngineDeadError, EngineUnavailableError, InvalidRequestError,
+                                NonFiniteWeightsError, WeightLoadError)
 
 # The `type` field, by status, following OpenAI's vocabulary.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
           413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-          500: "server_error", 503: "service_unavailable_error"}
+          500: "server_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -62,6 +62,8 @@ def as_api_error(exc: BaseException, state: SleepState | None = None) -> APIErro
         return exc
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), exc.param, exc.code)
+    if isinstance(exc, NonFiniteWeightsError):
+        return APIError(400, str(exc), None, "nonfinite_weights")
     if isinstance(exc, WeightLoadError):
         return APIError(400, str(exc), "path", "weight_load_error")
     if isinstance(exc, EngineUnavailableError):
@@ -116,7 +118,7 @@ def install_error_handlers(app: FastAPI) -> None:
 PROFILE_PATHS = frozenset({"/start_profile", "/stop_profile"})
 # Paths that exist only in dev mode: a 404 on them says how to turn them on.
 DEV_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/pause", "/resume",
-                       "/is_paused", "/memory", "/update_weights", "/server_info", "/get_world_size",
+                       "/is_paused", "/memory", "/collective_rpc", "/update_weights", "/server_info", "/get_world_size",
                        "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
                        "/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor",
                        "/update_weights_from_disk", "/release_memory_occupation", "/resume_memory_occupation",

@@ -71,9 +71,10 @@ class HeldRequests:
             raise EngineUnavailableError(self._closed, code="shutting_down")
 
     def refuse_now(self) -> None:
-        """reject mode: 503 at once while the engine cannot serve (no waiting, no round trip)."""
+        """503 at once (no waiting, no round trip) in reject mode while the engine cannot serve, and in
+        any mode when nothing but new weights would end the refusal (Refusal.holds)."""
         refused = self._state().refusal
-        if refused is not None and self.policy.while_asleep == "reject":
+        if refused is not None and (self.policy.while_asleep == "reject" or not refused.holds):
             raise EngineUnavailableError(refused.message, code=refused.code)
 
     async def wait_until_servable(self, deadline: float | None = None) -> float | None:
@@ -83,7 +84,7 @@ class HeldRequests:
         refused = self._state().refusal
         if refused is None:
             return deadline
-        if self.policy.while_asleep == "reject":
+        if self.policy.while_asleep == "reject" or not refused.holds:
             raise EngineUnavailableError(refused.message, code=refused.code)
         if self.count >= self.policy.max_held:
             raise EngineUnavailableError(
@@ -96,8 +97,10 @@ class HeldRequests:
         self.by_reason[reason] += 1
         try:
             while refused is not None:
-                if reason != refused.code:  # e.g. sleeping -> weights_invalid after a level-2 wake
+                if reason != refused.code:  # e.g. weights_invalid -> paused after an update while paused
                     self.by_reason[reason] -= 1
+                    if not self.by_reason[reason]:
+                        del self.by_reason[reason]
                     reason = refused.code
                     self.by_reason[reason] += 1
                 remaining = deadline - time.monotonic()
@@ -113,6 +116,8 @@ class HeldRequests:
                     pass
                 self._raise_if_ended()
                 refused = self._state().refusal
+                if refused is not None and not refused.holds:  # e.g. a level-2 sleep woken without new weights
+                    raise EngineUnavailableError(refused.message, code=refused.code)
         finally:
             self.by_reason[reason] -= 1
             if not self.by_reason[reason]:

@@ -36,6 +36,8 @@ _REQUEST_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _ITERATION = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N = (1, 2, 5, 10, 20)
+_PREEMPTIONS = (0, 1, 2, 5, 10, 20, 50, 100)
+WAITING_REASONS = ("capacity", "deferred")  # vLLM's: no KV room yet | held back by a constraint (none here)
 
 
 class _Buckets:
@@ -120,6 +122,11 @@ class RequestTracker:
         else:
             reason = last.outputs[0].finish_reason if last.outputs else "stop"
         m.finished.labels(reason or "stop").inc()
+        if last is not None:
+            # vLLM counts each of a request's n sequences (its child requests) by how it ended; a client that
+            # left is an abort there (the engine aborts it). A request refused at admission never ran: not counted.
+            for o in last.outputs:
+                m.v_success.labels(m.model_name, ENGINE_INDEX, o.finish_reason if last.finished else "abort").inc()
         if m.shared:  # a scrape of another API process then counts every finished request's tokens
             m.flush()
         elapsed = time.monotonic() - self.start
@@ -134,8 +141,12 @@ class RequestTracker:
             if self.params.max_tokens is not None:
                 m.v_params_max_tokens.observe(self.params.max_tokens)
         t = last.metrics
+        if t is not None:
+            m.v_preemptions.observe(t.num_preemptions)
         if t is not None and t.first_scheduled_time is not None:
             m.v_queue.observe(t.first_scheduled_time - t.arrival_time)
+            if t.last_token_time is not None:
+                m.v_inference.observe(t.last_token_time - t.first_scheduled_time)
             if t.first_token_time is not None:
                 m.v_prefill.observe(t.first_token_time - t.first_scheduled_time)
                 if t.last_token_time is not None:
@@ -213,8 +224,16 @@ class ServerMetrics:
                                    "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY)
         self.v_decode = histogram("request_decode_time_seconds",
                                   "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY)
+        self.v_inference = histogram("request_inference_time_seconds",
+                                     "Histogram of time spent in RUNNING phase for request.", _REQUEST_LATENCY)
+        self.v_preemptions = histogram("request_num_preemptions", "Number of preemptions per finished request.",
+                                       _PREEMPTIONS)
         self.v_iteration = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      _ITERATION)
+        # Labelled by finish reason beside vLLM's two labels: its children are made per scrape's reason.
+        self.v_success = Counter(V + "request_success", "Count of successfully processed requests.",
+                                 [*labels, "finished_reason"], registry=None)
+        own.append(self.v_success)
         self._own = own
         self.pending = _Unscraped()
         engine.on_transition.append(self.on_transition)
@@ -260,8 +279,9 @@ class ServerMetrics:
         else:
             for metric in self._own:
                 registry.register(metric)
+        info = self.engine.info
         registry.register(EngineCollector(self.engine.state, asdict(self.engine.stats), ranks,
-                                          self.engine.info.config, self.engine.info.kv_plan, self.model_name))
+                                          info.config, info.kv_plan, self.model_name, info.max_model_len))
         return generate_latest(registry)
 
 
@@ -269,10 +289,11 @@ class EngineCollector:
     """Gauges read from one scrape's snapshot of the engine (and of the pool, when it answered)."""
 
     def __init__(self, state: SleepState, stats: dict, ranks: list[dict] | None, config: Any, kv_plan: Any,
-                 model_name: str):
+                 model_name: str, max_model_len: int):
         self.state, self.stats, self.ranks = state, stats, ranks
         self.pool = ranks[0] if ranks else None  # rank 0's pool (the only one without tensor parallelism)
         self.config, self.kv_plan, self.model_name = config, kv_plan, model_name
+        self.max_model_len = max_model_len
 
     def collect(self) -> Iterable[Metric]:
         yield from self._ours()
@@ -355,6 +376,12 @@ class EngineCollector:
 
         yield gauge("num_requests_running", "Number of requests in model execution batches.", s["running"])
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", s["waiting"])
+        by_reason = GaugeMetricFamily(V + "num_requests_waiting_by_reason", "Number of requests waiting by reason.",
+                                      labels=[*labels, "reason"])
+        # Every waiting sequence here waits for room in the batch or the KV cache; nothing defers one.
+        for reason, n in zip(WAITING_REASONS, (s["waiting"], 0)):
+            by_reason.add_metric([*values, reason], n)
+        yield by_reason
         total = s["kv_blocks_total"]
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     s["kv_blocks_used"] / total if total else 0.0)
@@ -367,13 +394,17 @@ class EngineCollector:
         info_labels = {"block_size": str(self.kv_plan.block_size), "num_gpu_blocks": str(self.kv_plan.num_blocks - 1),
                        "enable_prefix_caching": str(self.config.enable_prefix_caching),
                        "gpu_memory_utilization": str(self.config.gpu_memory_utilization),
-                       "cache_dtype": "auto", "num_cpu_blocks": "0"}
+                       "cache_dtype": "auto", "num_cpu_blocks": "0",
+                       "kv_cache_size_tokens": str(self.kv_plan.capacity_tokens),
+                       # requests of the full context the KV cache holds at once, as vLLM reports it
+                       "kv_cache_max_concurrency": str(self.kv_plan.capacity_tokens / self.max_model_len)}
         info = GaugeMetricFamily(V + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=[*labels, *info_labels])
         info.add_metric([*values, *info_labels.values()], 1.0)
         yield info
 
-        sleep = GaugeMetricFamily(V + "engine_sleep_state", "Engine sleep state: 1 for the current one",
+        sleep = GaugeMetricFamily(V + "engine_sleep_state", "Engine sleep state: 1 for the current one (all 0 while "
+                                  "paused, as vLLM's level 0)",
                                   labels=[*labels, "sleep_state"])
         for name in VLLM_SLEEP_STATES:
             sleep.add_metric([*values, name], 1.0 if name == st.vllm_sleep_state else 0.0)

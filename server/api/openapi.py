@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from server.api.collective_rpc import CollectiveRpcRequest
 from server.api.schemas import ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
 from server.api.tokenize import DetokenizeRequest, TokenizeRequest
 from server.api.weight_transfer import (FinishRequest, InitRequest, SglInitGroup, SglMemory, SglUpdateDisk,
@@ -36,6 +37,7 @@ WHY = {
     413: "the request body is over 32 MiB",
     415: "dev routes: a body that is not Content-Type application/json",
     503: "the engine is asleep, paused, draining, without valid weights, or dead (Retry-After says when to retry)",
+    504: "collective_rpc: the method did not finish within `timeout` (it goes on)",
 }
 
 # The prompt is one text, a batch of one text, or token ids; pydantic sees Any.
@@ -68,6 +70,7 @@ OPERATIONS: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, tuple[int,
     ("/start_profile", "post"): (None, False, (400, 401, 503), False),
     ("/stop_profile", "post"): (None, False, (400, 401, 503), False),
     ("/update_weights", "post"): (UpdateWeightsRequest, False, DEV_POST, False),
+    ("/collective_rpc", "post"): (CollectiveRpcRequest, True, (*DEV_POST, 504), False),
     ("/init_weight_transfer_engine", "post"): (InitRequest, False, DEV_POST, False),
     ("/start_weight_update", "post"): (None, False, DEV_POST, False),
     ("/finish_weight_update", "post"): (FinishRequest, False, DEV_POST, False),

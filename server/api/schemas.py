@@ -257,13 +257,16 @@ class ChatMessage(RequestBody):
         return out
 
 
-class ChatCompletionRequest(_Sampling):
+# Arguments the server passes to the chat template itself; a client may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                      "continue_final_message", "documents", "return_dict", "return_tensors",
+                                      "chat_template"})
+
+
+class ChatTemplateFields(RequestBody):
+    """vLLM's fields that say how messages become a prompt: shared by /v1/chat/completions and /tokenize,
+    so both render the same messages to the same tokens."""
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    echo: bool = False
-    # vLLM's extras for templates
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -282,6 +285,27 @@ class ChatCompletionRequest(_Sampling):
                 raise InvalidRequestError("continue_final_message needs an assistant message last",
                                           "continue_final_message")
         return msgs
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if clash:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+        kwargs["add_generation_prompt"] = self.add_generation_prompt
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs
+
+
+class ChatCompletionRequest(_Sampling, ChatTemplateFields):
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    echo: bool = False
 
     def to_params(self) -> SamplingParams:
         if self.echo:

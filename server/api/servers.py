@@ -38,6 +38,31 @@ from typing import Callable
 
 log = logging.getLogger("sleepserve.server")
 
+AUTO = "auto"
+MAX_AUTO_API_SERVERS = 4
+
+
+def auto_api_server_count(cores: int | None = None) -> int:
+    """--api-server-count auto: API processes for this host. One API process begins a request every ~1 ms, so at
+    256 requests at once the default server reached 0.77 of the engine on an H200 host, and 0.90-1.00 with four
+    (docs/architecture.md, "Where serving time goes"). The engine process keeps two cores (its step thread and its
+    helpers); of the rest, one API process per two cores (each is mostly one busy event loop, and the clients are
+    often on the same host), at most four (more measured no faster, and each costs its own memory and start-up).
+    cores: the CPUs this process may run on (its affinity, which a container's limit sets), by default."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_AUTO_API_SERVERS, (cores - 2) // 2))
+
+
+def api_server_count(text: str) -> int | str:
+    """The flag's value: a number of API processes, or `auto` (resolved by auto_api_server_count)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1 or auto, got {value}")
+    return value
+
 METRICS_PREFIX = "sleepserve-metrics-"
 BACKLOG = 2048  # uvicorn's default
 START_TIMEOUT_S = 300.0  # for the others to listen (each imports the web stack and loads the tokenizer)

@@ -11,18 +11,20 @@ from pydantic import Field
 
 from server.api import generation
 from server.api.body import parse_body
-from server.api.schemas import ChatMessage, RequestBody
+from server.api.schemas import ChatMessage, ChatTemplateFields, RequestBody
 from server.wire.params import InvalidRequestError
 
 router = APIRouter()
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: `prompt`, or `messages` with the
+    chat route's template fields (so both render the same tokens)."""
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = None  # type: ignore[assignment]
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(RequestBody):
@@ -39,13 +41,11 @@ async def tokenize(request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        if not body.messages:
-            raise InvalidRequestError("messages is empty; send at least one message", "messages")
-        msgs = [m.template_dict(i) for i, m in enumerate(body.messages)]
-        ids = await tokens.encode_chat(msgs, add_generation_prompt=body.add_generation_prompt)
+        ids = await tokens.encode_chat(body.template_messages(), **body.template_kwargs())
     else:
         ids = await tokens.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len}
+    strs = await tokens.token_strs(ids) if body.return_token_strs else None
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len, "token_strs": strs}
 
 
 @router.post("/detokenize")

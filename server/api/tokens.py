@@ -118,6 +118,10 @@ class Tokens:
 
         return await self._run(work)
 
+    async def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (vLLM's /tokenize `token_strs`)."""
+        return await self._run(lambda: self.tokenizer.convert_ids_to_tokens(ids))
+
     async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return await self._run(lambda: self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 

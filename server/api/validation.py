@@ -32,11 +32,16 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _without_body(loc: tuple) -> tuple:
+    return loc[1:] if loc[:1] == ("body",) else loc
+
+
 def describe_validation_error(errors: Sequence[Any], fastapi: bool = False) -> tuple[str, str | None]:
     """(message, param) for the first problem, with the rest counted: one clear thing to fix at a time.
-    fastapi: the locs start with where the value came from ("query", "body"), which is dropped."""
+    fastapi: the locs start with where the value came from; "body" is dropped (bodies are named as in
+    the OpenAI API), "query" and "path" are kept, as vLLM's validation names them (`query.mode`)."""
     if fastapi:
-        errors = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in errors]
+        errors = [{**e, "loc": _without_body(tuple(e.get("loc", ())))} for e in errors]
     if not errors:
         return "the request is invalid", None
     first = errors[0]

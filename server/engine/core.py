@@ -27,7 +27,7 @@ import torch
 from allocator import MemoryPool
 from server.config import PROFILER_DIR_ENV, EngineConfig, profiler_dir
 from server.engine.detokenizer import prefix_stable
-from server.wire.errors import EngineUnavailableError, InvalidRequestError
+from server.wire.errors import EngineUnavailableError, InvalidRequestError, NonFiniteWeightsError
 from server.engine.kv_cache import BlockManager, usable_blocks
 from server.wire.stats import EngineStats, KVPlan
 from server.wire.outputs import RequestOutput
@@ -74,7 +74,9 @@ class EngineCore:
         self.load_seconds = load_seconds
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
-        self.step_tokens = 0  # tokens the last step ran (vllm:iteration_tokens_total)
+        # vllm:iteration_tokens_total, as vLLM counts a step: each sequence's whole prompt at the step that
+        # sampled its first token, plus every token sampled. Added up by outputs_for; the driver reads and clears it.
+        self.step_tokens = 0
         # Set by wire_outputs() in the engine process: what receives each advanced request instead of
         # RequestOutputs built for its on_output.
         self._wire_sink: Callable[[Request], None] | None = None
@@ -237,7 +239,6 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_async()
         schedule = self.scheduler.schedule() if self.can_step else None
-        self.step_tokens = schedule.num_tokens if schedule else 0
         if not schedule:
             return []
         result = self.runner.execute(schedule, self.eos_ids, self.tokenizer)
@@ -251,7 +252,6 @@ class EngineCore:
         if nxt is None and self.scheduler.has_work and self.sleep_state.can_run:
             nxt = self._launch(self.scheduler.schedule())
         self._inflight = nxt
-        self.step_tokens = nxt.batch.num_tokens if nxt is not None else 0
         return outputs
 
     def _launch_ahead(self, prev: Launched) -> Launched | None:
@@ -303,6 +303,8 @@ class EngineCore:
     def outputs_for(self, update: StepUpdate) -> list[RequestOutput]:
         """An output for each request the step advanced: its first tokens (admission, time to first token)
         and its end at once, others every --stream-interval steps, FINAL_ONLY ones at the end only."""
+        self.step_tokens += update.sampled + sum(len(update.touched[r].prompt_token_ids) * len(update.touched[r].seqs)
+                                                 for r in update.first)
         outputs = []
         interval = self.config.stream_interval
         for rid, req in update.touched.items():
@@ -363,6 +365,29 @@ class EngineCore:
         self.drain()  # no step may read the weights while they change
         weights_valid = self.sleep_state.weights_valid
         t0 = time.perf_counter()
+        try:
+            loaded, source = self._load(path, named_tensors, read_from, served, weights_valid)
+        except NonFiniteWeightsError:
+            # Every tensor landed and some are not numbers: nothing is served from them until a good update.
+            self.preempt_all()
+            self.blocks.reset_prefix_cache()
+            self.sleep_control.weights_invalidated()
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # KV computed with the old weights must never be reused: requests kept by a pause recompute
+        # theirs on the new weights, and the prefix-cache index forgets every hash.
+        self.preempt_all()
+        self.blocks.reset_prefix_cache()
+        set_version = weight_version is not None or (named_tensors is not None and not served) or bool(path)
+        self.sleep_control.weights_loaded(loaded, parameter_names(self.model), weight_version, set_version)
+        state = self.sleep_state
+        return {"source": source, "tensors": len(loaded), "weights_valid": state.weights_valid,
+                "weight_version": state.weight_version, "seconds": time.perf_counter() - t0}
+
+    def _load(self, path: str | None, named_tensors: Iterable[tuple[str, torch.Tensor]] | None,
+              read_from: str | None, served: bool, weights_valid: bool) -> tuple[set[str], str]:
+        """update_weights' copy: checked, then written in place; (the names written, where from)."""
         if named_tensors is not None:
             named = dict(named_tensors)
             whole = read_from is not None and (not weights_valid or served)
@@ -379,17 +404,7 @@ class EngineCore:
             check_checkpoint(self.model, shapes, require_all=not weights_valid or path is None)
             loaded = self.runner.load_files(files)
             source = str(folder)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        # KV computed with the old weights must never be reused: requests kept by a pause recompute
-        # theirs on the new weights, and the prefix-cache index forgets every hash.
-        self.preempt_all()
-        self.blocks.reset_prefix_cache()
-        set_version = weight_version is not None or (named_tensors is not None and not served) or bool(path)
-        self.sleep_control.weights_loaded(loaded, parameter_names(self.model), weight_version, set_version)
-        state = self.sleep_state
-        return {"source": source, "tensors": len(loaded), "weights_valid": state.weights_valid,
-                "weight_version": state.weight_version, "seconds": time.perf_counter() - t0}
+        return loaded, source
 
     # -- weight updates in pieces (the transfer service's engine-thread half; policy: SleepController) ---
 

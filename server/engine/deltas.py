@@ -32,7 +32,8 @@ def encode_delta(req: "Request") -> Delta:
     finished = req.finished
     metrics = None
     if finished:
-        metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time, req.last_token_time)
+        metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time, req.last_token_time,
+                   req.num_preemptions)
     return (req.request_id, seqs, finished, req.num_cached_tokens,
             req.prompt_token_ids if first else None, prompt_logprobs, metrics)
 

@@ -347,6 +347,7 @@ class EngineServer:
             self._failures = 0
             if core.step_tokens:
                 self._step_tokens.append(core.step_tokens)
+                core.step_tokens = 0
         except Exception as e:
             log.exception("engine step failed; aborting the requests in flight")
             self._fail_all(e)

@@ -105,6 +105,7 @@ def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelCon
             f"the KV cache holds {plan.capacity_tokens} tokens, fewer than --max-model-len {config.max_model_len}; "
             "give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len")
     runner = runner_class(model, pool, plan.num_blocks, config.block_size, dtype, plan.chunk_bounds, **runner_args)
+    runner.check_finite = config.check_weights_finite
     if config.enable_return_routed_experts and tp.rank == 0:  # the router is whole on every rank: rank 0's ids
         runner.enable_routed_experts(max(config.batched_tokens(device), config.max_num_seqs))
     tp.ordered_reduce = bool(config.batch_invariant)

@@ -30,6 +30,7 @@ from server.model.attention import (AttentionContext, PrefillPlan, PrefillSpan, 
                                     prefill_tiles)
 from server.model.kv_layout import attach, kv_cache_shape
 from server.model.llama import LlamaForCausalLM
+from server.model.finite import FiniteCheck
 from server.model.loader import copy_weights, init_dummy_weights, iter_checkpoint, parameter_names
 from server.model.ops import TorchOps
 
@@ -64,6 +65,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool, num_blocks: int, block_size: int, dtype: torch.dtype,
                  kv_chunk_bounds: tuple[int, ...] = ()):
         self.model = model
+        # Every weight update checks that what landed is finite (--no-check-weights-finite: off); build.py sets it.
+        self.check_finite = True
         self.cfg = model.config
         self.pool = pool
         self.device = pool.device
@@ -157,12 +160,19 @@ class ModelRunner:
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Whole checkpoint tensors, already checked, copied in place. Returns the names loaded."""
-        return copy_weights(self.model, named)
+        """Whole checkpoint tensors, already checked, copied in place. Returns the names loaded; raises
+        NonFiniteWeightsError (after every copy) if any holds NaN or Inf (model/finite.py)."""
+        check = FiniteCheck(self.check_finite)
+        loaded = copy_weights(self.model, named, check=check)
+        check.verify()
+        return loaded
 
     def load_files(self, files: list[Path]) -> set[str]:
-        """Checked safetensors files, read slice by slice (a rank reads only what it holds)."""
-        return copy_weights(self.model, iter_checkpoint(files, self.model), sliced=True)
+        """Checked safetensors files, read slice by slice (a rank reads only what it holds); checked finite."""
+        check = FiniteCheck(self.check_finite)
+        loaded = copy_weights(self.model, iter_checkpoint(files, self.model), sliced=True, check=check)
+        check.verify()
+        return loaded
 
     def load_dummy(self, seed: int) -> set[str]:
         init_dummy_weights(self.model, seed)

@@ -29,6 +29,7 @@ class StepUpdate:
     touched: dict[str, Request] = field(default_factory=dict)
     first: set[str] = field(default_factory=set)
     done: set[str] = field(default_factory=set)
+    sampled: int = 0  # tokens sampled (vllm:iteration_tokens_total counts them)
 
 
 class Scheduler:
@@ -184,7 +185,7 @@ class Scheduler:
         texts: list[Sequence] = []
         pairs: list[tuple] = []
         ended: list[Sequence] = []
-        update = StepUpdate()
+        update = StepUpdate(sampled=len(sampled))
         touched, first = update.touched, update.first
         req = None
         for seq, token, lp in zip(sampled, tokens, logprobs):
@@ -247,6 +248,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        seq.request.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence that is done (or aborted) and free its blocks."""

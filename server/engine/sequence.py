@@ -227,6 +227,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    num_preemptions: int = 0  # times one of its sequences lost its KV and recomputed it (vllm:request_num_preemptions)
     # params.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it);
     # filled chunk by chunk as the prefill runs (runner.prepare picks the rows).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -264,4 +265,5 @@ class Request:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [s.output() for s in self.seqs], self.finished,
             self.num_cached_tokens, None if self.prompt_logprobs_pending else self.prompt_logprobs,
-            RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, self.last_token_time))
+            RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, self.last_token_time,
+                           self.num_preemptions))

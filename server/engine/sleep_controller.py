@@ -109,7 +109,14 @@ class SleepController:
         return SleepState(level=self._level, tag_states=MappingProxyType(tag_states), paused=self._paused,
                           draining=self._pending is not None and self._pending.plan.mode == "wait",
                           weights_valid=self.weights_valid, weight_version=self.weight_version,
-                          transfer_active=self.transfer_active)
+                          transfer_active=self.transfer_active, update_open=self._update_open)
+
+    @property
+    def _update_open(self) -> bool:
+        """A trainer's session (start .. finish) that may still make the weights whole: requests wait for
+        it. A broken one cannot (only a complete update can), and a one-call update is transfer_active."""
+        session = self.weight_session
+        return session is not None and session.explicit and not session.broken
 
     def publish(self) -> None:
         self.state = self._snapshot()
@@ -321,6 +328,12 @@ class SleepController:
         if self._target.has_unfinished and st.can_run:
             raise ConflictError("requests are running; pause the server (POST /pause?mode=keep keeps them) or "
                                 "sleep it before updating weights")
+
+    def weights_invalidated(self) -> None:
+        """An update wrote weights that cannot be served (NaN or Inf): invalid until a complete update."""
+        self.weights_valid = False
+        self.reloaded = set()
+        self.publish()
 
     def weights_loaded(self, loaded: set[str], all_names: set[str], version: str | None,
                        set_version: bool) -> None:

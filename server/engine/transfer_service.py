@@ -19,8 +19,9 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from server.engine.core import EngineCore
+from server.model.finite import FiniteCheck, nonfinite_message
 from server.model.loader import receiver_names
-from server.wire.errors import EngineUnavailableError, InvalidRequestError
+from server.wire.errors import EngineUnavailableError, InvalidRequestError, NonFiniteWeightsError
 from server.weight_transfer import safe_pickle
 from server.weight_transfer.config import WeightTransferConfig
 from server.weight_transfer.receiver import TransferFailedError, TransferRequestError, Update, WeightReceiver
@@ -76,7 +77,8 @@ class WeightTransferService:
         self.core = core
         self.on_engine = on_engine   # from a command thread: run on the engine thread, wait for it
         self.defer = defer           # from the transfer thread: run on the engine thread, do not wait
-        self.receiver = WeightReceiver(config, core.model, core.device, *receiver_names(core.model))
+        self.receiver = WeightReceiver(config, core.model, core.device, *receiver_names(core.model),
+                                       finite_check=FiniteCheck if core.config.check_weights_finite else None)
         self.workers = getattr(core.runner, "workers", None)  # parallel/executor.Workers at TP > 1
         self._thread = _Worker()
         self.packed_default: bool | None = None   # init_info.packed of the last init
@@ -142,18 +144,24 @@ class WeightTransferService:
         outcomes = self._on_ranks("wt_receive", lambda: self.receiver.receive(update), lambda r: update)
         loaded: set[str] = set()
         failed: list[str] = []
+        nonfinite: list[str] = []
         for rank, value in sorted(outcomes.items()):
             if isinstance(value, TransferFailedError):
                 loaded |= value.loaded
+                nonfinite += value.nonfinite
                 failed.append(f"rank {rank}: {value}" if self.workers else str(value))
             elif isinstance(value, BaseException):
                 raise value
             elif isinstance(value, dict):  # a worker's answer (parallel/worker.py op_wt_receive)
                 loaded |= set(value["loaded"])
+                nonfinite += value.get("nonfinite", [])
                 if value.get("error"):
                     failed.append(f"rank {rank}: {value['error']}")
             else:
                 loaded |= value
+        if nonfinite:  # every rank received every tensor: the names, once, say it all
+            names = tuple(dict.fromkeys(nonfinite))
+            raise TransferFailedError(nonfinite_message(names), loaded, names)
         if failed:
             raise TransferFailedError("; ".join(failed), loaded)
         return loaded
@@ -223,8 +231,12 @@ class WeightTransferService:
             clock["landed"] = time.time()
         except TransferFailedError as e:
             log.error("%s", e)
-            error = EngineUnavailableError(f"{e}; the weights are marked invalid until a complete update" if e.loaded
-                                           else f"{e}; no weight was changed", code="weight_transfer_failed")
+            if e.nonfinite:  # the trainer's weights are the problem, not the transfer: 400, as a disk load's
+                error: BaseException = NonFiniteWeightsError(str(e), e.nonfinite)
+            else:
+                error = EngineUnavailableError(f"{e}; the weights are marked invalid until a complete update"
+                                               if e.loaded else f"{e}; no weight was changed",
+                                               code="weight_transfer_failed")
             landed = e.loaded
             self.defer(lambda: self._written(done, landed, error, None))
             return

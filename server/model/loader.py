@@ -5,7 +5,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from server.model.moe import HF_STACKED, SparseMoeBlock
 from server.model.shard import Shard, TensorParallel
 
 from server.wire.errors import WeightLoadError
+
+if TYPE_CHECKING:
+    from server.model.finite import FiniteCheck
 
 log = logging.getLogger("sleepserve.model")
 
@@ -301,9 +304,11 @@ def describe(named: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...],
 
 
 @torch.no_grad()
-def copy_weights(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]], sliced: bool = False) -> set[str]:
+def copy_weights(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]], sliced: bool = False,
+                 check: "FiniteCheck | None" = None) -> set[str]:
     """Copy checked tensors into the existing parameters (addresses unchanged). Returns the names set.
-    Tensors are whole checkpoint tensors, or (sliced, from iter_checkpoint(files, model)) this rank's slices."""
+    Tensors are whole checkpoint tensors, or (sliced, from iter_checkpoint(files, model)) this rank's slices.
+    check: each parameter written is added to it as it lands (finite.py); the caller verifies it."""
     targets = _targets(model)
     loaded: set[str] = set()
     for name, tensor in named:
@@ -315,6 +320,8 @@ def copy_weights(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tenso
             targets[target].copy_(tensor)
         else:
             shard.place(targets[target], tensor if sliced else shard.take(tensor))
+        if check is not None:
+            check.add(target, targets[target])
         loaded.add(target)
     model.init_buffers()
     return unit_names(model, loaded)

@@ -37,12 +37,14 @@ class TransferRequestError(ValueError):
 
 
 class TransferFailedError(RuntimeError):
-    """The transfer broke after it started (a trainer that died, a timeout). `loaded` says which
-    tensors were already overwritten; the engine marks the weights invalid if any were."""
+    """The transfer broke after it started (a trainer that died, a timeout), or (`nonfinite`: the names)
+    it landed tensors holding NaN or Inf. `loaded` says which tensors were already overwritten; the
+    engine marks the weights invalid if any were."""
 
-    def __init__(self, message: str, loaded: set[str]):
+    def __init__(self, message: str, loaded: set[str], nonfinite: tuple[str, ...] = ()):
         super().__init__(message)
         self.loaded = loaded
+        self.nonfinite = nonfinite
 
 
 @dataclass
@@ -62,14 +64,17 @@ class Update:
 class WeightReceiver:
     def __init__(self, config: WeightTransferConfig, model: nn.Module, device: torch.device,
                  targets: dict[str, torch.Tensor] | None = None,
-                 units: Callable[[Iterable[str]], set[str]] | None = None):
+                 units: Callable[[Iterable[str]], set[str]] | None = None,
+                 finite_check: Callable[[], Any] | None = None):
         """targets: every name a trainer may send -> the tensor it lands in (default: the parameters; the
         engine passes model/loader.checkpoint_targets: a sparse layer's per-expert names are views of its
         stacked experts). units: the names a write counts as (loader.unit_names: a stacked expert tensor
-        counts as the experts it holds)."""
+        counts as the experts it holds). finite_check: makes the engine's check that every tensor received
+        is finite (model/finite.py FiniteCheck: add, bad); None: not checked (--no-check-weights-finite)."""
         config.check_device(device.type)
         self.config = config
         self.device = device
+        self.finite_check = finite_check
         params = targets if targets is not None else dict(model.named_parameters())
         self.units = units or set
         # Tensor parallel: the trainer sends whole tensors to every rank; a rank keeps its slice of
@@ -206,7 +211,22 @@ class WeightReceiver:
                     self._receiving = None
             raise TransferFailedError(f"the weight transfer failed after {len(loaded)} of {len(update.metas)} "
                                       f"tensors: {type(e).__name__}: {e}", self.units(loaded)) from e
+        self._check_finite(loaded)
         return self.units(loaded)
+
+    def _check_finite(self, loaded: set[str]) -> None:
+        """After every byte landed (_receive synchronized the device): one min/max per tensor, one host read.
+        This rank's tensor: the whole one, or its slice of a split one."""
+        if self.finite_check is None:
+            return
+        check = self.finite_check()
+        with self._on_device():
+            for name in sorted(loaded):
+                target = self.targets.get(name)
+                check.add(name, target if target is not None else self.sharded[name][0])
+            bad = check.bad()
+        if bad:
+            raise TransferFailedError(f"NaN or Inf in {', '.join(bad)}", self.units(loaded), tuple(bad))
 
     def _on_device(self) -> Any:
         """This thread's current CUDA device must be the model's (IPC rebuilds and streams use it)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from server.wire.params import InvalidRequestError
 
 __all__ = ["InvalidRequestError", "EngineUnavailableError", "ConflictError", "EngineDeadError", "WorkerLostError",
-           "WeightLoadError"]
+           "WeightLoadError", "NonFiniteWeightsError"]
 
 
 class EngineUnavailableError(RuntimeError):
@@ -32,3 +32,12 @@ class WorkerLostError(EngineDeadError):
 
 class WeightLoadError(ValueError):
     """A checkpoint that does not fit the served model; raised before any weight is touched (HTTP 400)."""
+
+
+class NonFiniteWeightsError(WeightLoadError):
+    """An update wrote tensors holding NaN or Inf (HTTP 400, code nonfinite_weights); the weights are then
+    invalid (503 weights_invalid) until a good update (server/model/finite.py checks them)."""
+
+    def __init__(self, message: str, names: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.names = names  # kept through pickling (BaseException.__reduce__ carries __dict__)

@@ -105,7 +105,8 @@ class Reply:
 #   Delta    = (request_id, [SeqDelta, ...], finished, num_cached_tokens,
 #               prompt_token_ids (on a request's first delta, else None),
 #               prompt_logprobs (once, when the prefill computed them all, else None),
-#               metrics (when it finishes: (arrival, first_scheduled, first_token, last_token) times, else None))
+#               metrics (when it finishes: (arrival, first_scheduled, first_token, last_token) times and the
+#               request's preemptions, else None))
 #   SeqDelta = (index, new token ids, new text, new log-probs (WireLogprobs each) or None, cumulative_logprob,
 #               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None),
 #               routed experts (once, when it finishes, if asked: a numpy array, routed_experts.py; else None))

@@ -52,6 +52,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    num_preemptions: int = 0
 
 
 @dataclass

@@ -19,6 +19,11 @@ class Refusal:
     """Why new generation cannot run now: a machine-readable code and a message saying what to do."""
     code: str       # draining | sleeping | weights_invalid | paused
     message: str
+    # Whether a request should wait for it to end (held) rather than get 503 at once: a drain, a sleep, a
+    # pause and a weight update in progress end by themselves (a wake, a resume, the update's finish);
+    # weights left invalid with no update open (a level-2 sleep woken without one, a broken transfer)
+    # end only when someone sends weights, so holding would only run the requests into the hold timeout.
+    holds: bool = True
 
 
 # The states a server can be in, for /health and the engine_state gauge; "awake" serves.
@@ -34,6 +39,7 @@ class SleepState:
     weights_valid: bool = True            # False from a level-2 sleep until every weight is loaded again
     weight_version: str | None = None
     transfer_active: bool = False         # a weight transfer is writing the weights right now
+    update_open: bool = False             # a weight-transfer session is open (start .. finish)
 
     @property
     def asleep(self) -> dict[str, str]:
@@ -67,7 +73,8 @@ class SleepState:
         if not self.weights_valid:
             return Refusal("weights_invalid",
                            "the weights are not whole (discarded by sleep level 2, or a weight update is in progress "
-                           "or broke off); load weights with POST /update_weights")
+                           "or broke off); load weights with POST /update_weights",
+                           holds=self.paused or self.transfer_active or self.update_open)
         if self.paused:
             return Refusal("paused", "the server is paused; resume it with POST /resume or POST /wake_up")
         return None
@@ -79,26 +86,35 @@ class SleepState:
         return refused.code if refused else "awake"
 
     @property
-    def vllm_sleep_state(self) -> str:
-        """vLLM's vllm:engine_sleep_state label: awake, weights_offloaded (level 1) or discard_all (level 2)."""
+    def vllm_paused(self) -> bool:
+        """vLLM's /is_paused: a sleep of level 1 or 2 pauses the scheduler first, and only the wake that
+        leaves nothing asleep resumes it (a pause, level 0, until /resume or a full wake)."""
+        return self.paused or bool(self.asleep)
+
+    @property
+    def vllm_sleep_state(self) -> str | None:
+        """vLLM's vllm:engine_sleep_state label: awake, weights_offloaded (level 1) or discard_all (level 2);
+        None while paused with everything kept (vLLM's level 0 sets all three gauges to 0)."""
         weights = self.tag_states.get(WEIGHTS, AWAKE)
         if weights == "discarded" or not self.weights_valid:
             return "discard_all"
         if self.asleep:
             return "weights_offloaded"
+        if self.paused:
+            return None
         return "awake"
 
     def __reduce__(self) -> tuple:
         # The engine process publishes it to the API process; a mapping proxy cannot be pickled.
         return _rebuild_state, (self.level, dict(self.tag_states), self.paused, self.draining, self.weights_valid,
-                                self.weight_version, self.transfer_active)
+                                self.weight_version, self.transfer_active, self.update_open)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON of /is_sleeping (and the `state` of every dev route's answer)."""
         return {"is_sleeping": self.is_sleeping, "level": self.level, "sleeping_tags": self.sleeping_tags,
                 "tag_states": dict(self.tag_states), "paused": self.paused, "draining": self.draining,
                 "weights_valid": self.weights_valid, "weight_version": self.weight_version,
-                "transfer_active": self.transfer_active}
+                "transfer_active": self.transfer_active, "update_open": self.update_open}
 
 
 def _rebuild_state(level: int | None, tag_states: dict[str, str], *rest: Any) -> SleepState:

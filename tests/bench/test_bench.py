@@ -221,3 +221,28 @@ def test_step_host_cost_runs_the_step_and_the_frame_path(llm):
     for kind in ("stream", "final", "inproc"):  # the Python alone: planned ahead and recorded, engine left empty
         row = python_cost(llm, 4, kind, 2, 3, 0, None, repeats=1)
         assert row["python_us_per_seq"] > 0 and not llm.engine.has_unfinished
+
+
+def test_openai_client_cost_reads_every_answer_from_the_stand_in(tmp_path):
+    """bench/openai_client_cost.py end to end at a tiny size: the official client gets every plain answer and
+    every streamed chunk from the stand-in, and the CPU it spent is counted."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "bench/openai_client_cost.py", "--concurrency", "8", "--chunks", "5",
+                          "--rounds", "1", "--server-processes", "1", "--out", str(tmp_path)],
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "openai-client-cost.json").read_text())["rows"]}
+    assert rows["plain"]["requests"] == rows["stream"]["requests"] == 8
+    assert rows["plain"]["client_cpu_ms_per_request"] > 0 and rows["stream"]["client_cpu_us_per_chunk"] > 0
+
+
+def test_finite_check_bench_times_a_check_that_finds_nothing(tmp_path):
+    import torch
+
+    from bench.finite_check import check_s
+
+    named = [(f"w{i}", torch.randn(256, 64)) for i in range(4)]
+    median, best = check_s(named, torch.device("cpu"), rounds=2)
+    assert 0 < best <= median

@@ -43,7 +43,8 @@ def test_every_flag_reads_its_environment_variable():
                "max_held_requests": ("7", 7), "held_request_timeout": ("2.5", 2.5),
                "no_docs": ("1", True), "shutdown_grace_period": ("2.5", 2.5), "tensor_parallel_size": ("2", 2),
                "tp_release_comm_on_sleep": ("1", True), "stream_interval": ("4", 4), "batch_invariant": ("1", True),
-               "api_server_count": ("2", 2)}
+               "api_server_count": ("2", 2), "no_check_weights_finite": ("1", True),
+               "enable_return_routed_experts": ("1", True)}
     for opt in SERVE_OPTIONS:
         raw, expected = samples.get(opt.dest, ("x-value", "x-value"))
         if opt.choices and opt.dest not in samples:
@@ -65,6 +66,18 @@ def test_command_line_wins_over_the_environment():
     assert v["kv_cache_memory"] == "1GiB" and v["gpu_memory_utilization"] == 0.9  # the env's 0.5 is hidden
     settings, _ = split_options(v)
     assert settings.effective_admin_key == "cli"  # the admin key defaults to the API key
+
+
+def test_api_server_count_defaults_to_auto_for_the_host():
+    from server.api.servers import auto_api_server_count
+
+    # Two cores for the engine process, then one API process per two cores, 1 to 4.
+    assert [auto_api_server_count(n) for n in (1, 2, 4, 6, 8, 10, 16, 128)] == [1, 1, 1, 2, 3, 4, 4, 4]
+    for argv, env in (([], {}), (["--api-server-count", "auto"], {}), ([], {"SLEEPSERVE_API_SERVER_COUNT": "AUTO"})):
+        v = resolve(argv, env)
+        assert v["api_server_count"] == "auto"
+        assert split_options(v)[0].api_server_count == auto_api_server_count()
+    assert split_options(resolve(["--api-server-count", "3"], {}))[0].api_server_count == 3
 
 
 @pytest.mark.parametrize("argv,env,words", [

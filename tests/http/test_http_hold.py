@@ -100,24 +100,34 @@ def test_a_request_held_at_level_2_runs_only_on_valid_weights(server, reference)
         return await task, seen
 
     r, seen = asyncio.run(flow())
-    assert [done for _, done, _ in seen] == [False, False, False], seen
+    assert [done for _, done, _ in seen] == [False, False, False], (seen, r.text)
     assert seen[0][2] == {"sleeping": 1} and seen[1][2] == {"sleeping": 1}, seen  # kv_cache still asleep
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == reference
 
 
-def test_weights_invalid_holds_until_update_weights(server, reference):
-    async def flow() -> tuple[httpx.Response, bool]:
+def test_weights_invalid_answers_at_once_unless_paused(server, reference):
+    """Awake after a level-2 sleep without new weights, only an update can make a request servable: it gets 503
+    weights_invalid at once (holding it would only run it into the hold timeout). Paused, it is held as any
+    request is, and runs after the update and the resume."""
+    async def flow() -> tuple[httpx.Response, float, httpx.Response, bool]:
         assert post(server, "/sleep?level=2").status_code == 200
         assert post(server, "/wake_up").status_code == 200
+        t = time.monotonic()
+        refused = await _complete(server)
+        refused_s = time.monotonic() - t
+        assert post(server, "/pause").status_code == 200
         task = asyncio.create_task(_complete(server))
         await _wait_held(server, "weights_invalid")
-        await asyncio.sleep(0.3)
-        early = task.done()
         assert post(server, "/update_weights").status_code == 200
-        return await task, early
+        await asyncio.sleep(0.3)  # a window in which it must not complete: still paused
+        early = task.done()
+        assert post(server, "/resume").status_code == 200
+        return refused, refused_s, await task, early
 
-    r, early = asyncio.run(flow())
+    refused, refused_s, r, early = asyncio.run(flow())
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "weights_invalid", refused.text
+    assert refused_s < 5
     assert not early and r.status_code == 200 and r.json()["choices"][0]["text"] == reference
 
 
@@ -216,8 +226,9 @@ def test_vllm_prometheus_families(server):
               "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count"):
         assert delta[n] == 2, (n, delta[n])
     assert delta["vllm:inter_token_latency_seconds_count"] == 8 - 2  # every token after each first
-    # Every token the engine ran, over at least 1 + max_tokens - 1 steps per request.
-    assert delta["vllm:iteration_tokens_total_sum"] == prompt - delta["vllm:prefix_cache_hits_total"] + 8 - 2
+    # As vLLM counts: each request's whole prompt (prefix-cache hits included) at its first token, plus every
+    # token sampled, over at least 1 + max_tokens - 1 steps per request.
+    assert delta["vllm:iteration_tokens_total_sum"] == prompt + 8
     assert delta["vllm:iteration_tokens_total_count"] >= 8
     assert delta["vllm:prefix_cache_queries_total"] >= prompt - 2  # (the last prompt token is always computed)
     assert delta["vllm:prefix_cache_hits_total"] >= 16  # the second request found the first's prompt blocks

@@ -536,3 +536,29 @@ def test_routes_need_a_configured_backend_and_the_admin_key(servers):
               json={"init_info": {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 2,
                                   "world_size": 2}})
     assert r.status_code == 400 and "rank_offset" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("backend, bad", [("gloo", float("nan")), ("shm", float("inf")), ("gloo", float("-inf")),
+                                          ("shm", float("nan"))])
+def test_a_push_of_nan_or_inf_is_refused_and_never_served(servers, references, default_model_folder, tmp_path,
+                                                          backend, bad):
+    """A diverged trainer step: its tensors land, are checked on the device (model/finite.py), and the update
+    ends with 400 naming the tensor; the server then serves nothing (503 weights_invalid) until a complete
+    good update."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    server = servers[backend]
+    original, _ = references[backend]
+    name = "model.layers.1.post_attention_layernorm.weight"
+    with safe_open(str(next(default_model_folder.glob("*.safetensors"))), "pt") as f:
+        t = f.get_tensor(name).clone()
+    t[7] = bad
+    save_file({name: t}, str(tmp_path / "model.safetensors"))
+    rc, report = trainer(server, backend, tmp_path)
+    assert rc == 3 and report["status"] == 400, report
+    assert name in report["error"] and "NaN or Inf" in report["error"], report
+    assert state(server)["weights_valid"] is False
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "weights_invalid", r.text
+    assert load_from_disk(server) == original  # a complete good update brings it back

@@ -192,9 +192,13 @@ class Worker:
         return len(self.runner.load_files(files))
 
     def op_load_sliced(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        from server.model.finite import FiniteCheck
         from server.model.loader import copy_weights
 
-        return len(copy_weights(self.runner.model, named, sliced=True))
+        check = FiniteCheck(self.runner.check_finite)
+        loaded = copy_weights(self.runner.model, named, sliced=True, check=check)
+        check.verify()
+        return len(loaded)
 
     def op_load_dummy(self, seed: int) -> int:
         return len(self.runner.load_dummy(seed))
@@ -213,8 +217,11 @@ class Worker:
 
         config, address, port, rank, world = arg
         if self.receiver is None or self.receiver.config != config:
+            from server.model.finite import FiniteCheck
+
             self.receiver = WeightReceiver(config, self.runner.model, self.runner.device,
-                                           *receiver_names(self.runner.model))
+                                           *receiver_names(self.runner.model),
+                                           finite_check=FiniteCheck if self.runner.check_finite else None)
         return self.receiver.init(address, port, rank, world)
 
     def op_wt_receive(self, update) -> dict:
@@ -227,7 +234,7 @@ class Worker:
         try:
             return {"loaded": sorted(self.receiver.receive(update)), "error": None}
         except TransferFailedError as e:
-            return {"loaded": sorted(e.loaded), "error": str(e)}
+            return {"loaded": sorted(e.loaded), "error": str(e), "nonfinite": list(e.nonfinite)}
 
     def op_wt_finish(self, _: Any) -> None:
         if self.receiver is not None:

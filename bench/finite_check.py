@@ -1,0 +1,115 @@
+"""What the non-finite weight check (server/model/finite.py) costs on an update of a model's shape.
+
+In this process, on the model's tensors (random weights of the real shapes, nothing downloaded):
+  check: one min/max reduction per tensor queued on the device, then one host read of all of them (what every
+         update runs after its tensors land);
+  copy:  a device-to-device copy of the same bytes (the least any update costs).
+With --push (CUDA, ipc): the same push through the server twice, once with the check and once started with
+--no-check-weights-finite (best of --rounds each): the check's share of a real push. Goal: <= 5%.
+
+    python bench/finite_check.py --models llama-8b --push          # H200: the issue's figure
+    python bench/finite_check.py --device cpu --models llama-tiny   # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import now_iso, write_json  # noqa: E402
+from bench.weight_transfer import TIMEOUT_S, d2d_copy_s, make_tensors, sync  # noqa: E402
+from server.model.finite import FiniteCheck  # noqa: E402
+from testkit.models import model_folder  # noqa: E402
+
+
+def check_s(named: list[tuple[str, torch.Tensor]], device: torch.device, rounds: int) -> tuple[float, float]:
+    """(median, best) seconds of one whole check over the tensors, after a warm-up."""
+    times = []
+    for i in range(rounds + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        check = FiniteCheck()
+        for name, t in named:
+            check.add(name, t)
+        assert check.bad() == [], "random weights are finite"
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def push_s(folder: Path, named, backend: str, device: torch.device, check: bool, rounds: int) -> float:
+    """Best push of the tensors into a server started with or without the check."""
+    from server.weight_transfer.sender import WeightSender
+    from testkit.http_server import ServerProcess
+
+    args = [str(folder), "--device", device.type, "--load-format", "dummy", "--max-model-len", "1024",
+            "--kv-cache-memory", "1GiB", "--enforce-eager", "--dev-mode",
+            "--weight-transfer-config", json.dumps({"backend": backend, "timeout_s": TIMEOUT_S})]
+    if not check:
+        args.append("--no-check-weights-finite")
+    server = ServerProcess(args).start()
+    try:
+        sender = WeightSender(server.url, backend=backend, device=device, timeout_s=TIMEOUT_S)
+        sender.init()
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            report = sender.send(named)
+            best = min(best, time.perf_counter() - t0)
+            assert report["server"]["weights_valid"] is True, report
+        sender.close()
+        return best
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--models", default="llama-8b")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--push", action="store_true", help="also push through the server with the check on and off")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    device = torch.device("cuda:0" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    root = Path(tempfile.mkdtemp(prefix="sleepserve-finite-"))
+    result: dict = {"date": now_iso(), "device": args.device, "rows": []}
+    if cuda:
+        result["gpu"] = torch.cuda.get_device_name(device)
+    for name in args.models.split(","):
+        folder = model_folder(name, root / "models", max_position_embeddings=4096)
+        named = make_tensors(folder, device, dtype)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        median, best = check_s(named, device, args.rounds)
+        row = {"model": name, "GB": nbytes / 1e9, "tensors": len(named), "check_median_s": median,
+               "check_best_s": best, "check_GBps": nbytes / median / 1e9, "d2d_copy_s": d2d_copy_s(named, device)}
+        row["check_over_copy"] = median / row["d2d_copy_s"]
+        print(f"{name}: {nbytes / 1e9:.2f} GB in {len(named)} tensors: check {1e3 * median:.1f} ms median "
+              f"({row['check_GBps']:.0f} GB/s), a device copy of the same bytes {1e3 * row['d2d_copy_s']:.1f} ms "
+              f"(check / copy {row['check_over_copy']:.2f})", flush=True)
+        if args.push:
+            backend = "ipc" if cuda else "shm"
+            on = push_s(folder, named, backend, device, True, args.rounds)
+            off = push_s(folder, named, backend, device, False, args.rounds)
+            row.update(push_checked_s=on, push_unchecked_s=off, check_share_of_push=(on - off) / on)
+            print(f"{name}: push ({backend}, best of {args.rounds}) with the check {on:.3f} s, without {off:.3f} s: "
+                  f"the check is {100 * (on - off) / on:.1f}% of the push (goal <= 5%)", flush=True)
+        result["rows"].append(row)
+        del named
+        if cuda:
+            torch.cuda.empty_cache()
+    write_json(args.out, f"finite-check-{args.device}", result)
+
+
+if __name__ == "__main__":
+    main()

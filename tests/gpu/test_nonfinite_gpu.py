@@ -1,0 +1,103 @@
+"""Weight updates holding NaN or Inf over CUDA IPC (packed buckets, per-tensor handles, SGLang's
+/update_weights_from_tensor) and NCCL (from a second GPU): each is refused with 400 naming the tensor,
+nothing is served afterwards (503 weights_invalid), and a good push brings the server back. The CPU
+twins (gloo, shm, disk) are tests/test_weight_transfer.py and tests/test_http_vllm_dropin.py.
+"""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from server.weight_transfer import safe_pickle
+from server.weight_transfer.sender import WeightSender, WeightSendError
+from tests.gpu.test_weight_transfer_gpu import base, checkpoint, greedy, launch  # noqa: F401 (base: a fixture)
+
+pytestmark = pytest.mark.gpu
+BAD = "model.layers.0.self_attn.q_proj.weight"
+
+
+def poisoned(tensors: dict[str, torch.Tensor], value: float, device: str) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for n, t in tensors.items():
+        t = t.to(device)
+        if n == BAD:
+            t = t.clone()
+            t.view(-1)[12345] = value
+        out.append((n, t))
+    return out
+
+
+def refused_and_not_served(server, answer: httpx.Response | WeightSendError) -> None:
+    if isinstance(answer, WeightSendError):
+        assert answer.status == 400 and BAD in str(answer), answer
+    else:
+        assert answer.status_code == 400, answer.text
+        body = answer.json()["error"]
+        assert body["code"] == "nonfinite_weights" and BAD in body["message"], body
+    assert httpx.get(server.url + "/is_sleeping").json()["weights_valid"] is False
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "weights_invalid", r.text
+
+
+def test_ipc_pushes_of_nan_and_inf_are_refused(base):  # noqa: F811
+    server = launch(base, "ipc")
+    try:
+        good = checkpoint(base, 3)
+        server.wait_ready()
+        sender = WeightSender(server.url, backend="ipc", bucket_bytes=4 << 20)
+        sender.init()
+        report = sender.send([(n, t.cuda()) for n, t in good.items()], weight_version="good")
+        assert report["server"]["weights_valid"] is True
+        expected = greedy(server)
+        for value in (float("nan"), float("inf")):
+            with pytest.raises(WeightSendError) as caught:
+                sender.send(poisoned(good, value, "cuda"))
+            refused_and_not_served(server, caught.value)
+            # per-tensor handles, one plain update
+            from torch.multiprocessing.reductions import reduce_tensor
+            named = poisoned(good, value, "cuda")
+            uuid = str(torch.cuda.get_device_properties(0).uuid)
+            update = {"names": [n for n, _ in named], "dtype_names": ["bfloat16"] * len(named),
+                      "shapes": [list(t.shape) for _, t in named], "packed": False,
+                      "ipc_handles_pickled": safe_pickle.dumps_b64([{uuid: reduce_tensor(t)[1]} for _, t in named])}
+            refused_and_not_served(server, httpx.post(server.url + "/update_weights", json={"update_info": update},
+                                                      timeout=300))
+            # SGLang's route: [(name, tensor)] pickled with torch's CUDA IPC reductions (as SGLang's trainers do)
+            import base64
+            from multiprocessing.reduction import ForkingPickler
+
+            import torch.multiprocessing  # noqa: F401 (registers the CUDA tensor reductions)
+            blob = base64.b64encode(bytes(ForkingPickler.dumps(named))).decode("ascii")
+            refused_and_not_served(server, httpx.post(server.url + "/update_weights_from_tensor",
+                                                      json={"serialized_named_tensors": [blob]}, timeout=300))
+            report = sender.send([(n, t.cuda()) for n, t in good.items()], weight_version="good-again")
+            assert report["server"]["weights_valid"] is True
+            assert greedy(server) == expected
+        sender.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL transfer needs two GPUs")
+def test_nccl_pushes_of_nan_and_inf_are_refused(base):  # noqa: F811
+    server = launch(base, "nccl", env={"CUDA_VISIBLE_DEVICES": "1"})
+    try:
+        good = checkpoint(base, 3)
+        server.wait_ready()
+        sender = WeightSender(server.url, backend="nccl", device="cuda:0", bucket_bytes=4 << 20, timeout_s=60)
+        sender.init()
+        report = sender.send([(n, t.cuda(0)) for n, t in good.items()])
+        expected = greedy(server)
+        for value in (float("nan"), float("-inf")):
+            for packed in (True, False):
+                sender.packed = packed
+                with pytest.raises(WeightSendError) as caught:
+                    sender.send(poisoned(good, value, "cuda:0"))
+                refused_and_not_served(server, caught.value)
+                report = sender.send([(n, t.cuda(0)) for n, t in good.items()])  # the group is still usable
+                assert report["server"]["weights_valid"] is True
+                assert greedy(server) == expected
+        sender.close()
+    finally:
+        server.stop()
