@@ -45,16 +45,31 @@ def rates(name: str, folder: Path, device: torch.device, invariant: bool, batche
             torch.cuda.empty_cache()
 
 
-# Other tiles --sweep-tiles times beside matmul_tile's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-SWEEP = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3),
-         (128, 64, 64, 8, 3), (128, 128, 64, 8, 3)]
+# The tiles --sweep-tiles times beside the mode's (matmul_tile) and the one before split-K (unsplit_tile):
+# (BLOCK_N, SPLIT_K) at 64 rows, BLOCK_K 64, 4 warps, 4 stages. A split count above K's steps is clamped.
+SWEEP = [(n, s) for n in (32, 64, 128) for s in (1, 2, 4, 8)]
+REPS = 16  # matmuls a timed CUDA graph holds, cycling through copies of the weight (together > L2: from HBM)
+
+
+def sweep_tile(block_n: int, splits: int) -> dict:
+    return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SPLIT_K": splits}
+
+
+def tile_name(t: dict) -> str:
+    return f"n{t['BLOCK_N']}/k{t['BLOCK_K']}/s{t.get('SPLIT_K', 1)}"
 
 
 def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool = False) -> list[dict]:
     """Where the mode's time goes: the fixed-tile matmul against cuBLAS (torch.mm) on the model's five weight
-    shapes at each batch's rows (CUDA events, the median of 20 runs after 3 warm-ups); with sweep, also each
-    tile of SWEEP (a tile is one choice for every row count: the fastest over the batches is the one to keep)."""
-    from server.model.batch_invariant_kernels import fixed_tile_matmul, matmul_tile
+    shapes at each batch's rows, the mode's tile (matmul_tile) beside the one before split-K (unsplit_tile);
+    with sweep, also each tile of SWEEP. Timed as a decode step runs them: REPS calls captured in one CUDA
+    graph (no launch gaps from Python), each on another copy of the weight, the median of 10 replays per
+    call. A tile is one choice for every row count: per shape, the fastest over the batches is the one to keep."""
+    from server.model.batch_invariant_kernels import (
+        fixed_tile_matmul,
+        matmul_tile,
+        unsplit_tile,
+    )
     from testkit.models import CONFIGS
 
     c = CONFIGS[name]
@@ -63,33 +78,67 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
               "o_proj": (h, c["num_attention_heads"] * d), "gate_up": (2 * i, h), "down": (h, i),
               "lm_head": (c["vocab_size"], h)}
 
-    def median_ms(fn, *args) -> float:
-        for _ in range(3):
-            fn(*args)
+    def median_ms(fn, x, ws, *args) -> float:
+        for w in ws[:2]:  # compile, pick cuBLAS's kernels, outside the capture
+            fn(x, w, *args)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn(x, ws[0], *args)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for r in range(REPS):
+                fn(x, ws[r % len(ws)], *args)
+        graph.replay()
         times = []
-        for _ in range(20):
+        for _ in range(10):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn(*args)
+            graph.replay()
             end.record()
             torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / REPS)
+        del graph
         return sorted(times)[len(times) // 2]
+
+    def cublas(x, w):
+        return torch.mm(x, w.t())
 
     rows = []
     for label, (N, K) in shapes.items():
-        w = torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02
+        copies = max(1, min(REPS, -(-(256 << 20) // (N * K * 2))))
+        ws = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        mine, before = matmul_tile(N, K, torch.bfloat16, device), unsplit_tile(N, K, torch.bfloat16, device)
         for b in batches:
             x = torch.randn(b, K, device=device, dtype=torch.bfloat16)
-            ours, cublas = median_ms(fixed_tile_matmul, x, w), median_ms(torch.mm, x, w.t())
+            ours, old, cub = (median_ms(fixed_tile_matmul, x, ws, None, None, mine),
+                              median_ms(fixed_tile_matmul, x, ws, None, None, before), median_ms(cublas, x, ws))
             row = {"model": name, "gemm": label, "N": N, "K": K, "rows": b, "fixed_tile_ms": ours,
-                   "cublas_ms": cublas, "x_cublas": cublas / ours, "tile": matmul_tile(N, K, torch.bfloat16, device)}
+                   "unsplit_ms": old, "cublas_ms": cub, "x_cublas": cub / ours, "tile": mine, "unsplit_tile": before}
             if sweep:
-                row["sweep_ms"] = {
-                    ",".join(map(str, t)): median_ms(fixed_tile_matmul, x, w, None, None, dict(
-                        BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])) for t in SWEEP}
+                row["sweep_ms"] = {tile_name(sweep_tile(*t)): median_ms(fixed_tile_matmul, x, ws, None, None,
+                                                                         sweep_tile(*t)) for t in SWEEP}
             rows.append(row)
+        del ws
+        torch.cuda.empty_cache()
     return rows
+
+
+def per_shape(gemms: list[dict]) -> list[list]:
+    """Per weight shape, each tile's time summed over the batches: the mode's, the one before split-K, the
+    sweep's fastest (when swept), cuBLAS."""
+    out = []
+    for key in dict.fromkeys((g["model"], g["gemm"]) for g in gemms):
+        gs = [g for g in gemms if (g["model"], g["gemm"]) == key]
+        mine, old, cub = (sum(g[k] for g in gs) for k in ("fixed_tile_ms", "unsplit_ms", "cublas_ms"))
+        best = "-"
+        if "sweep_ms" in gs[0]:
+            name, ms = min(((t, sum(g["sweep_ms"][t] for g in gs)) for t in gs[0]["sweep_ms"]), key=lambda kv: kv[1])
+            best = f"{name} {ms:.4f}"
+        out.append([*key, f"{gs[0]['N']}x{gs[0]['K']}", f"{tile_name(gs[0]['unsplit_tile'])} {old:.4f}",
+                    f"{tile_name(gs[0]['tile'])} {mine:.4f}", best, f"{cub:.4f}"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -123,15 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
               "repeat": repeat, "rows": rows, "min_ratio": min((r["ratio"] for r in rows), default=None),
               "gemms": gemms}
     if gemms:
-        print(table([[g["model"], g["gemm"], f"{g['N']}x{g['K']}", g["rows"], f"{g['fixed_tile_ms']:.3f}",
-                      f"{g['cublas_ms']:.3f}", f"{g['x_cublas']:.2f}"] for g in gemms],
-                    ["model", "gemm", "N x K", "rows", "fixed-tile ms", "cuBLAS ms", "speed vs cuBLAS"]))
-        if args.sweep_tiles:  # per tile, the sum over every shape and batch: one tile serves every row count
-            totals = {t: sum(g["sweep_ms"][t] for g in gemms) for t in gemms[0]["sweep_ms"]}
-            print(table([[t, f"{ms:.3f}"] for t, ms in sorted(totals.items(), key=lambda kv: kv[1])] +
-                        [["matmul_tile (the mode's)", f"{sum(g['fixed_tile_ms'] for g in gemms):.3f}"],
-                         ["cuBLAS", f"{sum(g['cublas_ms'] for g in gemms):.3f}"]],
-                        ["tile (M,N,K,warps,stages)", "total ms"]))
+        print(table([[g["model"], g["gemm"], f"{g['N']}x{g['K']}", g["rows"], f"{g['unsplit_ms']:.4f}",
+                      f"{g['fixed_tile_ms']:.4f}", f"{g['cublas_ms']:.4f}", f"{g['x_cublas']:.2f}"] for g in gemms],
+                    ["model", "gemm", "N x K", "rows", "unsplit ms", "split-K ms", "cuBLAS ms", "split-K vs cuBLAS"]))
+        print(table(per_shape(gemms), ["model", "gemm", "N x K", "unsplit tile, ms", "mode's tile, ms",
+                                       "fastest swept tile, ms", "cuBLAS ms"]))
     print(table([[r["model"], r["batch"], f"{r['default_tok_s']:.0f}", f"{r['batch_invariant_tok_s']:.0f}",
                   f"{r['ratio']:.2f}"] for r in rows],
                 ["model", "batch", "default tok/s", "batch-invariant tok/s", "ratio"]))

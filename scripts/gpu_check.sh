@@ -29,7 +29,7 @@
 # and 64 x 512 prompts (head_dim 64 and 128), kernel vs span by span, and the in-process 1B engine's output
 # tok/s at 64 and 256 prompts at once with each path, with the 256 / 64 ratio (issue 15's target 2.5x).
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
-# By name only: moe-test, moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-fidelity (--batch-invariant:
+# By name only: moe-test, moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -135,6 +135,8 @@ for stage in $stages; do
                   -p no:cacheprovider ;;
     binv)       # --batch-invariant against the default: decode tok/s at batch 1/64/256, 1B and 8B, in one run
                 run binv $PY bench/batch_invariant.py --out "$RESULTS" ;;
+    binv-gemm)  # the mode's matmul alone per weight shape: its tile, the one before split-K, a sweep, cuBLAS
+                run binv-gemm $PY bench/batch_invariant.py --gemm-only --sweep-tiles --out "$RESULTS" ;;
     binv-fidelity) run binv-fidelity $PY bench/batch_invariant_fidelity.py --out "$RESULTS" ;;
     finite)     # the non-finite check of weight updates: its cost on the 8B push, check on and off
                 run finite $PY bench/finite_check.py --push --out "$RESULTS" ;;

@@ -1,8 +1,9 @@
 """The batch-invariant mode on CUDA (--batch-invariant; batch_invariant.py is the CPU path and says why).
 
 - GEMMs: one Triton matmul whose tiling is a function of the weight's shape only (BLOCK_M/N/K, warps,
-  stages), never of the number of rows: no split-K, the K loop in order, one compiled variant for every M
-  (M is not specialised). cuBLAS picks its algorithm (and split-K) from M, and the default path's small-batch
+  stages, K splits), never of the number of rows: each K split's loop in order, its fp32 partial into a
+  workspace, the splits then added in order by a second kernel (no atomics); one compiled variant for every
+  M (M is not specialised). cuBLAS picks its algorithm (and split-K) from M, and the default path's small-batch
   kernel (small_gemm.py) serves only a few rows: both made a row's bits follow the batch.
 - Attention: every query token, decode or prefill, is one program of the paged decode kernel per KV head
   (decode_kernel.py) over its own context, in fixed tiles of keys folded in order; never split over
@@ -29,23 +30,26 @@ from server.model.fused_ops import TritonOps, _rope_and_cache
 @triton.jit(do_not_specialize=["M"])
 def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, M tile), the M tiles of one N tile next to each
-    other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over K in
-    BLOCK_K steps, in order; one rounding to the output dtype."""
+                       SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
+    next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
+    the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype; else
+    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_n = pid // m_tiles
     pid_m = pid % m_tiles
+    rest = pid // m_tiles
+    pid_s = rest % SPLIT_K
+    pid_n = rest // SPLIT_K
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    ks = pid_s * K_CHUNK + tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K_CHUNK, BLOCK_K):
         k = k0 + ks
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -54,10 +58,33 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = out_ptr + (pid_s * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(part, acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """out[row, cols] = (((part 0 + part 1) + ...) + part S-1) (+ b), one rounding: program (row, column block),
+    an element's sum in split order whatever M."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(N, BLOCK)
+    row = pid // col_blocks
+    cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.load(ws_ptr + row.to(tl.int64) * N + cols, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + (s * M + row).to(tl.int64) * N + cols, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @functools.cache
@@ -67,25 +94,62 @@ def _processors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """The tile for a weight of N x K: a function of the weight and the device, not of the rows. 64 rows a
-    tile (Hopper's warpgroup MMA takes 64); the widest column tile that still gives every multiprocessor
-    a program at one M tile (a decode step: the matmul is bound by the weight's bytes, read by as many
-    multiprocessors as there are programs)."""
+# Split-K: programs wanted at one M tile (a decode step), per multiprocessor (a 64x64 bf16 tile with 4 stages
+# keeps ~32 KiB of weight loads in flight; HBM wants ~30 KiB an SM in flight, so two programs an SM keep it
+# busy with room); and the fewest BLOCK_K steps a split walks (fewer leave its pipeline mostly fill and drain).
+PROGRAMS_PER_SM = 2
+MIN_SPLIT_STEPS = 4
+# The fp32 workspace of one launch at most: longer inputs (prefill) run in launches of fewer rows.
+WORKSPACE_BYTES = 64 << 20
+SUM_BLOCK = 512  # columns a program of _sum_splits adds (a 2048-column row: 4 programs a row)
+
+
+def splits_for(N: int, K: int, block_n: int, block_k: int, sms: int) -> int:
+    """How many K splits for a weight of N x K: 1 where the column tiles alone give every multiprocessor a
+    program; else enough for PROGRAMS_PER_SM programs an SM, each split at least MIN_SPLIT_STEPS steps of K.
+    A function of the weight and the device only (never of M): a row's sum has the same splits at any batch."""
+    n_tiles = triton.cdiv(N, block_n)
+    if n_tiles >= sms:
+        return 1
+    steps = triton.cdiv(K, block_k)
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, n_tiles)
+    return max(1, min(want, steps // MIN_SPLIT_STEPS))
+
+
+def unsplit_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The tile before split-K (kept for bench/batch_invariant.py --sweep-tiles to compare): the widest column
+    tile that still gives every multiprocessor a program at one M tile, each program walking all of K."""
     sms = _processors(device)
     block_n = 128
     while block_n > 32 and triton.cdiv(N, block_n) < sms:
         block_n //= 2
     fp32 = dtype == torch.float32
     return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 32 if fp32 else 64, "num_warps": 4,
-            "num_stages": 3 if fp32 else 4}
+            "num_stages": 3 if fp32 else 4, "SPLIT_K": 1}
+
+
+def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The tile for a weight of N x K: a function of the weight and the device, not of the rows. 64 rows a
+    tile (Hopper's warpgroup MMA takes 64); 128 columns where that alone gives every multiprocessor a program
+    (lm_head, the 8B's gate_up), else 64 columns and K split (splits_for) until the programs fill the GPU at
+    one M tile: a decode step's matmul is bound by reading the weight, by as many programs as run at once."""
+    sms = _processors(device)
+    block_n = 128 if triton.cdiv(N, 128) >= sms else 64
+    fp32 = dtype == torch.float32
+    block_k = 32 if fp32 else 64
+    return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4,
+            "num_stages": 3 if fp32 else 4, "SPLIT_K": splits_for(N, K, block_n, block_k, sms)}
 
 
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit
     column stride): row i's bits depend on row i's values only. tile: another tile than matmul_tile's
-    (bench/batch_invariant.py --sweep-tiles compares some)."""
+    (bench/batch_invariant.py --sweep-tiles compares some; SPLIT_K defaults to 1).
+
+    With SPLIT_K > 1 each split writes an fp32 partial into a [SPLIT_K, rows, N] workspace, allocated here
+    like any activation (inside a decode graph's capture it is the graph pool's, so the pool owns it), and
+    _sum_splits adds splits 0..S-1 in order: no atomics, no host sync, the same sums at any number of rows."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -96,12 +160,33 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    tile = tile or matmul_tile(N, K, x.dtype, x.device)
-    grid = (triton.cdiv(N, tile["BLOCK_N"]) * triton.cdiv(M, tile["BLOCK_M"]),)
-    _fixed_tile_matmul[grid](x, weight, bias if bias is not None else weight, out, M, N, x.stride(0),
-                             weight.stride(0), out.stride(0), K=K, HAS_BIAS=bias is not None,
-                             IEEE=x.dtype == torch.float32, **tile)
+    tile = dict(tile or matmul_tile(N, K, x.dtype, x.device))
+    splits = tile.pop("SPLIT_K", 1)
+    block_m, block_k = tile["BLOCK_M"], tile["BLOCK_K"]
+    # The splits' K range in whole BLOCK_K steps (the last split's tail masked); no split left empty.
+    chunk = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
+    splits = triton.cdiv(K, chunk)
+    n_tiles = triton.cdiv(N, tile["BLOCK_N"])
+    has_bias = bias is not None
+    b = bias if has_bias else weight
+    ieee = x.dtype == torch.float32
+    if splits == 1:
+        grid = (n_tiles * triton.cdiv(M, block_m),)
+        _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
+                                 SPLIT_K=1, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, **tile)
+        return out
+    step = max(block_m, WORKSPACE_BYTES // (splits * N * 4) // block_m * block_m)  # rows a launch
+    ws = torch.empty((splits * min(M, step) * N,), dtype=torch.float32, device=x.device)
+    for r0 in range(0, M, step):  # a row's sums do not depend on its launch or its place in one
+        xs, outs = x[r0:r0 + step], out[r0:r0 + step]
+        rows = xs.shape[0]
+        grid = (n_tiles * splits * triton.cdiv(rows, block_m),)
+        _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
+                                 SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, **tile)
+        _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=splits,
+                                                         BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4)
     return out
+
 
 
 def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -25,20 +25,26 @@ np.matmul = _rowwise
 """
 MATMUL = ROWWISE_DOT + r"""
 import torch
+import server.model.batch_invariant_kernels as bik
 from server.model.batch_invariant_kernels import fixed_tile_matmul
+bik.WORKSPACE_BYTES = 3 * 96 * 4 * 64   # split launches of 64 rows: 130 rows take three
 g = torch.Generator().manual_seed(0)
-for dtype, tol in ((torch.float32, 1e-5),):  # (fp16 adds a minute of interpreter and no tiling to check)
-    w = torch.randn(96, 80, generator=g).to(dtype)   # K = 80: a masked last K step
+split = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3)
+# (the mode's tile here: no split at 96 x 80 on the interpreter's 4 "multiprocessors"); 2 and 3 K splits of
+# 5 BLOCK_K steps (the last split's tail masked: K = 80)
+for tile in (None, dict(split, SPLIT_K=2), dict(split, SPLIT_K=3)):
+    dtype, tol = torch.float32, 1e-5  # (fp16 adds a minute of interpreter and no tiling to check)
+    w = torch.randn(96, 80, generator=g).to(dtype)
     b = torch.randn(96, generator=g).to(dtype)
     x = torch.randn(80, generator=g).to(dtype)
-    alone = fixed_tile_matmul(x[None], w, b)[0]
+    alone = fixed_tile_matmul(x[None], w, b, tile=tile)[0]
     torch.testing.assert_close(alone.float(), (x.float() @ w.float().t() + b.float()), rtol=tol, atol=tol)
     for rows in (5, 70, 130):
         for at in sorted({0, rows // 2, rows - 1}):
             batch = torch.randn(rows, 80, generator=g).to(dtype)
             batch[at] = x
-            out = torch.empty(rows, 96, dtype=dtype)
-            assert torch.equal(fixed_tile_matmul(batch, w, b, out=out)[at], alone), (dtype, rows, at)
+            out = torch.empty(rows, 100, dtype=dtype)[:, :96]   # a row stride other than N
+            assert torch.equal(fixed_tile_matmul(batch, w, b, out=out, tile=tile)[at], alone), (tile, rows, at)
 print("ok")
 """
 
@@ -113,6 +119,23 @@ def test_the_engine_on_the_cuda_ops_in_interpreter():
 
 def test_fixed_tile_matmul_rows_are_invariant_in_interpreter():
     assert run_interpreted(MATMUL).strip().endswith("ok")
+
+
+def test_split_k_follows_the_weight_and_the_device_only():
+    """The split count fills an H200 (132 multiprocessors) at one M tile where the column tiles do not, keeps
+    every split a few BLOCK_K steps long, and is 1 where the columns alone fill it (no workspace)."""
+    from server.model.batch_invariant_kernels import (
+        MIN_SPLIT_STEPS,
+        PROGRAMS_PER_SM,
+        splits_for,
+    )
+
+    for N, K in ((3072, 2048), (2048, 2048), (2048, 8192), (6144, 4096), (4096, 4096), (4096, 14336)):
+        s = splits_for(N, K, 64, 64, 132)
+        assert s > 1 and K // 64 // s >= MIN_SPLIT_STEPS, (N, K, s)
+        assert -(-N // 64) * s >= 132 or s == K // 64 // MIN_SPLIT_STEPS, (N, K, s)
+        assert -(-N // 64) * s < PROGRAMS_PER_SM * 132 + -(-N // 64), (N, K, s)
+    assert splits_for(128256, 2048, 128, 64, 132) == 1 and splits_for(16384, 2048, 64, 64, 132) == 1
 
 
 def test_per_token_attention_is_the_same_in_decode_and_prefill_in_interpreter():
