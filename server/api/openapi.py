@@ -83,7 +83,7 @@ OPERATIONS: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, tuple[int,
     ("/get_weight_version", "get"): (None, False, (401, 403), False),
     ("/is_sleeping", "get"): (None, False, (401, 403), False),
     ("/is_paused", "get"): (None, False, (401, 403), False),
-    ("/server_info", "get"): (None, False, (401, 403), False),
+    ("/server_info", "get"): (None, False, (400, 401, 403), False),  # 400: config_format neither text nor json
     ("/get_world_size", "get"): (None, False, (401, 403), False),
     ("/memory", "get"): (None, False, (401, 403, 503), False),
 }
