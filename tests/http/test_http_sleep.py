@@ -415,8 +415,9 @@ def test_mode_keep_resumes_streams_after_wake(server, client):
 
 
 def test_mode_wait_drains_before_sleeping(server, client):
-    # Long enough (about 3 s on CPU) that the drain is still on while the requests below arrive.
-    expected = greedy(client, max_tokens=40)
+    # Long enough that the drain is still on while the requests below arrive: 40 tokens once took ~3 s on the
+    # CPU, and ended before the checks when the suite ran faster (2026-12-04); 120 keep a margin either way.
+    expected = greedy(client, max_tokens=120)
 
     async def sleep_wait(progress: Progress) -> dict:
         task = asyncio.create_task(_admin(server, "POST", "/sleep?level=1&mode=wait"))
@@ -431,7 +432,7 @@ def test_mode_wait_drains_before_sleeping(server, client):
         return {"refused": refused, "second": second, "slept": slept, "still_streaming": still_streaming,
                 "finished_first": progress.finish}
 
-    progress, out = asyncio.run(_stream(server, 40, 2, sleep_wait))
+    progress, out = asyncio.run(_stream(server, 120, 2, sleep_wait))
     assert progress.text == expected and progress.finish == "length" and progress.done  # finished untouched
     assert out["still_streaming"], "the stream ended before the checks: the drain window was too short"
     assert out["finished_first"] == "length"  # the sleep answered only after the request was done
