@@ -109,13 +109,17 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
     for label, (N, K) in shapes.items():
         copies = max(1, min(REPS, -(-(256 << 20) // (N * K * 2))))
         ws = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        mine, before = matmul_tile(N, K, torch.bfloat16, device), unsplit_tile(N, K, torch.bfloat16, device)
+        before = unsplit_tile(N, K, torch.bfloat16, device)
         for b in batches:
+            # The mode's tile at these rows, and the 64-row one it takes at one row (what it took at any M before).
+            mine, narrow = matmul_tile(N, K, torch.bfloat16, device, b), matmul_tile(N, K, torch.bfloat16, device)
             x = torch.randn(b, K, device=device, dtype=torch.bfloat16)
             ours, old, cub = (median_ms(fixed_tile_matmul, x, ws, None, None, mine),
                               median_ms(fixed_tile_matmul, x, ws, None, None, before), median_ms(cublas, x, ws))
             row = {"model": name, "gemm": label, "N": N, "K": K, "rows": b, "fixed_tile_ms": ours,
                    "unsplit_ms": old, "cublas_ms": cub, "x_cublas": cub / ours, "tile": mine, "unsplit_tile": before}
+            if mine != narrow:
+                row["narrow_ms"] = median_ms(fixed_tile_matmul, x, ws, None, None, narrow)
             if sweep:
                 row["sweep_ms"] = {tile_name(sweep_tile(*t)): median_ms(fixed_tile_matmul, x, ws, None, None,
                                                                          sweep_tile(*t)) for t in SWEEP}

@@ -138,6 +138,9 @@ for stage in $stages; do
     binv-gemm)  # the mode's matmul alone per weight shape: its tile, the one before split-K, a sweep, cuBLAS
                 run binv-gemm $PY bench/batch_invariant.py --gemm-only --sweep-tiles --out "$RESULTS" ;;
     binv-fidelity) run binv-fidelity $PY bench/batch_invariant_fidelity.py --out "$RESULTS" ;;
+    nonfinite)  # NaN/Inf refused on every CUDA update path; the IPC receive paths the check rides on
+                run nonfinite-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_nonfinite_gpu.py \
+                  tests/gpu/test_weight_transfer_gpu.py -k "nonfinite or ipc" -p no:cacheprovider ;;
     finite)     # the non-finite check of weight updates: its cost on the 8B push, check on and off
                 run finite $PY bench/finite_check.py --push --out "$RESULTS" ;;
     limits)     run limits $PY bench/sleep_limits.py --out "$RESULTS" ;;

@@ -128,16 +128,25 @@ def unsplit_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> di
             "num_stages": 3 if fp32 else 4, "SPLIT_K": 1}
 
 
-def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """The tile for a weight of N x K: a function of the weight and the device, not of the rows. 64 rows a
-    tile (Hopper's warpgroup MMA takes 64); 128 columns where that alone gives every multiprocessor a program
-    (lm_head, the 8B's gate_up), else 64 columns and K split (splits_for) until the programs fill the GPU at
-    one M tile: a decode step's matmul is bound by reading the weight, by as many programs as run at once."""
+# From this many rows a 16-bit matmul takes 128-row tiles on two warpgroups: at 256 rows the 64-row tile read
+# each weight tile 4 times and ran at 0.4-0.6x cuBLAS (2026-12-04, H200).
+WIDE_ROWS = 128
+
+
+def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int = 1) -> dict:
+    """The tile for a weight of N x K. What orders an element's sum (BLOCK_K, SPLIT_K; BLOCK_N, kept with
+    them) is a function of the weight and the device only. 128 columns where that alone gives every
+    multiprocessor a program (lm_head, the 8B's gate_up), else 64 columns and K split (splits_for) until the
+    programs fill the GPU at one M tile: a decode step's matmul is bound by reading the weight, by as many
+    programs as run at once. Only how many rows a program takes follows `rows`: 64 (one warpgroup MMA of
+    Hopper's, m64), or 128 on two warpgroups from WIDE_ROWS in 16 bits; each row's element is the same
+    sequence of k16 MMAs either way (tests/gpu/test_batch_invariant_gpu.py checks the bits across it)."""
     sms = _processors(device)
     block_n = 128 if triton.cdiv(N, 128) >= sms else 64
     fp32 = dtype == torch.float32
     block_k = 32 if fp32 else 64
-    return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4,
+    wide = rows >= WIDE_ROWS and not fp32
+    return {"BLOCK_M": 128 if wide else 64, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
             "num_stages": 3 if fp32 else 4, "SPLIT_K": splits_for(N, K, block_n, block_k, sms)}
 
 
@@ -160,7 +169,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    tile = dict(tile or matmul_tile(N, K, x.dtype, x.device))
+    tile = dict(tile or matmul_tile(N, K, x.dtype, x.device, M))
     splits = tile.pop("SPLIT_K", 1)
     block_m, block_k = tile["BLOCK_M"], tile["BLOCK_K"]
     # The splits' K range in whole BLOCK_K steps (the last split's tail masked); no split left empty.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -49,8 +49,12 @@ class BroadcastReceive:
     """One update's receive. `targets` are the model's parameters by name."""
 
     def __init__(self, group: TransferGroup, targets: dict[str, torch.Tensor], device: torch.device, slots: int = 2,
-                 sharded: dict[str, tuple[torch.Tensor, Any]] | None = None):
+                 sharded: dict[str, tuple[torch.Tensor, Any]] | None = None,
+                 landed: Callable[[Iterable[str]], None] | None = None):
+        """landed: called with names right after their bytes were queued to land, on the stream they land
+        on (the receiver's finite check queues its reduction there)."""
         self.group = group
+        self.landed = landed or (lambda names: None)
         self.targets = targets
         # Tensor parallel: parameters this rank holds a slice of (parameter, Shard). They always land
         # in a buffer (the whole tensor arrives) and their slice is copied out of it.
@@ -101,6 +105,8 @@ class BroadcastReceive:
                 loaded.add(m.name)
                 self._pending.append(self.group.broadcast(target.detach()))
                 self.stats.direct += 1
+                with self._on(self.group.stream):
+                    self.landed([m.name])
                 continue
             buf = torch.empty(m.shape, dtype=m.dtype, device=self.device)
             self._keep.append(buf)  # until the broadcast into it is done, even when it is dropped
@@ -111,6 +117,7 @@ class BroadcastReceive:
                 loaded.add(m.name)
                 with self._on(self.group.stream):  # after the broadcast, in its stream's order
                     self._copy([(m.name, buf)])
+                    self.landed([m.name])
 
     def _packed(self, metas: list[TensorMeta], bucket_bytes: int, loaded: set[str]) -> None:
         buckets = [[metas[i] for i in r] for r in plan_buckets([m.nbytes for m in metas], bucket_bytes)]
@@ -126,6 +133,8 @@ class BroadcastReceive:
                 loaded.update(m.name for m in bucket)
                 self._pending.append(self.group.broadcast(view))
                 self.stats.direct += 1
+                with self._on(self.group.stream):
+                    self.landed([m.name for m in bucket])
                 continue
             s = n % len(slots)
             n += 1
@@ -142,12 +151,14 @@ class BroadcastReceive:
             self.stats.staged += 1
             if not self.cuda:
                 self._copy(unpack(buf, bucket))
+                self.landed([m.name for m in bucket])
                 continue
             self.copy_stream.wait_event(token)
             with torch.cuda.stream(self.copy_stream):
                 start = self._mark(self.copy_stream, timing=True)
                 self._copy(unpack(buf, bucket))
                 free[s] = self._mark(self.copy_stream, timing=True)
+                self.landed([m.name for m in bucket])
             self._timed.append((start, free[s]))
             self._pending.append(token)
 

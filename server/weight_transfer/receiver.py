@@ -92,6 +92,7 @@ class WeightReceiver:
         self.store: Any = None
         self.importer = handles.CudaImporter(device) if config.backend == "ipc" else None
         self._receiving: BroadcastReceive | None = None
+        self._check: Any = None  # the receive in progress's FiniteCheck
         self.last_stats: dict = {}   # the last receive's timings (broadcast_receive.ReceiveStats)
 
     # -- checks (before any byte) ----------------------------------------------------------------
@@ -200,10 +201,12 @@ class WeightReceiver:
         says where the time went."""
         loaded: set[str] = set()
         self.last_stats = {}
+        self._check = self.finite_check() if self.finite_check is not None else None
         try:
             with self._on_device():
                 self._receive(update, loaded)
         except Exception as e:
+            self._check = None
             if self.config.distributed:
                 self.close(abort=True)  # a broken group cannot be reused: the trainer must init again
                 if self._receiving is not None:
@@ -214,16 +217,22 @@ class WeightReceiver:
         self._check_finite(loaded)
         return self.units(loaded)
 
-    def _check_finite(self, loaded: set[str]) -> None:
-        """After every byte landed (_receive synchronized the device): one min/max per tensor, one host read.
-        This rank's tensor: the whole one, or its slice of a split one."""
-        if self.finite_check is None:
-            return
-        check = self.finite_check()
-        with self._on_device():
-            for name in sorted(loaded):
+    def _landed(self, names: Iterable[str]) -> None:
+        """Their bytes were just queued to land on the current stream: check them in its order (finite.py
+        runs the check on a side stream, so it overlaps what lands next). This rank's tensor: the whole
+        one, or its slice of a split one."""
+        if self._check is not None:
+            for name in names:
                 target = self.targets.get(name)
-                check.add(name, target if target is not None else self.sharded[name][0])
+                if target is not None or name in self.sharded:
+                    self._check.add(name, target if target is not None else self.sharded[name][0])
+
+    def _check_finite(self, loaded: set[str]) -> None:
+        """After every byte landed: one host read of every tensor's min/max."""
+        check, self._check = self._check, None
+        if check is None:
+            return
+        with self._on_device():
             bad = check.bad()
         if bad:
             raise TransferFailedError(f"NaN or Inf in {', '.join(bad)}", self.units(loaded), tuple(bad))
@@ -247,11 +256,12 @@ class WeightReceiver:
                 if name in self.targets:
                     self.targets[name].copy_(tensor, non_blocking=True)
                     loaded.add(name)
+                    self._landed([name])
 
     def _receive_broadcast(self, update: Update, loaded: set[str]) -> None:
         assert self.group is not None
         self._receiving = BroadcastReceive(self.group, self.targets, self.device, self.config.packed_num_buffers,
-                                           sharded=self.sharded)
+                                           sharded=self.sharded, landed=self._landed)
         stats = self._receiving.run(update.metas, update.packed, update.bucket_bytes, loaded)
         self._receiving = None
         self.last_stats = stats.as_dict()
@@ -280,7 +290,7 @@ class WeightReceiver:
                 raise handles.HandleError(f"{m.name}: the handle holds {tensor.dtype} {list(tensor.shape)}, "
                                           f"not the announced {m.dtype} {list(m.shape)}")
             self._copy([(m.name, tensor)], loaded)
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()  # the copy, not the checks queued after it
             del tensor
 
     def finish(self) -> None:

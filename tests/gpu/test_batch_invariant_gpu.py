@@ -72,15 +72,17 @@ def test_graphs_replayed_in_the_mode(inv):
 @pytest.mark.parametrize("N, K", [(960, 576), (576, 1536), (49152, 576), (6144, 4096), (4096, 14336)])
 def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     """A row among 1..300 rows (1 to 5 tiles of 64), in any place: the same bits; and close to cuBLAS. With
-    the mode's tile (on an H200 K is split for all but 49152 x 576) and the one before split-K."""
+    the mode's tile (on an H200 K is split for all but 49152 x 576; 128-row tiles from WIDE_ROWS rows, so a
+    row alone and among 255 or 300 crosses that switch) and the one before split-K."""
     from server.model.batch_invariant_kernels import (
         fixed_tile_matmul,
         matmul_tile,
         unsplit_tile,
     )
 
-    choose = matmul_tile if which == "mode" else unsplit_tile
-    tile = choose(N, K, torch.bfloat16, torch.device("cuda"))
+    # The mode: fixed_tile_matmul's own choice at each number of rows.
+    tile = None if which == "mode" else unsplit_tile(N, K, torch.bfloat16, torch.device("cuda"))
+    assert matmul_tile(N, K, torch.bfloat16, torch.device("cuda"), 300)["BLOCK_M"] == 128
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16) * 0.02
