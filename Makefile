@@ -11,7 +11,7 @@ DEV_STAMP := $(VENV)/.dev-installed
 TRL    ?= trl==1.16.0
 ARGS   ?=
 
-.PHONY: install serve test bench soak gpu-check lint-docker docker-smoke clean
+.PHONY: install serve test test-slow bench soak gpu-check lint-docker docker-smoke clean
 
 $(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,12 @@ serve: $(STAMP)
 # polls); with two the suite took 458 s against 751 s on the CI host. ARGS="-n 0" runs everything in one process.
 TEST_WORKERS ?= 2
 test: $(DEV_STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not gpu" --timeout=600 --durations=15 \
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not gpu and not slow" --timeout=600 --durations=15 \
+	  -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# The slow twins `make test` leaves out (tests/conftest.py SLOW_FILES says which and why); CI runs both.
+test-slow: $(DEV_STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "slow and not gpu" --timeout=600 --durations=15 \
 	  -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 bench: $(STAMP)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+import torch.multiprocessing  # noqa: F401 (registers the CUDA tensor reductions for the SGLang route)
 
 from server.weight_transfer import safe_pickle
 from server.weight_transfer.sender import WeightSender, WeightSendError
@@ -67,7 +68,6 @@ def test_ipc_pushes_of_nan_and_inf_are_refused(base):  # noqa: F811
             import base64
             from multiprocessing.reduction import ForkingPickler
 
-            import torch.multiprocessing  # noqa: F401 (registers the CUDA tensor reductions)
             blob = base64.b64encode(bytes(ForkingPickler.dumps(named))).decode("ascii")
             refused_and_not_served(server, httpx.post(server.url + "/update_weights_from_tensor",
                                                       json={"serialized_named_tensors": [blob]}, timeout=300))

@@ -26,16 +26,20 @@ def check_fused_moe(dtype: torch.dtype, device: str, tol: float, shapes=None, co
         x, gate, w13, w2 = moe_inputs(T, E, K, H, I, dtype, device)
         ids, weights = route(x, gate, K, renorm, round_weights=False)
         ref_ids, ref_weights = route_torch(x, gate, K, renorm, round_weights=False)
-        same = (ids == ref_ids).all(-1)
+        # The same experts, in any order: two top-k's may list experts that tie inside the top k in other
+        # orders (the H200 in fp16, T=256: 3 of 4 "different" tokens were that, at top-k margins 0.001-0.06).
+        order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+        s_ids, s_weights = ids.gather(-1, order), weights.gather(-1, order)
+        s_ref, s_ref_weights = ref_ids.gather(-1, ref_order), ref_weights.float().gather(-1, ref_order)
+        same = (s_ids == s_ref).all(-1)
         if not same.all():
-            # Both routers read the same fp16/bf16 logits (one cuBLAS call): a token may differ only where its
-            # k-th and next expert tie exactly in those logits, and the two top-k's break the tie apart (seen on
-            # the H200 at T=256 in fp16: 4 tokens of 256). fp32 must match everywhere.
+            # Both routers read the same fp16/bf16 logits (one cuBLAS call): a token's experts may differ only
+            # where its k-th and next expert tie exactly in those logits. fp32 must match everywhere.
             assert dtype != torch.float32, (T, ids, ref_ids)
             top = torch.nn.functional.linear(x, gate).float().topk(K + 1, dim=-1).values
             margin = (top[:, K - 1] - top[:, K])[~same]
             assert (margin == 0).all(), (T, margin)
-        assert torch.allclose(weights[same], ref_weights.float()[same], atol=1e-5), (weights, ref_weights)
+        assert torch.allclose(s_weights[same], s_ref_weights[same], atol=1e-5), (weights, ref_weights)
         got = fused_experts(x, w13, w2, ids, weights, config)
         want = experts_torch(x, w13, w2, ids, weights)  # the same routing: the experts' sum alone is compared
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
