@@ -3,7 +3,9 @@
 In this process, on the model's tensors (random weights of the real shapes, nothing downloaded):
   check: one min/max reduction per tensor queued on the device, then one host read of all of them (what every
          update runs after its tensors land);
-  copy:  a device-to-device copy of the same bytes (the least any update costs).
+  copy:  a device-to-device copy of the same bytes (the least any update costs);
+  checked copy: the same copy through FiniteCheck.copy (CUDA: copy and check in one pass, what an IPC or
+         staged NCCL receive runs), then its host read.
 With --push (CUDA, ipc): the same push through the server twice, once with the check and once started with
 --no-check-weights-finite (best of --rounds each): the check's share of a real push. Goal: <= 5%.
 
@@ -43,6 +45,21 @@ def check_s(named: list[tuple[str, torch.Tensor]], device: torch.device, rounds:
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times), min(times)
+
+
+def checked_copy_s(named: list[tuple[str, torch.Tensor]], device: torch.device) -> float:
+    """Best of 3: every tensor copied through FiniteCheck.copy, then the one host read."""
+    dst = [torch.empty_like(t) for _, t in named]
+    best = float("inf")
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        check = FiniteCheck()
+        for d, (name, t) in zip(dst, named):
+            check.copy(name, d, t)
+        assert check.bad() == [], "random weights are finite"
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def push_s(folder: Path, named, backend: str, device: torch.device, check: bool, rounds: int) -> float:
@@ -94,6 +111,10 @@ def main() -> None:
         row = {"model": name, "GB": nbytes / 1e9, "tensors": len(named), "check_median_s": median,
                "check_best_s": best, "check_GBps": nbytes / median / 1e9, "d2d_copy_s": d2d_copy_s(named, device)}
         row["check_over_copy"] = median / row["d2d_copy_s"]
+        row["checked_copy_s"] = checked_copy_s(named, device)
+        row["checked_copy_over_copy"] = row["checked_copy_s"] / row["d2d_copy_s"]
+        print(f"{name}: copy and check in one pass {1e3 * row['checked_copy_s']:.1f} ms "
+              f"({row['checked_copy_over_copy']:.2f}x the plain copy)", flush=True)
         print(f"{name}: {nbytes / 1e9:.2f} GB in {len(named)} tensors: check {1e3 * median:.1f} ms median "
               f"({row['check_GBps']:.0f} GB/s), a device copy of the same bytes {1e3 * row['d2d_copy_s']:.1f} ms "
               f"(check / copy {row['check_over_copy']:.2f})", flush=True)

@@ -72,7 +72,7 @@ class EngineCore:
         self._next_seq_id = 0
         # vllm:iteration_tokens_total, as vLLM counts a step: each sequence's whole prompt at the step that
         # sampled its first token, plus every token sampled. Added up by outputs_for; the driver reads and clears it.
-        self.step_tokens = 0
+        self._step_tokens = 0  # tokens the steps ran since take_step_tokens (vLLM's iteration_tokens)
         # Set by wire_outputs() in the engine process: what receives each advanced request instead of
         # RequestOutputs built for its on_output.
         self._wire_sink: Callable[[Request], None] | None = None
@@ -296,10 +296,16 @@ class EngineCore:
                     outputs.append(out)
         return outputs
 
+    def take_step_tokens(self) -> int:
+        """The tokens counted since the last call (each request's prompt at its first token, plus every sampled
+        token), and the count starts again: the engine process reports them per step."""
+        n, self._step_tokens = self._step_tokens, 0
+        return n
+
     def outputs_for(self, update: StepUpdate) -> list[RequestOutput]:
         """An output for each request the step advanced: its first tokens (admission, time to first token)
         and its end at once, others every --stream-interval steps, FINAL_ONLY ones at the end only."""
-        self.step_tokens += update.sampled + sum(len(update.touched[r].prompt_token_ids) * len(update.touched[r].seqs)
+        self._step_tokens += update.sampled + sum(len(update.touched[r].prompt_token_ids) * len(update.touched[r].seqs)
                                                  for r in update.first)
         outputs = []
         interval = self.config.stream_interval

@@ -345,9 +345,8 @@ class EngineServer:
                 log.warning("engine step %d took %.2f s (%d sequences running)", self._steps, took,
                             len(core.scheduler.running))
             self._failures = 0
-            if core.step_tokens:
-                self._step_tokens.append(core.step_tokens)
-                core.step_tokens = 0
+            if tokens := core.take_step_tokens():
+                self._step_tokens.append(tokens)
         except Exception as e:
             log.exception("engine step failed; aborting the requests in flight")
             self._fail_all(e)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -50,11 +50,12 @@ class BroadcastReceive:
 
     def __init__(self, group: TransferGroup, targets: dict[str, torch.Tensor], device: torch.device, slots: int = 2,
                  sharded: dict[str, tuple[torch.Tensor, Any]] | None = None,
-                 landed: Callable[[Iterable[str]], None] | None = None):
-        """landed: called with names right after their bytes were queued to land, on the stream they land
-        on (the receiver's finite check queues its reduction there)."""
+                 check: Any = None):
+        """check: the receive's model/finite.py FiniteCheck (None: not checked). Staged tensors are copied
+        through it (the copy checks them in the same pass); a tensor broadcast straight into its parameter
+        is added to it on the group's stream, after its broadcast."""
         self.group = group
-        self.landed = landed or (lambda names: None)
+        self.check = check
         self.targets = targets
         # Tensor parallel: parameters this rank holds a slice of (parameter, Shard). They always land
         # in a buffer (the whole tensor arrives) and their slice is copied out of it.
@@ -105,8 +106,7 @@ class BroadcastReceive:
                 loaded.add(m.name)
                 self._pending.append(self.group.broadcast(target.detach()))
                 self.stats.direct += 1
-                with self._on(self.group.stream):
-                    self.landed([m.name])
+                self._landed([m.name])
                 continue
             buf = torch.empty(m.shape, dtype=m.dtype, device=self.device)
             self._keep.append(buf)  # until the broadcast into it is done, even when it is dropped
@@ -117,7 +117,6 @@ class BroadcastReceive:
                 loaded.add(m.name)
                 with self._on(self.group.stream):  # after the broadcast, in its stream's order
                     self._copy([(m.name, buf)])
-                    self.landed([m.name])
 
     def _packed(self, metas: list[TensorMeta], bucket_bytes: int, loaded: set[str]) -> None:
         buckets = [[metas[i] for i in r] for r in plan_buckets([m.nbytes for m in metas], bucket_bytes)]
@@ -133,8 +132,7 @@ class BroadcastReceive:
                 loaded.update(m.name for m in bucket)
                 self._pending.append(self.group.broadcast(view))
                 self.stats.direct += 1
-                with self._on(self.group.stream):
-                    self.landed([m.name for m in bucket])
+                self._landed([m.name for m in bucket])
                 continue
             s = n % len(slots)
             n += 1
@@ -151,14 +149,12 @@ class BroadcastReceive:
             self.stats.staged += 1
             if not self.cuda:
                 self._copy(unpack(buf, bucket))
-                self.landed([m.name for m in bucket])
                 continue
             self.copy_stream.wait_event(token)
             with torch.cuda.stream(self.copy_stream):
                 start = self._mark(self.copy_stream, timing=True)
                 self._copy(unpack(buf, bucket))
                 free[s] = self._mark(self.copy_stream, timing=True)
-                self.landed([m.name for m in bucket])
             self._timed.append((start, free[s]))
             self._pending.append(token)
 
@@ -179,11 +175,22 @@ class BroadcastReceive:
         with torch.no_grad():
             for name, tensor in pairs:
                 target = self.targets.get(name)
-                if target is not None:
+                if target is not None and self.check is not None:
+                    self.check.copy(name, target, tensor)
+                elif target is not None:
                     target.copy_(tensor, non_blocking=True)
                 elif name in self.sharded:
                     param, shard = self.sharded[name]
                     shard.place(param, shard.take(tensor))
+                    if self.check is not None:
+                        self.check.add(name, param)
+
+    def _landed(self, names: list[str]) -> None:
+        """Broadcast straight into their parameters: checked after the broadcast, on its stream."""
+        if self.check is not None:
+            with self._on(self.group.stream):
+                for name in names:
+                    self.check.add(name, self.targets[name])
 
     # -- streams -----------------------------------------------------------------------------------
 

@@ -217,16 +217,6 @@ class WeightReceiver:
         self._check_finite(loaded)
         return self.units(loaded)
 
-    def _landed(self, names: Iterable[str]) -> None:
-        """Their bytes were just queued to land on the current stream: check them in its order (finite.py
-        runs the check on a side stream, so it overlaps what lands next). This rank's tensor: the whole
-        one, or its slice of a split one."""
-        if self._check is not None:
-            for name in names:
-                target = self.targets.get(name)
-                if target is not None or name in self.sharded:
-                    self._check.add(name, target if target is not None else self.sharded[name][0])
-
     def _check_finite(self, loaded: set[str]) -> None:
         """After every byte landed: one host read of every tensor's min/max."""
         check, self._check = self._check, None
@@ -253,15 +243,17 @@ class WeightReceiver:
     def _copy(self, pairs: list[tuple[str, torch.Tensor]], loaded: set[str]) -> None:
         with torch.no_grad():
             for name, tensor in pairs:
-                if name in self.targets:
+                if name in self.targets and self._check is not None:
+                    self._check.copy(name, self.targets[name], tensor)  # the copy checks what it copies
+                    loaded.add(name)
+                elif name in self.targets:
                     self.targets[name].copy_(tensor, non_blocking=True)
                     loaded.add(name)
-                    self._landed([name])
 
     def _receive_broadcast(self, update: Update, loaded: set[str]) -> None:
         assert self.group is not None
         self._receiving = BroadcastReceive(self.group, self.targets, self.device, self.config.packed_num_buffers,
-                                           sharded=self.sharded, landed=self._landed)
+                                           sharded=self.sharded, check=self._check)
         stats = self._receiving.run(update.metas, update.packed, update.bucket_bytes, loaded)
         self._receiving = None
         self.last_stats = stats.as_dict()
@@ -290,7 +282,7 @@ class WeightReceiver:
                 raise handles.HandleError(f"{m.name}: the handle holds {tensor.dtype} {list(tensor.shape)}, "
                                           f"not the announced {m.dtype} {list(m.shape)}")
             self._copy([(m.name, tensor)], loaded)
-            torch.cuda.current_stream(self.device).synchronize()  # the copy, not the checks queued after it
+            torch.cuda.synchronize(self.device)
             del tensor
 
     def finish(self) -> None:

@@ -101,3 +101,25 @@ def test_nccl_pushes_of_nan_and_inf_are_refused(base):  # noqa: F811
         sender.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_copy_and_check_in_one_pass_on_the_gpu(dtype):
+    """FiniteCheck.copy on CUDA (the fused kernel): the bytes copied exactly, NaN/Inf named, wherever they sit
+    in a tensor of more than 2^31 bytes; a tensor of another dtype falls back to copy + min/max."""
+    from server.model.finite import FiniteCheck
+
+    n = (1 << 31) // torch.tensor([], dtype=dtype).element_size() + 4099
+    src = torch.randn(n, device="cuda", dtype=dtype)
+    dst = torch.empty_like(src)
+    check = FiniteCheck()
+    check.copy("good", dst, src)
+    assert check.bad() == [] and torch.equal(dst, src)
+    for at, value in ((0, float("nan")), (n - 1, float("inf")), (n // 3, float("-inf"))):
+        src[at] = value
+        check.copy(f"bad@{at}", dst, src)
+        check.copy("cast", torch.empty(8, device="cuda", dtype=torch.float64), src[:8].double())
+        names = check.bad()
+        assert set(names) == {f"bad@{at}"} | ({"cast"} if at == 0 else set()), names
+        assert torch.equal(dst[at].isnan(), src[at].isnan()) and (value != value or dst[at] == value)
+        src[at] = 0
