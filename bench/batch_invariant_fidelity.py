@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (8 with --small)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
-    from server.model.loader import resolve_model
+    from server.model.source import resolve_model
     from server.model.tokenizer import load_tokenizer
 
     device = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
