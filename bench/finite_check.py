@@ -48,18 +48,13 @@ def check_s(named: list[tuple[str, torch.Tensor]], device: torch.device, rounds:
 
 
 def checked_copy_s(named: list[tuple[str, torch.Tensor]], device: torch.device) -> float:
-    """Best of 3: every tensor copied through FiniteCheck.copy, then the one host read."""
-    dst = [torch.empty_like(t) for _, t in named]
-    best = float("inf")
-    for _ in range(3):
-        sync(device)
-        t0 = time.perf_counter()
-        check = FiniteCheck()
-        for d, (name, t) in zip(dst, named):
-            check.copy(name, d, t)
+    """Every tensor copied through FiniteCheck.copy, then the one host read (best of 3)."""
+    check = FiniteCheck()
+
+    def verify() -> None:
         assert check.bad() == [], "random weights are finite"
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return d2d_copy_s(named, device, copy=check.copy, finish=verify)
 
 
 def push_s(folder: Path, named, backend: str, device: torch.device, check: bool, rounds: int) -> float:
