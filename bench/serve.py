@@ -345,8 +345,7 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
                 nxt += 1
             if core.has_unfinished:
                 core.step()
-                steps += core.step_tokens > 0
-                core.step_tokens = 0  # the driver clears it, as the engine process does
+                steps += core.take_step_tokens() > 0  # as the engine process counts them
             elif nxt < len(order):
                 time.sleep(max(0.0, start + reqs[order[nxt]].at - time.perf_counter()))
         duration = time.perf_counter() - start
