@@ -68,12 +68,13 @@ class FiniteCheck:
             verdicts.append(~torch.isfinite(torch.stack(values)).view(-1, 2).all(1))
         if self._flagged[0]:
             names += self._flagged[0]
-            flags = torch.cat(self._flagged[1])
-            verdicts.append((flags != 0).to(verdicts[0].device) if verdicts else flags != 0)
+            verdicts.append(torch.cat(self._flagged[1]) != 0)
         self._groups, self._flagged = {}, ([], [])
         if not names:
             return []
-        return [n for n, bad in zip(names, torch.cat([v.cpu() for v in verdicts]).tolist()) if bad]
+        # One read: the verdicts are on the model's device (a tensor elsewhere is moved there first).
+        device = verdicts[0].device
+        return [n for n, bad in zip(names, torch.cat([v.to(device) for v in verdicts]).tolist()) if bad]
 
     def verify(self) -> None:
         bad = self.bad()

@@ -18,7 +18,7 @@ def check_only_ties_differ(same: torch.Tensor, x: torch.Tensor, gate: torch.Tens
                            dtype: torch.dtype) -> None:
     """same: per token, whether two routers picked the same experts (as sets). Both read the same fp16/bf16
     logits (one cuBLAS call): a token's experts may differ only where its k-th and next expert tie exactly in
-    those logits. fp32 must match everywhere."""
+    those logits. fp32 must match everywhere (and in the same order: the callers check that)."""
     if same.all():
         return
     assert dtype != torch.float32, (~same).nonzero()
@@ -41,6 +41,8 @@ def check_fused_moe(dtype: torch.dtype, device: str, tol: float, shapes=None, co
         ref_ids, ref_weights = route_torch(x, gate, K, renorm, round_weights=False)
         # The same experts, in any order: two top-k's may list experts that tie inside the top k in other
         # orders (the H200 in fp16, T=256: 3 of 4 "different" tokens were that, at top-k margins 0.001-0.06).
+        if dtype == torch.float32:  # no ties to break apart: the same experts in the same order
+            assert torch.equal(ids, ref_ids), (T, ids, ref_ids)
         order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
         s_ids, s_weights = ids.gather(-1, order), weights.gather(-1, order)
         s_ref, s_ref_weights = ref_ids.gather(-1, ref_order), ref_weights.float().gather(-1, ref_order)
@@ -94,7 +96,10 @@ def check_moe_layer(dtype: torch.dtype, device: str, tol: float, shapes=None) ->
                                           norm_topk_prob=renorm, round_weights=rounded,
                                           routed=torch.full((T + 3, K), -1, dtype=torch.int32, device=device)))
         got, want = moe(x, layers[0]), moe_torch(x, layers[1])
-        # The same experts per token, in any order (top-k's list experts tied inside the top k in other orders).
+        # The same experts per token, in any order (top-k's list experts tied inside the top k in other orders);
+        # in fp32, in the same order.
+        if dtype == torch.float32:
+            assert torch.equal(layers[0].routed, layers[1].routed), (T, layers[0].routed, layers[1].routed)
         got_ids, ref_ids = layers[0].routed.sort(-1).values, layers[1].routed.sort(-1).values
         assert (got_ids[T:] == -1).all() and (ref_ids[T:] == -1).all(), "rows past the batch were written"
         check_only_ties_differ((got_ids[:T] == ref_ids[:T]).all(-1), x, gate, K, dtype)
