@@ -39,6 +39,7 @@ from bench.common import now_iso, table, timed, write_json  # noqa: E402
 from testkit.models import model_folder  # noqa: E402
 from server.weight_transfer import rendezvous  # noqa: E402
 from server.weight_transfer.group import open_group  # noqa: E402
+from server.weight_transfer.config import DEFAULT_BUCKET_BYTES  # noqa: E402
 from server.weight_transfer.protocol import pack_into, plan_buckets  # noqa: E402
 from server.weight_transfer.sender import WeightSender, _SendClock  # noqa: E402
 from testkit.http_server import ServerProcess  # noqa: E402
@@ -66,16 +67,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def d2d_copy_s(named: list[tuple[str, torch.Tensor]], device: torch.device, copy=None, finish=None) -> float:
+def d2d_copy_s(named: list[tuple[str, torch.Tensor]], device: torch.device, copy_many=None, finish=None,
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
     """The floor: copying the same bytes once on the device, tensor by tensor, in this process (best of 3).
-    copy(name, dst, src): another copy than dst.copy_(src); finish(): run after the copies, inside the timing."""
+    copy_many([(name, dst, src), ...]): another copy than dst.copy_(src), called once per bucket of
+    bucket_bytes (as a receive unpacks them); finish(): run after the copies, inside the timing."""
     dst = [torch.empty_like(t) for _, t in named]
+    buckets = plan_buckets([t.numel() * t.element_size() for _, t in named], bucket_bytes)
     best = float("inf")
     for _ in range(3):
         sync(device)
         t0 = time.perf_counter()
-        for d, (name, t) in zip(dst, named):
-            copy(name, d, t) if copy else d.copy_(t)
+        for bucket in buckets:
+            triples = [(named[i][0], dst[i], named[i][1]) for i in bucket]
+            if copy_many:
+                copy_many(triples)
+            else:
+                for _, d, t in triples:
+                    d.copy_(t)
         if finish:
             finish()
         sync(device)

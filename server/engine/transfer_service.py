@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, Callable
 
 from server.engine.core import EngineCore
@@ -78,7 +79,7 @@ class WeightTransferService:
         self.on_engine = on_engine   # from a command thread: run on the engine thread, wait for it
         self.defer = defer           # from the transfer thread: run on the engine thread, do not wait
         self.receiver = WeightReceiver(config, core.model, core.device, *receiver_names(core.model),
-                                       finite_check=FiniteCheck if core.config.check_weights_finite else None)
+                                       finite_check=partial(FiniteCheck, core.config.check_weights_finite))
         self.workers = getattr(core.runner, "workers", None)  # parallel/executor.Workers at TP > 1
         self._thread = _Worker()
         self.packed_default: bool | None = None   # init_info.packed of the last init

@@ -10,9 +10,10 @@ at twice a float32 sum's time where a float64 sum took 20x. The results stay on 
 `bad`, which reads them all in one host sync, once, before the update is declared complete
 (bench/finite_check.py measures the cost).
 
-Where an update copies a tensor device to device (an IPC or staged NCCL receive), `copy` does the copy and
-the check in one pass (a Triton kernel that flags NaN/Inf while it copies): the check reads nothing the copy
-does not. Run as a second pass after an 8B IPC push it was 18-23% of the push (12 ms of ~65).
+Where an update copies tensors device to device (an IPC or staged NCCL receive), `copy_many` does the copies
+and the check in one pass (a Triton kernel that flags NaN/Inf while it copies), one launch for a received
+bucket's tensors of a dtype: the check reads nothing the copy does not. Run as a second pass after an 8B IPC
+push it was 18-23% of the push (12 ms of ~65); fused but launched per tensor, 11.6% (the host's launches).
 """
 from __future__ import annotations
 
@@ -30,14 +31,19 @@ def nonfinite_message(names: list[str] | tuple[str, ...]) -> str:
 
 
 class FiniteCheck:
-    """Collects one device-side verdict per landed tensor; `bad` syncs once and names the bad ones."""
+    """Collects one device-side verdict per landed tensor; `bad` syncs once and names the bad ones.
+
+    A disabled check copies and checks nothing: the receives always copy through one (no branch there)."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         # Per dtype (torch.stack wants one): the names, and each one's minimum and maximum in turn.
         self._groups: dict[torch.dtype, tuple[list[str], list[torch.Tensor]]] = {}
-        # Tensors checked while copied: the names, and each one's flag (int32, nonzero: not finite).
-        self._flagged: tuple[list[str], list[torch.Tensor]] = ([], [])
+        # Tensors checked while copied: their names, and the int32 flags they set (nonzero: not finite),
+        # slots of buffers zeroed once per FLAG_SLOTS tensors (not a zero-filled flag per tensor).
+        self._flagged: list[tuple[list[str], torch.Tensor]] = []
+        self._slots: torch.Tensor | None = None
+        self._next = 0
 
     @torch.no_grad()
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -47,18 +53,34 @@ class FiniteCheck:
             names.append(name)
             values.extend(torch.aminmax(tensor.detach()))
 
-    @torch.no_grad()
     def copy(self, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst.copy_(src) and the check of what landed, in one pass where both are on the same CUDA device,
-        contiguous and of one 16- or 32-bit float dtype; else the copy, then `add`."""
-        if (self.enabled and dst.is_cuda and src.device == dst.device and dst.dtype == src.dtype
-                and dst.dtype in FLAGGED_DTYPES and dst.is_contiguous() and src.is_contiguous()
-                and dst.shape == src.shape and dst.numel()):
-            self._flagged[0].append(name)
-            self._flagged[1].append(copy_and_flag(dst, src))
-            return
-        dst.copy_(src, non_blocking=True)
-        self.add(name, dst)
+        self.copy_many([(name, dst, src)])
+
+    @torch.no_grad()
+    def copy_many(self, triples: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """dst.copy_(src) for each (name, dst, src), and the check of what landed. On CUDA, the tensors of one
+        16- or 32-bit float dtype (contiguous, same shape, same device) are copied and checked by one launch:
+        a received bucket's ~20 tensors cost one launch, not ~20 (the host's launches, not the device's
+        bytes, were the check's cost on the 8B IPC push). Any other pair: the copy, then `add`."""
+        fused: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        for name, dst, src in triples:
+            if self.enabled and _fusable(dst, src):
+                fused.setdefault((dst.dtype, dst.device), []).append((name, dst, src))
+            else:
+                dst.copy_(src, non_blocking=True)
+                self.add(name, dst)
+        for group in fused.values():
+            flags = self._flag_slots(len(group), group[0][1].device)
+            self._flagged.append(([name for name, _, _ in group], copy_and_flag(group, flags)))
+
+    def _flag_slots(self, n: int, device: torch.device) -> torch.Tensor:
+        """n zeroed int32 flags on `device`, from the current buffer or a new one."""
+        if self._slots is None or self._slots.device != device or self._next + n > self._slots.numel():
+            self._slots = torch.zeros(max(FLAG_SLOTS, n), dtype=torch.int32, device=device)
+            self._next = 0
+        flags = self._slots[self._next:self._next + n]
+        self._next += n
+        return flags
 
     def bad(self) -> list[str]:
         """The names whose tensors hold NaN or Inf: one device->host read for all of them."""
@@ -66,10 +88,10 @@ class FiniteCheck:
         for group, values in self._groups.values():
             names += group
             verdicts.append(~torch.isfinite(torch.stack(values)).view(-1, 2).all(1))
-        if self._flagged[0]:
-            names += self._flagged[0]
-            verdicts.append(torch.cat(self._flagged[1]) != 0)
-        self._groups, self._flagged = {}, ([], [])
+        for group, flags in self._flagged:
+            names += group
+            verdicts.append(flags != 0)
+        self._groups, self._flagged, self._slots, self._next = {}, [], None, 0
         if not names:
             return []
         # One read: the verdicts are on the model's device (a tensor elsewhere is moved there first).
@@ -83,21 +105,36 @@ class FiniteCheck:
 
 
 FLAGGED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLAG_SLOTS = 1024  # flags zeroed at once: an 8B model's 291 tensors fit one buffer
 
 
-def copy_and_flag(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """Queue dst <- src on the current stream; returns a [1] int32 flag, nonzero if src held NaN or Inf."""
+def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (dst.is_cuda and src.device == dst.device and dst.dtype == src.dtype and dst.dtype in FLAGGED_DTYPES
+            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape and dst.numel() > 0)
+
+
+def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: torch.Tensor) -> torch.Tensor:
+    """Queue dst <- src for every (name, dst, src) of one dtype and device on the current stream, in one launch;
+    flags[i] (zeroed int32 on that device) becomes nonzero if the i-th source held NaN or Inf. Returns flags."""
+    import triton.language as tl
+
     from server.model.finite_kernel import copy_and_flag_kernel
 
-    n = dst.numel()
-    flag = torch.zeros(1, dtype=torch.int32, device=dst.device)
     per_program = COPY_BLOCK * COPY_ITERS
-    copy_and_flag_kernel[((n + per_program - 1) // per_program,)](
-        src.view(-1), dst.view(-1), n, flag, BLOCK=COPY_BLOCK, ITERS=COPY_ITERS, num_warps=4)
-    return flag
+    firsts = [0]
+    for _, dst, _ in group:
+        firsts.append(firsts[-1] + (dst.numel() + per_program - 1) // per_program)
+    table = torch.tensor([[src.data_ptr() for _, _, src in group] + [0],
+                          [dst.data_ptr() for _, dst, _ in group] + [0],
+                          [dst.numel() for _, dst, _ in group] + [0], firsts], dtype=torch.int64)
+    # Pageable memory: the host's bytes are taken before the call returns, in the stream's order.
+    table = table.to(flags.device, non_blocking=True)
+    dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[group[0][1].dtype]
+    copy_and_flag_kernel[(firsts[-1],)](table, len(group), flags, DTYPE=dtype, BLOCK=COPY_BLOCK, ITERS=COPY_ITERS,
+                                        SEARCH_STEPS=max(1, (len(group) - 1).bit_length()), num_warps=4)
+    return flags
 
 
-# A program copies COPY_ITERS blocks of COPY_BLOCK elements (16-byte loads a thread at 16 bits) and sets the
-# flag only when it saw a bad value: no atomic in the common case.
+# A program copies COPY_ITERS blocks of COPY_BLOCK elements (16-byte loads a thread at 16 bits).
 COPY_BLOCK = 2048
 COPY_ITERS = 4

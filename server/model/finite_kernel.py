@@ -6,9 +6,27 @@ import triton.language as tl
 
 
 @triton.jit
-def copy_and_flag_kernel(src, dst, n, flag, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """dst[i] = src[i] for this program's ITERS blocks; flag |= 1 if any of them is NaN or +-Inf."""
-    start = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                         SEARCH_STEPS: tl.constexpr):
+    """Copies many tensors of one dtype in one launch and flags each one that holds NaN or +-Inf.
+
+    table: int64 [4, n_tensors + 1], rows: source address, destination address, elements, and the first
+    program of each tensor (cumulative; its last column is the grid's size). A program finds its tensor by a
+    binary search of that row (SEARCH_STEPS >= log2(n_tensors) steps), copies its ITERS blocks of BLOCK
+    elements and sets flags[tensor] only when it saw a bad value: no atomic in the common case."""
+    pid = tl.program_id(0)
+    width = n_tensors + 1
+    lo = pid * 0
+    hi = lo + n_tensors
+    for _ in range(SEARCH_STEPS):  # keeps table[3, lo] <= pid < table[3, hi]
+        mid = (lo + hi) // 2
+        go = tl.load(table + 3 * width + mid) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    src = tl.load(table + lo).to(tl.pointer_type(DTYPE))
+    dst = tl.load(table + width + lo).to(tl.pointer_type(DTYPE))
+    n = tl.load(table + 2 * width + lo)
+    start = (pid - tl.load(table + 3 * width + lo)) * BLOCK * ITERS
     bad = tl.zeros([BLOCK], tl.int32)
     for i in range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
@@ -19,4 +37,4 @@ def copy_and_flag_kernel(src, dst, n, flag, BLOCK: tl.constexpr, ITERS: tl.const
         bad = bad | ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
     seen = tl.max(bad, 0)
     if seen > 0:
-        tl.atomic_max(flag, seen)
+        tl.atomic_max(flags + lo, seen)

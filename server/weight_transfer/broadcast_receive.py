@@ -30,6 +30,7 @@ import torch
 
 from server.weight_transfer.group import TransferGroup
 from server.weight_transfer.protocol import TensorMeta, plan_buckets, region, unpack
+from server.weight_transfer.unchecked_copy import UncheckedCopy
 
 
 @dataclass
@@ -51,11 +52,12 @@ class BroadcastReceive:
     def __init__(self, group: TransferGroup, targets: dict[str, torch.Tensor], device: torch.device, slots: int = 2,
                  sharded: dict[str, tuple[torch.Tensor, Any]] | None = None,
                  check: Any = None):
-        """check: the receive's model/finite.py FiniteCheck (None: not checked). Staged tensors are copied
+        """check: what the receive copies through (unchecked_copy.py's interface; the engine's is
+        model/finite.py FiniteCheck; None: UncheckedCopy). Staged tensors are copied
         through it (the copy checks them in the same pass); a tensor broadcast straight into its parameter
         is added to it on the group's stream, after its broadcast."""
         self.group = group
-        self.check = check
+        self.check = check if check is not None else UncheckedCopy()
         self.targets = targets
         # Tensor parallel: parameters this rank holds a slice of (parameter, Shard). They always land
         # in a buffer (the whole tensor arrives) and their slice is copied out of it.
@@ -173,24 +175,19 @@ class BroadcastReceive:
 
     def _copy(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
+            self.check.copy_many([(name, self.targets[name], tensor) for name, tensor in pairs
+                                  if name in self.targets])
             for name, tensor in pairs:
-                target = self.targets.get(name)
-                if target is not None and self.check is not None:
-                    self.check.copy(name, target, tensor)
-                elif target is not None:
-                    target.copy_(tensor, non_blocking=True)
-                elif name in self.sharded:
+                if name not in self.targets and name in self.sharded:
                     param, shard = self.sharded[name]
                     shard.place(param, shard.take(tensor))
-                    if self.check is not None:
-                        self.check.add(name, param)
+                    self.check.add(name, param)
 
     def _landed(self, names: list[str]) -> None:
         """Broadcast straight into their parameters: checked after the broadcast, on its stream."""
-        if self.check is not None:
-            with self._on(self.group.stream):
-                for name in names:
-                    self.check.add(name, self.targets[name])
+        with self._on(self.group.stream):
+            for name in names:
+                self.check.add(name, self.targets[name])
 
     # -- streams -----------------------------------------------------------------------------------
 

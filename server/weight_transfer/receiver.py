@@ -24,6 +24,7 @@ from server.weight_transfer.broadcast_receive import BroadcastReceive
 from server.weight_transfer.config import WeightTransferConfig
 from server.weight_transfer.group import TransferGroup, open_group
 from server.weight_transfer.protocol import DTYPES, TensorMeta, unpack
+from server.weight_transfer.unchecked_copy import UncheckedCopy
 
 log = logging.getLogger("sleepserve.weights")
 
@@ -65,12 +66,13 @@ class WeightReceiver:
     def __init__(self, config: WeightTransferConfig, model: nn.Module, device: torch.device,
                  targets: dict[str, torch.Tensor] | None = None,
                  units: Callable[[Iterable[str]], set[str]] | None = None,
-                 finite_check: Callable[[], Any] | None = None):
+                 finite_check: Callable[[], Any] = UncheckedCopy):
         """targets: every name a trainer may send -> the tensor it lands in (default: the parameters; the
         engine passes model/loader.checkpoint_targets: a sparse layer's per-expert names are views of its
         stacked experts). units: the names a write counts as (loader.unit_names: a stacked expert tensor
-        counts as the experts it holds). finite_check: makes the engine's check that every tensor received
-        is finite (model/finite.py FiniteCheck: add, bad); None: not checked (--no-check-weights-finite)."""
+        counts as the experts it holds). finite_check: makes the check every received tensor is copied
+        through (unchecked_copy.py's interface; the engine injects model/finite.py FiniteCheck, disabled by
+        --no-check-weights-finite)."""
         config.check_device(device.type)
         self.config = config
         self.device = device
@@ -201,7 +203,7 @@ class WeightReceiver:
         says where the time went."""
         loaded: set[str] = set()
         self.last_stats = {}
-        self._check = self.finite_check() if self.finite_check is not None else None
+        self._check = self.finite_check()
         try:
             with self._on_device():
                 self._receive(update, loaded)
@@ -218,10 +220,8 @@ class WeightReceiver:
         return self.units(loaded)
 
     def _check_finite(self, loaded: set[str]) -> None:
-        """After every byte landed: one host read of every tensor's min/max."""
+        """After every byte landed: one host read of every tensor's verdict."""
         check, self._check = self._check, None
-        if check is None:
-            return
         with self._on_device():
             bad = check.bad()
         if bad:
@@ -241,14 +241,11 @@ class WeightReceiver:
             torch.cuda.synchronize(self.device)
 
     def _copy(self, pairs: list[tuple[str, torch.Tensor]], loaded: set[str]) -> None:
+        """Into their parameters, through the receive's check (the copy checks what it copies)."""
+        triples = [(name, self.targets[name], tensor) for name, tensor in pairs if name in self.targets]
         with torch.no_grad():
-            for name, tensor in pairs:
-                if name in self.targets and self._check is not None:
-                    self._check.copy(name, self.targets[name], tensor)  # the copy checks what it copies
-                    loaded.add(name)
-                elif name in self.targets:
-                    self.targets[name].copy_(tensor, non_blocking=True)
-                    loaded.add(name)
+            self._check.copy_many(triples)
+        loaded.update(name for name, _, _ in triples)
 
     def _receive_broadcast(self, update: Update, loaded: set[str]) -> None:
         assert self.group is not None

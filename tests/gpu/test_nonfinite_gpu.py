@@ -123,3 +123,27 @@ def test_copy_and_check_in_one_pass_on_the_gpu(dtype):
         assert set(names) == {f"bad@{at}"} | ({"cast"} if at == 0 else set()), names
         assert torch.equal(dst[at].isnan(), src[at].isnan()) and (value != value or dst[at] == value)
         src[at] = 0
+
+
+def test_a_bucket_is_copied_and_checked_by_one_launch_per_dtype():
+    """FiniteCheck.copy_many as a receive unpacks a bucket: bf16 and fp32 tensors of many sizes (one launch per
+    dtype), a float64 and a non-contiguous one (the copy, then min/max); exactly the poisoned ones are named and
+    every byte lands, over two buckets and one flag buffer."""
+    from server.model.finite import FiniteCheck
+
+    torch.manual_seed(0)
+    sizes = [1, 100, 8192, 8192 * 3 + 5, 1 << 20]
+    sources = [(f"bf16.{n}", torch.randn(n, device="cuda", dtype=torch.bfloat16)) for n in sizes]
+    sources += [(f"fp32.{n}", torch.randn(n, device="cuda")) for n in sizes]
+    sources += [("fp64", torch.randn(64, device="cuda", dtype=torch.float64)),
+                ("strided", torch.randn(64, 2, device="cuda")[:, 0])]
+    poisoned = {"bf16.8192": (8191, float("inf")), "fp32.24581": (24580, float("nan")), "fp64": (0, float("-inf"))}
+    for name, (at, value) in poisoned.items():
+        dict(sources)[name][at] = value
+    check = FiniteCheck()
+    triples = [(name, torch.empty_like(src), src) for name, src in sources]
+    check.copy_many(triples[:6])
+    check.copy_many(triples[6:])
+    assert sorted(check.bad()) == sorted(poisoned)
+    for _, dst, src in triples:
+        assert torch.equal(dst.isnan(), src.isnan()) and torch.equal(dst.nan_to_num(), src.nan_to_num())

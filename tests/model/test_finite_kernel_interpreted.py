@@ -1,5 +1,6 @@
-"""The fused copy-and-check kernel of model/finite.py under Triton's CPU interpreter: it copies every element
-and flags NaN, +Inf and -Inf wherever they sit (first, last, past a program's blocks), in each dtype."""
+"""The fused copy-and-check kernel of model/finite.py under Triton's CPU interpreter: one launch copies every
+element of several tensors and flags exactly those holding NaN, +Inf or -Inf wherever it sits (first, last,
+past a program's blocks, in a tensor smaller than one program), in each dtype."""
 from __future__ import annotations
 
 import pytest
@@ -11,30 +12,30 @@ pytest.importorskip("triton")
 CHECK = r"""
 import torch
 from server.model import finite
-from server.model.finite_kernel import copy_and_flag_kernel
 
-def flagged(src):
-    dst = torch.full_like(src, 7)
-    flag = torch.zeros(1, dtype=torch.int32)
-    n = src.numel()
-    per = finite.COPY_BLOCK * finite.COPY_ITERS
-    copy_and_flag_kernel[((n + per - 1) // per,)](src.view(-1), dst.view(-1), n, flag,
-                                                  BLOCK=finite.COPY_BLOCK, ITERS=finite.COPY_ITERS)
-    d, s = dst.view(-1), src.view(-1)
-    assert ((d == s) | (d.isnan() & s.isnan())).all(), "the copy lost bytes"
-    return int(flag.item())
+per = finite.COPY_BLOCK * finite.COPY_ITERS
 
-n = finite.COPY_BLOCK * finite.COPY_ITERS + 37  # two programs, the second one masked
+def flagged(sources):
+    group = [(str(i), torch.full_like(s, 7), s) for i, s in enumerate(sources)]
+    flags = finite.copy_and_flag(group, torch.zeros(len(group), dtype=torch.int32))
+    for _, d, s in group:
+        assert ((d == s) | (d.isnan() & s.isnan())).all(), "the copy lost bytes"
+    return flags.tolist()
+
+# Sizes: two programs with the second masked, one program's worth exactly, less than a block, one element.
+sizes = (per + 37, per, 100, 1)
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    good = torch.randn(n).to(dtype) * 100
-    assert flagged(good) == 0, dtype
-    for at in (0, n // 2, n - 1):
-        for value in (float("nan"), float("inf"), float("-inf")):
-            bad = good.clone()
-            bad[at] = value
-            assert flagged(bad) == 1, (dtype, at, value)
-    big = torch.full((n,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite value is finite
-    assert flagged(big) == 0, dtype
+    good = [(torch.randn(n) * 100).to(dtype) for n in sizes]
+    assert flagged(good) == [0] * len(sizes), dtype
+    assert flagged(good[:1]) == [0], dtype
+    for k, n in enumerate(sizes):
+        for at in sorted({0, n // 2, n - 1}):
+            for value in (float("nan"), float("inf"), float("-inf")):
+                bad = [t.clone() for t in good]
+                bad[k][at] = value
+                assert flagged(bad) == [int(i == k) for i in range(len(sizes))], (dtype, k, at, value)
+    big = [torch.full((n,), torch.finfo(dtype).max, dtype=dtype) for n in sizes]  # the largest finite value
+    assert flagged(big) == [0] * len(sizes), dtype
 print("ok")
 """
 

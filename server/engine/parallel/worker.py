@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -221,7 +222,7 @@ class Worker:
 
             self.receiver = WeightReceiver(config, self.runner.model, self.runner.device,
                                            *receiver_names(self.runner.model),
-                                           finite_check=FiniteCheck if self.runner.check_finite else None)
+                                           finite_check=partial(FiniteCheck, self.runner.check_finite))
         return self.receiver.init(address, port, rank, world)
 
     def op_wt_receive(self, update) -> dict:
