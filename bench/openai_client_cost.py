@@ -1,14 +1,17 @@
-"""What the official `openai` client (httpx under it) costs by itself at high concurrency.
+"""What the official `openai` client (httpx under it) costs by itself at high concurrency, and beside it the
+clients bench/serve.py can load a server with.
 
-A stand-in server that answers at once (canned completions, no model, several processes on one port)
-takes `--concurrency` requests at a time from one AsyncOpenAI client in this process, plain and streamed
-(`--chunks` content chunks per answer, as a stream of that many tokens sends at --stream-interval 1). Printed
-per mode: requests/s, the client process's CPU seconds per request (and per streamed chunk), and the stand-in's
+A stand-in server that answers at once (canned completions, no model, several processes on one port; streams
+in chunked encoding, an event per chunk, as uvicorn sends them) takes `--concurrency` requests at a time from
+one client in this process, plain and streamed (`--chunks` content chunks per answer, as a stream of that many
+tokens sends at --stream-interval 1). The clients (bench/serve.py CLIENTS): typed, the `openai` client as a user
+calls it; raw, the same client with its typed models bypassed; fast, bench/fast_client.py. Printed per client
+and mode: requests/s, the client process's CPU seconds per request (and per streamed chunk), and the stand-in's
 own CPU per request (small: the client is what is measured). Read beside bench/serve.py's HTTP results: a
 client that needs this much CPU per request limits what any server behind it can deliver.
 
     python bench/openai_client_cost.py                                  # 256 at once, 256-chunk streams
-    python bench/openai_client_cost.py --concurrency 64 --chunks 32 --rounds 2
+    python bench/openai_client_cost.py --concurrency 64 --chunks 32 --rounds 2 --clients typed,fast
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def _stream(chunks: int) -> bytes:
         return b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": MODEL,
                                        "choices": [{"index": 0, "text": text, "logprobs": None,
                                                     "finish_reason": finish}]}).encode() + b"\n\n"
-    return b"".join(event(" x", None) for _ in range(chunks - 1)) + event(" x", "length") + b"data: [DONE]\n\n"
+    events = [event(" x", None) for _ in range(chunks - 1)] + [event(" x", "length"), b"data: [DONE]\n\n"]
+    return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
 
 
 def _serve(sock: socket.socket, chunks: int) -> None:
@@ -56,8 +60,7 @@ def _serve(sock: socket.socket, chunks: int) -> None:
     plain, stream = _completion(chunks), _stream(chunks)
     plain_head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                   + str(len(plain)).encode() + b"\r\n\r\n")
-    stream_head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
-                   + str(len(stream)).encode() + b"\r\n\r\n")
+    stream_head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -91,15 +94,19 @@ def _cpu_s(who: int = resource.RUSAGE_SELF) -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def _round(client, concurrency: int, stream: bool) -> tuple[float, int]:
+async def _round(client, kind: str, concurrency: int, stream: bool) -> tuple[float, int]:
     """One burst of `concurrency` requests at once; (wall seconds, content chunks received)."""
+    from bench.serve import CLIENTS
+
+    answer, chunks = CLIENTS[kind]
+    args = {"model": MODEL, "prompt": "x", "max_tokens": 8}
+
     async def one() -> int:
         if not stream:
-            r = await client.completions.create(model=MODEL, prompt="x", max_tokens=8)
-            return 1 if r.choices[0].text else 0
+            return 1 if await answer(client, args) > 0 else 0
         n = 0
-        async for chunk in await client.completions.create(model=MODEL, prompt="x", max_tokens=8, stream=True):
-            n += bool(chunk.choices and chunk.choices[0].text)
+        async for choice, _ in chunks(client, {**args, "stream": True}):
+            n += bool(choice and choice[1])
         return n
 
     t0 = time.perf_counter()
@@ -107,21 +114,27 @@ async def _round(client, concurrency: int, stream: bool) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(counts)
 
 
-async def _measure(url: str, concurrency: int, rounds: int, stream: bool, server_cpu) -> dict:
-    import openai
+async def _measure(root: str, kind: str, concurrency: int, rounds: int, stream: bool, server_cpu) -> dict:
+    if kind == "fast":
+        from bench.fast_client import FastClient
 
-    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-    await _round(client, concurrency, stream)  # warm-up: connections opened, code paths imported
+        client = FastClient(root, "unused", timeout=120)
+    else:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=120)
+    await _round(client, kind, concurrency, stream)  # warm-up: connections opened, code paths imported
     walls, chunks = [], 0
     cpu0, srv0 = _cpu_s(), server_cpu()
     for _ in range(rounds):
-        wall, n = await _round(client, concurrency, stream)
+        wall, n = await _round(client, kind, concurrency, stream)
         walls.append(wall)
         chunks += n
     cpu, srv = _cpu_s() - cpu0, server_cpu() - srv0
     await client.close()
     requests = concurrency * rounds
-    return {"mode": "stream" if stream else "plain", "requests": requests, "median_burst_s": statistics.median(walls),
+    return {"client": kind, "mode": "stream" if stream else "plain", "requests": requests, "received": chunks,
+            "median_burst_s": statistics.median(walls),
             "requests_per_s": requests / sum(walls), "client_cpu_ms_per_request": 1e3 * cpu / requests,
             "client_cpu_us_per_chunk": 1e6 * cpu / chunks if stream and chunks else None,
             "client_cores_busy": cpu / sum(walls), "server_cpu_ms_per_request": 1e3 * srv / requests}
@@ -132,6 +145,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=256, help="content chunks per streamed answer (tokens)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", default="typed,raw,fast", help="bench/serve.py CLIENTS to measure, comma-separated")
     ap.add_argument("--server-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
@@ -153,21 +167,22 @@ def main() -> None:
         return total
 
     try:
-        url = f"http://127.0.0.1:{port}/v1"
-        rows = [asyncio.run(_measure(url, args.concurrency, args.rounds, stream, server_cpu))
-                for stream in (False, True)]
+        root = f"http://127.0.0.1:{port}"
+        rows = [asyncio.run(_measure(root, kind, args.concurrency, args.rounds, stream, server_cpu))
+                for kind in args.clients.split(",") for stream in (False, True)]
     finally:
         for p in procs:
             p.kill()
     result = {"date": now_iso(), "concurrency": args.concurrency, "chunks": args.chunks,
               "server_processes": args.server_processes, "rows": rows}
     write_json(args.out, "openai-client-cost", result)
-    print(f"\nthe openai client ({_openai_version()}, httpx) alone: {args.concurrency} requests at once, "
-          f"{args.chunks}-chunk streams, against an instant stand-in ({args.server_processes} processes)")
-    print(table([[r["mode"], f"{r['requests_per_s']:.0f}", f"{r['client_cpu_ms_per_request']:.2f}",
+    print(f"\nclients alone (typed, raw: {_openai_version()}, httpx; fast: bench/fast_client.py): "
+          f"{args.concurrency} requests at once, {args.chunks}-chunk streams, against an instant stand-in "
+          f"({args.server_processes} processes)")
+    print(table([[r["client"], r["mode"], f"{r['requests_per_s']:.0f}", f"{r['client_cpu_ms_per_request']:.2f}",
                   f"{r['client_cpu_us_per_chunk']:.1f}" if r["client_cpu_us_per_chunk"] else "-",
                   f"{r['client_cores_busy']:.2f}", f"{r['server_cpu_ms_per_request']:.3f}"] for r in rows],
-                ["mode", "requests/s", "client CPU ms/request", "client CPU us/chunk", "client cores busy",
+                ["client", "mode", "requests/s", "client CPU ms/request", "client CPU us/chunk", "client cores busy",
                  "stand-in CPU ms/request"]))
 
 

@@ -91,6 +91,13 @@ async def _typed_chunks(client, args: dict) -> AsyncIterator[tuple[tuple | None,
                chunk.usage.completion_tokens if chunk.usage is not None else None)
 
 
+def _choice_and_usage(chunk: dict) -> tuple[tuple | None, int | None]:
+    """A parsed stream chunk as _typed_chunks yields it."""
+    c = chunk["choices"][0] if chunk.get("choices") else None
+    usage = chunk.get("usage")
+    return (c.get("token_ids"), c.get("text")) if c else None, usage["completion_tokens"] if usage else None
+
+
 async def _raw_chunks(client, args: dict) -> AsyncIterator[tuple[tuple | None, int | None]]:
     """The same stream read as server-sent lines, each JSON-parsed (what _typed_chunks yields)."""
     async with client.completions.with_streaming_response.create(**args) as response:
@@ -100,10 +107,18 @@ async def _raw_chunks(client, args: dict) -> AsyncIterator[tuple[tuple | None, i
             chunk = json.loads(line[6:])
             if chunk.get("error"):  # the server's failure after the 200 (the typed stream raises APIError)
                 raise RuntimeError(f"error in the stream: {chunk['error']}")
-            c = chunk["choices"][0] if chunk.get("choices") else None
-            usage = chunk.get("usage")
-            yield ((c.get("token_ids"), c.get("text")) if c else None,
-                   usage["completion_tokens"] if usage else None)
+            yield _choice_and_usage(chunk)
+
+
+def _fast_body(args: dict) -> dict:
+    """The JSON body the openai client would send for these arguments (extra_body merged in)."""
+    return {**{k: v for k, v in args.items() if k != "extra_body"}, **args.get("extra_body", {})}
+
+
+async def _fast_chunks(client, args: dict) -> AsyncIterator[tuple[tuple | None, int | None]]:
+    """The same stream through fast_client.FastClient (what _typed_chunks yields)."""
+    async for chunk in client.post_events("/v1/completions", _fast_body(args)):
+        yield _choice_and_usage(chunk)
 
 
 async def _typed_tokens(client, args: dict) -> int:
@@ -117,40 +132,59 @@ async def _raw_tokens(client, args: dict) -> int:
     return json.loads(r.content)["usage"]["completion_tokens"]
 
 
+async def _fast_tokens(client, args: dict) -> int:
+    """The same answer through fast_client.FastClient (what _typed_tokens returns)."""
+    return (await client.post_json("/v1/completions", _fast_body(args)))["usage"]["completion_tokens"]
+
+
+CLIENTS = {"typed": (_typed_tokens, _typed_chunks), "raw": (_raw_tokens, _raw_chunks),
+           "fast": (_fast_tokens, _fast_chunks)}
+
+
 async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: bool, temperature: float,
                    timeout: float, started: list[float] | None = None, warm_up: bool = False,
-                   gate: Callable[[], Awaitable] | None = None, raw: bool = False) -> tuple[list[Result], float]:
-    """The requests through the official client. The span measured is the in-process run's: from the first
+                   gate: Callable[[], Awaitable] | None = None, client: str = "typed"
+                   ) -> tuple[list[Result], float]:
+    """The requests through one of CLIENTS (typed, raw: the official client; fast: fast_client.FastClient). The
+    span measured is the in-process run's: from the first
     request's send (the client built already) to the last answer. warm_up: first one request of one token
     streamed and one not, untimed, so that the client's first-call costs (its lazy imports, its response
     models' validators: ~20 ms of CPU on the 2-core CI host, paid once per process) are not in the span.
     gate: awaited once the client is ready, before the span starts (run_clients' start line).
     started: receives the span's start (time.monotonic(), comparable across processes).
-    raw: the same client and connections, but its cost per request no longer sets the pace of a burst: the
+    client "raw": the same official client and connections, but its cost per request no longer sets the pace of a burst: the
     prompt's token ids go in extra_body (the client's parameter transform walks a list[int] prompt element by
     element, ~1.5 ms of the ~3.5 ms of client CPU per 128-id request on the CI host), and answers are read
     through with_raw_response / with_streaming_response and json.loads instead of its typed models (~190 us
-    per streamed chunk on the H200 host). The server receives the same JSON body either way."""
-    import httpx
-    from openai import AsyncOpenAI
+    per streamed chunk on the H200 host). client "fast": the same JSON bodies over fast_client.FastClient (HTTP/1.1
+    on asyncio streams, a connection per request opened before the span), the least CPU per chunk of the
+    three. The server receives the same JSON body in every case."""
+    answer, chunks = CLIENTS[client]
+    if client == "fast":
+        from bench.fast_client import FastClient
 
-    limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=60))
-    client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, http_client=http, max_retries=0)
+        http_client = FastClient(url, api_key, timeout)
+    else:
+        import httpx
+        from openai import AsyncOpenAI
+
+        limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
+        http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=60))
+        http_client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, http_client=http, max_retries=0)
     extra = {"ignore_eos": True, "return_token_ids": True}
 
-    answer, chunks = (_raw_tokens, _raw_chunks) if raw else (_typed_tokens, _typed_chunks)
-
-    def body(req: Req) -> dict:  # the arguments of one request; raw: the prompt travels in extra_body
-        if not raw:
+    def body(req: Req) -> dict:  # the arguments of one request; raw, fast: the prompt travels in extra_body
+        if client == "typed":
             return {"prompt": req.prompt, "extra_body": extra}
         return {"prompt": "", "extra_body": {**extra, "prompt": req.prompt}}
 
     if warm_up and reqs:
         one_token = dict(model=model, max_tokens=1, **body(reqs[0]))
-        await answer(client, one_token)
-        async for _ in chunks(client, {**one_token, "stream": True, "stream_options": {"include_usage": True}}):
+        await answer(http_client, one_token)
+        async for _ in chunks(http_client, {**one_token, "stream": True, "stream_options": {"include_usage": True}}):
             pass
+    if client == "fast":
+        await http_client.open(len(reqs))
     if gate is not None:
         await gate()
 
@@ -162,7 +196,7 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
                 last = None
                 args = dict(model=model, max_tokens=req.max_tokens, temperature=temperature, stream=True,
                             stream_options={"include_usage": True}, **body(req))
-                async for choice, usage in chunks(client, args):
+                async for choice, usage in chunks(http_client, args):
                     now = time.perf_counter()
                     if choice is not None and (choice[0] or choice[1]):  # token ids or text
                         if last is None:
@@ -174,7 +208,7 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
                         res.output_tokens = usage
                 res.latency = time.perf_counter() - res.sent
             else:
-                tokens = await answer(client, dict(model=model, max_tokens=req.max_tokens, temperature=temperature,
+                tokens = await answer(http_client, dict(model=model, max_tokens=req.max_tokens, temperature=temperature,
                                                    **body(req)))
                 res.latency = time.perf_counter() - res.sent
                 res.ttft = res.latency  # the whole answer is the first byte
@@ -190,12 +224,12 @@ async def run_http(url: str, api_key: str, model: str, reqs: list[Req], stream: 
         results = await asyncio.gather(*(one(r, start) for r in reqs))
         duration = time.perf_counter() - start
     finally:
-        await client.close()
+        await http_client.close()
     return list(results), duration
 
 
 def _client_worker(url: str, api_key: str, model: str, reqs: list[tuple], stream: bool, temperature: float,
-                   timeout: float, warmed, barrier, queue, slot: int, raw: bool) -> None:
+                   timeout: float, warmed, barrier, queue, slot: int, client: str) -> None:
     """One client process of run_clients: imports and warms its client first (run_http's warm_up), then
     starts with the others (the barrier); its span starts at its first send, as the in-process run's does."""
     mine = [Req(*r) for r in reqs]
@@ -209,7 +243,7 @@ def _client_worker(url: str, api_key: str, model: str, reqs: list[tuple], stream
         started: list[float] = []
         cpu0: list[float] = []
         results, duration = asyncio.run(run_http(url, api_key, model, mine, stream, temperature, timeout, started,
-                                                 warm_up=True, gate=start_line, raw=raw))
+                                                 warm_up=True, gate=start_line, client=client))
         cpu = time.process_time() - cpu0[0]
         queue.put((slot, [astuple(r) for r in results], started[0], started[0] + duration, cpu, None))
     except BaseException as e:  # the parent reports it; a worker never hangs the run
@@ -219,7 +253,7 @@ def _client_worker(url: str, api_key: str, model: str, reqs: list[tuple], stream
 
 
 def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: bool, temperature: float,
-                timeout: float, procs: int, at_start: Callable[[], None] | None = None, raw: bool = False
+                timeout: float, procs: int, at_start: Callable[[], None] | None = None, client: str = "typed"
                 ) -> tuple[list[Result], float, dict]:
     """run_http over `procs` client processes (request i in process i mod procs, arrival times kept), and
     the clients' CPU time: the official client spends several times the server's CPU per streamed token
@@ -236,7 +270,7 @@ def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: boo
             c0.append(time.process_time())
 
         results, duration = asyncio.run(run_http(url, api_key, model, reqs, stream, temperature, timeout,
-                                                 warm_up=True, gate=gate, raw=raw))
+                                                 warm_up=True, gate=gate, client=client))
         cpu = time.process_time() - c0[0]
         return results, duration, {"client_procs": 1, "client_cpu_s": cpu, "client_cores": cpu / duration}
     import multiprocessing as mp
@@ -246,7 +280,7 @@ def run_clients(url: str, api_key: str, model: str, reqs: list[Req], stream: boo
     warmed, barrier, queue = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
     workers = [ctx.Process(target=_client_worker, daemon=True,
                            args=(url, api_key, model, [astuple(r) for r in reqs[k::procs]], stream, temperature,
-                                 timeout, warmed, barrier, queue, k, raw)) for k in range(procs)]
+                                 timeout, warmed, barrier, queue, k, client)) for k in range(procs)]
     for w in workers:
         w.start()
     got: list = []
@@ -508,8 +542,10 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=None,
                     help="client processes the HTTP requests are spread over (default: 1 on CPU; on CUDA half the "
                          "cores, at most 8: one `openai` client process cannot keep up with an H200's streams)")
-    ap.add_argument("--client", default="raw", choices=["raw", "typed"],
-                    help="raw (default): the `openai` client with the prompt's ids in extra_body and answers read "
+    ap.add_argument("--client", default="fast", choices=list(CLIENTS),
+                    help="fast (default): bench/fast_client.py, HTTP/1.1 on asyncio streams with every connection "
+                         "opened before the run (the least CPU per chunk: the server, not the client, sets the "
+                         "pace); raw: the `openai` client with the prompt's ids in extra_body and answers read "
                          "raw (its with_raw_response / with_streaming_response), so the load generator's own CPU per "
                          "request and per chunk does not set the pace; typed: its typed path (prompt=ids, parsed "
                          "models), the figures before 2026-12-01")
@@ -573,7 +609,6 @@ def main() -> None:
             raise SystemExit("--spy records the server this starts; with --url, run py-spy on that server yourself")
         py_spy()  # its absence said now, not after the server started
     result["client_procs"] = procs
-    raw = args.client == "raw"
     result["client"] = args.client
     result["repeat"] = args.repeat
     counts = [c.strip() if c.strip() == "auto" else int(c) for c in args.api_server_count.split(",") if c.strip()]
@@ -611,7 +646,7 @@ def main() -> None:
 
                 try:
                     results, duration, client = run_clients(url, args.api_key, served, reqs, stream, args.temperature,
-                                                            args.timeout, procs, at_start, raw)
+                                                            args.timeout, procs, at_start, args.client)
                 finally:
                     profiles = spies[0].stop() if spies else None
                 after = server_steps(url, args.api_key)
@@ -619,7 +654,7 @@ def main() -> None:
                 return results, duration, {**client, "steps": steps, **({"spy": profiles} if profiles else {})}
 
             run_clients(url, args.api_key, served, warm, True, args.temperature, args.timeout, 1,
-                        raw=raw)  # warm-up
+                        client=args.client)  # warm-up
             for row in run_pass("rate", args, by_rate, http) + run_pass("saturation", args, by_conc, http):
                 rows.append({"path": "http+async" if on else "http", "api_servers": count, **row})
         finally:

@@ -140,13 +140,14 @@ def test_serve_http_and_engine_paths_complete_every_request(stream, llm):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_serve_raw_client_reads_what_the_typed_client_reads(stream, llm):
-    """--client raw (ids in extra_body, answers json-parsed) sends the server the same request and counts the
-    same tokens and chunks as the typed path; an ignored extra_body would leave an empty prompt (a 400)."""
+def test_serve_raw_and_fast_clients_read_what_the_typed_client_reads(stream, llm):
+    """--client raw (ids in extra_body, answers json-parsed) and --client fast (the same bodies over
+    bench/fast_client.py) send the server the same request and count the same tokens and chunks as the typed
+    path; an ignored extra_body would leave an empty prompt (a 400)."""
     server = main_server()
     reqs = workload(3, 8, 4, 0.5, math.inf, llm.engine.model_config.vocab_size, seed=7)
-    got = {raw: asyncio.run(run_http(server.url, MAIN_KEY, "smol", reqs, stream, 0.0, 120, warm_up=True, raw=raw))[0]
-           for raw in (False, True)}
+    got = {client: asyncio.run(run_http(server.url, MAIN_KEY, "smol", reqs, stream, 0.0, 120, warm_up=True,
+                                        client=client))[0] for client in ("typed", "raw", "fast")}
     for raw, results in got.items():
         assert [r.error for r in results] == [None] * 3, raw
         assert [r.output_tokens for r in results] == [r.max_tokens for r in reqs], raw
@@ -226,8 +227,9 @@ def test_step_host_cost_runs_the_step_and_the_frame_path(llm):
 
 
 def test_openai_client_cost_reads_every_answer_from_the_stand_in(tmp_path):
-    """bench/openai_client_cost.py end to end at a tiny size: the official client gets every plain answer and
-    every streamed chunk from the stand-in, and the CPU it spent is counted."""
+    """bench/openai_client_cost.py end to end at a tiny size: each client (the official one typed and raw, the
+    benchmarks' fast one) gets every plain answer and every streamed chunk from the stand-in, and the CPU it
+    spent is counted."""
     import json
     import subprocess
 
@@ -235,9 +237,11 @@ def test_openai_client_cost_reads_every_answer_from_the_stand_in(tmp_path):
                           "--rounds", "1", "--server-processes", "1", "--out", str(tmp_path)],
                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["mode"]: r for r in json.loads((tmp_path / "openai-client-cost.json").read_text())["rows"]}
-    assert rows["plain"]["requests"] == rows["stream"]["requests"] == 8
-    assert rows["plain"]["client_cpu_ms_per_request"] > 0 and rows["stream"]["client_cpu_us_per_chunk"] > 0
+    rows = {(r["client"], r["mode"]): r for r in json.loads((tmp_path / "openai-client-cost.json").read_text())["rows"]}
+    assert len(rows) == 6  # typed, raw and fast; plain and streamed
+    for (client, mode), row in rows.items():
+        assert row["requests"] == 8 and row["received"] == 8 * (5 if mode == "stream" else 1), (client, row)
+        assert row["client_cpu_ms_per_request"] > 0
 
 
 def test_finite_check_bench_times_a_check_that_finds_nothing(tmp_path):
