@@ -1,10 +1,12 @@
-"""--tp-release-comm-on-sleep on a multi-GPU host: what destroying NCCL's communicator for a sleep gives
-back, and what re-creating it (and re-capturing the decode graphs) costs the wake.
+"""What a sleep does with NCCL's communicator on a multi-GPU host, and what it gives back: kept (the default
+with NCCL < 2.29.7), released (--tp-release-comm-on-sleep: destroyed, then re-created and the decode graphs
+re-captured by the wake) and suspended (--tp-comm-suspend auto where the NCCL in use has ncclCommSuspend:
+SLEEPSERVE_NCCL_SO names a libnccl >= 2.29.7; run only there).
 
-One TP=N engine per setting of the flag (off, then on), each in its own process: NCCL all-reduce, decode CUDA graphs, an 8B shape
+One TP=N engine per setting (keep, release, then suspend), each in its own process: NCCL all-reduce, decode CUDA graphs, an 8B shape
 with random bf16 weights. Per level (1, then 2 with update_weights after the wake), 3 sleep/wake cycles:
-sleep and wake wall time, the wake's communicator part per rank (init: a new NCCL communicator and the
-ranks' agreement; capture: the decode graphs again), each GPU's memory in use while asleep (nvidia-smi,
+sleep and wake wall time, the communicator's part per rank (the sleep's release or suspend; the wake's
+init: a new NCCL communicator and the ranks' agreement, capture: the decode graphs again, or its resume), each GPU's memory in use while asleep (nvidia-smi,
 whole device) minus two references measured first on the same GPUs (bench/tensor_parallel.py's): a
 process that initialised NCCL once, ran an all-reduce and destroyed its group (`NCCL-once`), and a plain
 CUDA process; whether the greedy tokens after each wake equal those before the first sleep, and whether
@@ -31,14 +33,18 @@ from bench.tensor_parallel import PROMPT, gpu_used, reference, tokens  # noqa: E
 MiB = 1 << 20
 
 
-def run_setting(folder: Path, release: bool, world: int, idle: list[int], args) -> dict:
+SETTINGS = {"keep": {"tp_release_comm_on_sleep": False, "tp_comm_suspend": "off"},
+            "release": {"tp_release_comm_on_sleep": True, "tp_comm_suspend": "off"},
+            "suspend": {"tp_release_comm_on_sleep": False, "tp_comm_suspend": "auto"}}
+
+
+def run_setting(folder: Path, label: str, world: int, idle: list[int], args) -> dict:
     from server import LLM
 
-    label = f"release {'on' if release else 'off'}"
     t = time.perf_counter()
     llm = LLM(model=str(folder), device="cuda", load_format="dummy", max_model_len=4096,
               kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=world, tp_all_reduce="nccl",
-              tp_release_comm_on_sleep=release)
+              **SETTINGS[label])
     res: dict = {"label": label, "start_s": time.perf_counter() - t,
                  "awake_used": [u - i for u, i in zip(gpu_used(world), idle)]}
     print(f"{label}: started in {res['start_s']:.1f} s", flush=True)
@@ -59,15 +65,17 @@ def run_setting(folder: Path, release: bool, world: int, idle: list[int], args) 
                 llm.update_weights()  # the same seeded dummy weights
             same = tokens(llm, prompts) == before
             eager = sum(v.get("eager_steps", 0) for v in runner.step_lag().values())
-            comm = woke.timings.get("pool", {}).get("comm_ms") or []
+            comm = woke.timings.get("pool", {}).get("comm_ms") or []  # re-created: dicts; resumed: ms
             row = {"sleep_s": slept.seconds, "wake_s": wake_s, "asleep_used": asleep, "identical": same,
-                   "eager_steps": eager, "init_ms": [c["init_ms"] for c in comm],
-                   "capture_ms": [c["capture_ms"] for c in comm],
+                   "eager_steps": eager, "init_ms": [c["init_ms"] for c in comm if isinstance(c, dict)],
+                   "capture_ms": [c["capture_ms"] for c in comm if isinstance(c, dict)],
+                   "resume_ms": [c for c in comm if not isinstance(c, dict)],
                    "release_ms": slept.timings.get("pool", {}).get("comm_ms") or []}
             rows.append(row)
-            print(f"{label} L{level} cycle {cycle + 1}: sleep {row['sleep_s'] * 1e3:.0f} ms (communicator release "
-                  f"{_ms(row['release_ms'])} per rank), wake {wake_s * 1e3:.0f} ms"
-                  f" (communicator init {_ms(row['init_ms'])}, graphs {_ms(row['capture_ms'])} per rank), asleep "
+            print(f"{label} L{level} cycle {cycle + 1}: sleep {row['sleep_s'] * 1e3:.0f} ms (communicator release or "
+                  f"suspend {_ms(row['release_ms'])} per rank), wake {wake_s * 1e3:.0f} ms"
+                  f" (communicator init {_ms(row['init_ms'])}, graphs {_ms(row['capture_ms'])}, resume "
+                  f"{_ms(row['resume_ms'])} per rank), asleep "
                   f"{' / '.join(f'{u / MiB:.0f}' for u in asleep)} MiB, greedy identical {same}, eager steps {eager}",
                   flush=True)
         later = rows[1:] or rows
@@ -91,7 +99,7 @@ def _child(setting: str, idle: list[int]) -> dict:
     lines = out.stdout.strip().splitlines()
     print("\n".join(lines[:-1]), flush=True)
     if out.returncode != 0 or not lines:
-        sys.exit(f"the release {setting} run failed (exit {out.returncode})")
+        sys.exit(f"the {setting} run failed (exit {out.returncode})")
     return json.loads(lines[-1])
 
 
@@ -106,13 +114,14 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="16GiB")
     ap.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles per level and setting")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    ap.add_argument("--setting", choices=["off", "on"], help=argparse.SUPPRESS)  # one setting, in a child process
+    ap.add_argument("--setting", choices=list(SETTINGS), help=argparse.SUPPRESS)  # one setting, in a child process
     args = ap.parse_args()
 
     import torch
 
     from bench.common import hardware, now_iso, write_json
     from server.engine.parallel.comm_cycle import suspend_support
+    from server.weight_transfer.nccl import NcclLibrary
     from testkit.models import model_folder
 
     world = args.world
@@ -120,14 +129,15 @@ def main() -> None:
         sys.exit(f"needs {world} GPUs, this host has {torch.cuda.device_count()}")
     if args.setting is not None:
         folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
-        print(json.dumps(run_setting(folder, args.setting == "on", world, json.loads(os.environ[_IDLE]), args)))
+        print(json.dumps(run_setting(folder, args.setting, world, json.loads(os.environ[_IDLE]), args)))
         return
     idle = gpu_used(world)
     refs = {kind: reference(kind, world) for kind in ("cuda", "nccl-destroyed")}
     print(f"references (bytes per GPU): {refs}", flush=True)
     # Each setting in its own process: NCCL reads its environment once per process (the flag turns
-    # NCCL_GRAPH_REGISTER off before the first communicator), so "on" must not inherit "off"'s NCCL.
-    runs = [_child(setting, idle) for setting in ("off", "on")]
+    # NCCL_GRAPH_REGISTER off before the first communicator), so "release" must not inherit "keep"'s NCCL.
+    settings = ["keep", "release"] + (["suspend"] if NcclLibrary().can_suspend else [])
+    runs = [_child(setting, idle) for setting in settings]
     result = {"date": now_iso(), "hardware": hardware(torch.device("cuda")), "nccl": suspend_support(),
               "model": args.model, "references_used": refs, "runs": runs}
     write_json(args.out, f"tp-release-{world}", result)
@@ -159,16 +169,17 @@ def report(result: dict, args) -> None:
                          " / ".join(f"{(u - c) / MiB:+.0f}" for u, c in zip(last, cuda)),
                          " / ".join(f"{(b - a) / MiB:+.0f}" for a, b in zip(first, last)),
                          "yes" if lv["identical"] else "NO", lv["eager_steps"]])
-    print(table(rows, ["flag", "level", "sleep", "of which comm release per rank", "wake", "comm init per rank", "graph capture per rank",
+    print(table(rows, ["setting", "level", "sleep", "of which comm release/suspend per rank", "wake", "comm init per rank", "graph capture per rank",
                        "asleep - NCCL-once ref (MiB/rank)", "asleep - CUDA ref (MiB/rank)",
                        "growth cycle 1 -> last (MiB/rank)", "greedy identical", "eager steps after wakes"]))
-    off, on = runs
-    for level in (1, 2):
-        a, b = off[f"level{level}"], on[f"level{level}"]
-        freed = [(x - y) / MiB for x, y in zip(a["cycles"][-1]["asleep_used"], b["cycles"][-1]["asleep_used"])]
-        print(f"tp release L{level}: asleep, flag on gives back {' / '.join(f'{v:.0f}' for v in freed)} MiB per rank; "
-              f"wake {a['wake_s'] * 1e3:.0f} -> {b['wake_s'] * 1e3:.0f} ms, sleep {a['sleep_s'] * 1e3:.0f} -> "
-              f"{b['sleep_s'] * 1e3:.0f} ms")
+    keep = runs[0]
+    for other in runs[1:]:
+        for level in (1, 2):
+            a, b = keep[f"level{level}"], other[f"level{level}"]
+            freed = [(x - y) / MiB for x, y in zip(a["cycles"][-1]["asleep_used"], b["cycles"][-1]["asleep_used"])]
+            print(f"tp {other['label']} L{level}: asleep, gives back {' / '.join(f'{v:.0f}' for v in freed)} MiB per "
+                  f"rank over keep; wake {a['wake_s'] * 1e3:.0f} -> {b['wake_s'] * 1e3:.0f} ms, sleep "
+                  f"{a['sleep_s'] * 1e3:.0f} -> {b['sleep_s'] * 1e3:.0f} ms")
     bad = [f"{r['label']} L{lv}" for r in runs for lv in (1, 2) if not r[f"level{lv}"]["identical"]]
     eager = [f"{r['label']} L{lv}" for r in runs for lv in (1, 2) if r[f"level{lv}"]["eager_steps"]]
     if bad:

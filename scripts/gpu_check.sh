@@ -29,6 +29,8 @@
 # and 64 x 512 prompts (head_dim 64 and 128), kernel vs span by span, and the in-process 1B engine's output
 # tok/s at 64 and 256 prompts at once with each path, with the 256 / 64 ratio (issue 15's target 2.5x).
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
+# nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
+# two: bench/tp_release.py's keep / release / suspend).
 # By name only: moe-test, moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
@@ -114,6 +116,16 @@ for stage in $stages; do
                 run tp-release-test $PY -m pytest -m gpu -q -x --timeout=150 tests/gpu/test_tensor_parallel_gpu.py \
                   -k release -p no:cacheprovider
                 run tp-release timeout 240 $PY bench/tp_release.py --world 2 --out "$RESULTS/tp-release" ;;
+    nccl-suspend) # ncclCommSuspend: a libnccl >= 2.29.7 joined from .nccl_parts (scripts/nccl_pieces.sh says how it
+                # travels), its one-GPU test, and on the two-GPU host bench/tp_release.py's keep / release / suspend
+                run nccl-join bash scripts/nccl_pieces.sh join /tmp/nccl-suspend
+                export SLEEPSERVE_NCCL_SO=/tmp/nccl-suspend/libnccl.so.2
+                run nccl-suspend-test $PY -m pytest -m gpu -q -x -s --timeout=300 \
+                  tests/gpu/test_nccl_suspend_gpu.py -p no:cacheprovider
+                if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+                  run nccl-suspend-tp timeout 420 $PY bench/tp_release.py --world 2 --out "$RESULTS/nccl-suspend"
+                fi
+                unset SLEEPSERVE_NCCL_SO ;;
     tp-torchrun) run tp-torchrun $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_torchrun_gpu.py -p no:cacheprovider ;;
     tp-profile) run tp-profile $PY bench/tensor_parallel.py --world 2 --profile ;;
     tp-noreg)   # NCCL without CUDA-graph buffer registration, every rank (a suspect of TP=2's slow batch 64)
@@ -181,7 +193,7 @@ grep -h -A20 -E "^(Sleepable pool|throughput|step profile|sleep/wake|end to end|
 grep -h -A24 -E "^tensor parallel \(" "$LOG" || true
 grep -h -E "^async scheduling on / off" "$LOG" || true
 grep -h -A8 -E "^tp release \(" "$LOG" || true
-grep -h -E "^tp release L[12]:|^release (off|on)( L[12] cycle [0-9]+|: (started|closed) in)" "$LOG" || true
+grep -h -E "^tp (release|suspend) L[12]:|^(keep|release|suspend)( L[12] cycle [0-9]+|: (started|closed) in)" "$LOG" || true
 grep -h -A40 -E "^VMM floor" "$LOG" || true
 grep -h -E "^TP=[0-9].* (batch [0-9]+: decode step|started in|closed in)" "$LOG" || true
 grep -h -A18 -E "^profile TP=" "$LOG" || true

@@ -85,6 +85,10 @@ class EngineConfig:
     # a new one and re-captures the graphs (server/engine/parallel/comm_cycle.py). Off: the wake then costs
     # a communicator start and a graph capture per bucket (an 8B TP=2 wake took 2.5-3.6 s vs 0.3 s, H200).
     tp_release_comm_on_sleep: bool = False
+    # At TP > 1 where the NCCL in use has ncclCommSuspend (>= 2.29.7; SLEEPSERVE_NCCL_SO names another
+    # libnccl than torch's): auto, a sleep suspends every rank's communicator (its device memory goes, its
+    # virtual addresses and the graphs that captured it stay) and the wake resumes it; off, as without it.
+    tp_comm_suspend: str = "auto"
     offload_dir: str | None = None            # CPU backend: where offloaded tags are written while asleep
     # Allocate the host backups of level 1 at start-up, in the background: on | off | auto (on where
     # backups are kept between cycles (CUDA) and take at most half of the host memory free at start-up).
@@ -129,6 +133,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be from 1 to 64, got {self.tensor_parallel_size}")
         if self.tp_all_reduce not in ("auto", "nccl", "symm"):
             raise ValueError(f"tp_all_reduce must be auto, nccl or symm, got {self.tp_all_reduce!r}")
+        if self.tp_comm_suspend not in ("auto", "off"):
+            raise ValueError(f"tp_comm_suspend must be auto or off, got {self.tp_comm_suspend!r}")
         if self.tp_launch not in ("spawn", "torchrun"):
             raise ValueError(f"tp_launch must be spawn or torchrun, got {self.tp_launch!r}")
         if self.max_num_seqs < 1:

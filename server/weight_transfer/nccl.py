@@ -60,7 +60,23 @@ class NcclLibrary:
         lib.ncclCommDestroy.argtypes = [vp]
         lib.ncclCommAbort.argtypes = [vp]
         lib.ncclCommGetAsyncError.argtypes = [vp, ctypes.POINTER(i)]
+        lib.ncclGetVersion.argtypes = [ctypes.POINTER(i)]
+        # ncclCommSuspend / ncclCommResume / ncclCommMemStats: NCCL >= 2.29.7 ("dynamic memory offload"),
+        # absent from older libraries (torch 2.11's own is 2.28.9). Looked up, never assumed.
+        self.can_suspend = hasattr(lib, "ncclCommSuspend") and hasattr(lib, "ncclCommResume")
+        if self.can_suspend:
+            lib.ncclCommSuspend.argtypes = [vp, i]
+            lib.ncclCommResume.argtypes = [vp]
+        if hasattr(lib, "ncclCommMemStats"):
+            lib.ncclCommMemStats.argtypes = [vp, i, ctypes.POINTER(ctypes.c_uint64)]
         self.lib = lib
+
+    @property
+    def version(self) -> str:
+        code = ctypes.c_int(0)
+        self.check(self.lib.ncclGetVersion(ctypes.byref(code)))
+        v = code.value
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
 
     def check(self, result: int) -> None:
         if result != 0:

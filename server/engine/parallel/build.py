@@ -36,8 +36,11 @@ def build_parallel(config: EngineConfig, source: ModelSource, model_config: Mode
         raise
     log.info("tensor parallelism: %d ranks (%s); rank 0 is pid %d", world,
              ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['device']}" for i in infos), os.getpid())
-    if config.tp_release_comm_on_sleep and workers.group.device.type == "cuda":
+    suspend = config.tp_comm_suspend != "off" and workers.group.suspendable
+    if workers.group.device.type == "cuda":
         from server.engine.parallel.comm_cycle import suspend_support
 
-        log.info("--tp-release-comm-on-sleep: %s", suspend_support())
-    return parts, ParallelPool(parts.pool, workers, parts.runner, release_comm=config.tp_release_comm_on_sleep)
+        log.info("device communicator while asleep: %s", suspend_support(config.tp_comm_suspend,
+                                                                        config.tp_release_comm_on_sleep))
+    return parts, ParallelPool(parts.pool, workers, parts.runner, release_comm=config.tp_release_comm_on_sleep,
+                               suspend_comm=suspend)

@@ -29,12 +29,16 @@ class DeviceComm(Protocol):
 
     def abort(self) -> None: ...
 
+    # Whether suspend() / resume() give the communicator's device memory back while it stays (NCCL >= 2.29.7).
+    suspendable: bool
+
 
 class GlooComm:
     """A gloo group beside the control group: the model's collectives never share a group with the
     control group's agreements, as on CUDA, where they run on NCCL."""
 
     name = "gloo"
+    suspendable = False
 
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo")
@@ -62,6 +66,8 @@ class GlooComm:
 
 
 _SUM = 0
+NCCL_SUSPEND_MEM = 0x01  # nccl.h: release the communicator's dynamic device allocations
+MEM_SUSPENDABLE, MEM_SUSPENDED, MEM_PERSISTENT, MEM_TOTAL = 0, 1, 2, 3  # nccl.h ncclCommMemStat_t
 
 
 class NcclGroupComm:
@@ -74,6 +80,8 @@ class NcclGroupComm:
 
         self.nccl = NcclLibrary()
         self.lib = self.nccl.lib
+        self.suspendable = self.nccl.can_suspend
+        self.suspended = False
         self.rank, self.world, self.device = rank, world, device
         if rank == 0:
             store.set(key, self.nccl.unique_id())
@@ -103,6 +111,30 @@ class NcclGroupComm:
         self.nccl.check(self.lib.ncclBroadcast(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], 0,
                                               self.comm, self._stream()))
         return x
+
+    def suspend(self) -> None:
+        """Give the communicator's device memory back while keeping the communicator (NCCL unmaps its
+        physical memory and keeps the virtual addresses, so CUDA graphs that captured its collectives replay
+        after resume()). Every collective has completed first; none may run until resume()."""
+        torch.cuda.synchronize(self.device)
+        self.nccl.check(self.lib.ncclCommSuspend(self.comm, NCCL_SUSPEND_MEM))
+        self.suspended = True
+
+    def resume(self) -> None:
+        self.nccl.check(self.lib.ncclCommResume(self.comm))
+        self.suspended = False
+
+    def memory(self) -> dict[str, int]:
+        """NCCL's own account of its device memory (bytes; suspended: 0 or 1), where the library keeps one."""
+        if not hasattr(self.lib, "ncclCommMemStats"):
+            return {}
+        out = {}
+        for name, stat in (("suspendable", MEM_SUSPENDABLE), ("suspended", MEM_SUSPENDED),
+                           ("persistent", MEM_PERSISTENT), ("total", MEM_TOTAL)):
+            value = ctypes.c_uint64(0)
+            self.nccl.check(self.lib.ncclCommMemStats(self.comm, stat, ctypes.byref(value)))
+            out[name] = value.value
+        return out
 
     def close(self) -> None:
         # ncclCommAbort frees this rank's communicator without a collective finalize (ncclCommDestroy in

@@ -23,7 +23,6 @@ built through ctypes, not done).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 
@@ -83,23 +82,20 @@ def _failed(error: BaseException | None, what: str) -> PoolError:
     return PoolError(f"could not {what}: {type(error).__name__}: {error}")
 
 
-def suspend_support() -> str:
-    """What the NCCL that torch loads offers for a sleep, for the log: its version, and whether it has
-    ncclCommSuspend/ncclCommResume (NCCL >= 2.29.7; not used here yet, which is why it is only reported)."""
+def suspend_support(suspend: str = "auto", release: bool = False) -> str:
+    """What a sleep does to the device communicator, for the log: the NCCL in use (SLEEPSERVE_NCCL_SO, else
+    torch's), whether it has ncclCommSuspend (>= 2.29.7), and what --tp-comm-suspend and
+    --tp-release-comm-on-sleep make of it (pool.py ParallelPool)."""
     from server.weight_transfer.nccl import NcclLibrary
 
     try:
-        lib = NcclLibrary().lib
+        nccl = NcclLibrary()
     except OSError as e:
         return f"NCCL could not be loaded ({e})"
-    version = ctypes.c_int(0)
-    try:
-        lib.ncclGetVersion(ctypes.byref(version))
-    except AttributeError:
-        pass
-    v = version.value
-    text = f"NCCL {v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"NCCL (version code {v})"
-    have = [name for name in ("ncclCommSuspend", "ncclCommResume") if hasattr(lib, name)]
-    if have:
-        return f"{text} has {' and '.join(have)} (not used: the communicator is destroyed and re-created)"
-    return f"{text} has no ncclCommSuspend (NCCL >= 2.29.7): the communicator is destroyed and re-created"
+    text = f"NCCL {nccl.version}"
+    if nccl.can_suspend and suspend != "off":
+        return f"{text}: suspended by a sleep, resumed by the wake (ncclCommSuspend)"
+    fallback = ("destroyed by a sleep and re-created by the wake (--tp-release-comm-on-sleep)" if release
+                else "kept while asleep")
+    why = "--tp-comm-suspend off" if nccl.can_suspend else "no ncclCommSuspend (NCCL >= 2.29.7)"
+    return f"{text}, {why}: {fallback}"

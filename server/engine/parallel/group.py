@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -97,9 +98,29 @@ class Group:
         return getattr(self.comm, "name", "none")
 
     def state(self) -> dict:
-        """This rank's communicator: its generation (a new one after every re-creation) and what it runs
-        on ("none" while released)."""
-        return {"rank": self.rank, "generation": self.generation, "all_reduce": self.all_reduce_name}
+        """This rank's communicator: its generation (a new one after every re-creation), what it runs
+        on ("none" while released) and whether it is suspended (its device memory given back)."""
+        return {"rank": self.rank, "generation": self.generation, "all_reduce": self.all_reduce_name,
+                "suspended": bool(getattr(self.comm, "suspended", False))}
+
+    @property
+    def suspendable(self) -> bool:
+        return bool(getattr(self.comm, "suspendable", False))
+
+    def suspend(self) -> float:
+        """For a sleep: the communicator's device memory goes (NCCL >= 2.29.7), the communicator and the
+        decode graphs that captured its collectives stay. Returns the milliseconds it took."""
+        t0 = time.perf_counter()
+        if self.suspendable and not self.comm.suspended:
+            self.comm.suspend()
+        return (time.perf_counter() - t0) * 1e3
+
+    def resume(self) -> float:
+        """After the wake that leaves nothing asleep (a no-op where this rank is not suspended)."""
+        t0 = time.perf_counter()
+        if self.comm is not None and getattr(self.comm, "suspended", False):
+            self.comm.resume()
+        return (time.perf_counter() - t0) * 1e3
 
     def down(self) -> None:
         """Release the device communicator (at close, or for a sleep with --tp-release-comm-on-sleep); a

@@ -6,9 +6,12 @@ a MemoryPool; each rank's own pool keeps its own tag states (they move together)
 rolls back the others: a failed wake puts every rank back to sleep as it was, a failed sleep wakes the
 ranks that slept, and the error names the rank.
 
-By default the device communicator stays up while the ranks sleep (NCCL keeps ~840 MiB per H200 rank
-outside the pool): the decode graphs captured its collectives, so they replay after the wake as they
-were. With --tp-release-comm-on-sleep (release_comm) this facade also takes it down on every rank after
+Where the NCCL in use has ncclCommSuspend (>= 2.29.7; suspend_comm, unless --tp-comm-suspend off), the first
+tags to sleep suspend every rank's communicator (NCCL unmaps its physical memory and keeps its virtual
+addresses) and the wake that leaves nothing asleep resumes it: the decode graphs that captured its
+collectives replay as they were, nothing is re-created. Otherwise the device communicator stays up while
+the ranks sleep by default (NCCL 2.28.9 keeps ~840 MiB per H200 rank outside the pool): the decode graphs
+captured its collectives, so they replay after the wake as they were. With --tp-release-comm-on-sleep (release_comm) this facade also takes it down on every rank after
 the first tags sleep, and a wake that leaves nothing asleep creates a new one and re-captures the graphs
 on every rank before it returns (comm_cycle.py); if any rank fails that, every rank goes back to sleep as
 before the wake. An earlier build that always did so (H200x2, 8B) woke in 2.5-3.6 s instead of 0.3 s and
@@ -32,12 +35,14 @@ def _tags(tags: str | Iterable[str] | None) -> list[str]:
 
 
 class ParallelPool:
-    def __init__(self, local: MemoryPool, workers: Workers, runner=None, release_comm: bool = False):
+    def __init__(self, local: MemoryPool, workers: Workers, runner=None, release_comm: bool = False,
+                 suspend_comm: bool = False):
         self.local = local
         self.workers = workers
         self.world = workers.world
         self.runner = runner  # rank 0's: its decode graphs go and come back with the communicator
         self.release_comm = release_comm
+        self.suspend_comm = suspend_comm  # takes precedence: nothing is re-created or re-captured
 
     # -- what the engine reads: rank 0's pool answers for all (their tag states move together) ------
 
@@ -85,10 +90,14 @@ class ParallelPool:
             raise PoolError(f"sleep failed on {self._name(failed)}; the ranks that had slept were woken again, "
                             "so every rank is as before the call")
         reports: list[PoolSleepReport] = list(outcomes.values())
-        comm: dict[str, Any] = {}  # comm_ms: each rank's milliseconds to drop its graphs and communicator
-        if self.release_comm and not before and self.workers.group.comm is not None:
-            comm["comm_ms"] = self._release_comm()
-            clock.mark("comm_release")
+        comm: dict[str, Any] = {}  # comm_ms: each rank's milliseconds to suspend or drop its communicator
+        if not before and self.workers.group.comm is not None:
+            if self.suspend_comm:
+                comm["comm_ms"] = self._suspend_comm()
+                clock.mark("comm_suspend")
+            elif self.release_comm:
+                comm["comm_ms"] = self._release_comm()
+                clock.mark("comm_release")
         return PoolSleepReport(sum(r.bytes_offloaded for r in reports), sum(r.bytes_discarded for r in reports),
                            max(r.seconds for r in reports), max(r.copy_seconds for r in reports),
                            timings=self._timings(clock, outcomes, **comm))
@@ -109,10 +118,14 @@ class ParallelPool:
             first = next(iter(failed.values()))
             raise PoolError(f"wake_up failed on {self._name(failed)} ({first}); every rank was put back to sleep "
                             f"(tags {sorted(targets)} stay asleep): free the resource named and call wake_up again")
-        comm: dict[str, Any] = {}  # comm_ms: each rank's {init_ms, capture_ms}
-        if self.workers.group.comm is None and not self.local.sleeping_tags():
-            comm["comm_ms"] = self._recreate_comm(targets, before)
-            clock.mark("comm_recreate")
+        comm: dict[str, Any] = {}  # comm_ms: each rank's {init_ms, capture_ms}, or its resume's ms
+        if not self.local.sleeping_tags():
+            if self.workers.group.comm is None:
+                comm["comm_ms"] = self._recreate_comm(targets, before)
+                clock.mark("comm_recreate")
+            elif self.suspend_comm:
+                comm["comm_ms"] = self._resume_comm(targets, before)
+                clock.mark("comm_resume")
         reports: list[PoolWakeReport] = list(outcomes.values())
         return PoolWakeReport(sum(r.bytes_restored for r in reports), sum(r.bytes_mapped for r in reports),
                           max(r.seconds for r in reports), max(r.copy_seconds for r in reports),
@@ -125,7 +138,29 @@ class ParallelPool:
         self._on_ranks(ranks, "sleep", (offload, discard),
                        lambda: self.local.sleep(offload_tags=offload, discard_tags=discard))
 
-    # -- the device communicator (--tp-release-comm-on-sleep: comm_cycle.py) ---------------------
+    # -- the device communicator: suspended (NCCL >= 2.29.7) or released (--tp-release-comm-on-sleep) --
+
+    def _suspend_comm(self) -> list[float]:
+        """Every rank suspends its communicator (after the sleep succeeded everywhere). A rank that fails is
+        logged and keeps its communicator's memory while asleep; the wake resumes the ones that suspended."""
+        outcomes = self.workers.run("comm_suspend", None, self.workers.group.suspend)
+        for rank, value in sorted(outcomes.items()):
+            if isinstance(value, BaseException):
+                log.error("rank %d could not suspend its device communicator (its memory stays in use while "
+                          "asleep): %s", rank, value)
+        return [v if isinstance(v, float) else -1.0 for _, v in sorted(outcomes.items())]
+
+    def _resume_comm(self, targets: list[str], before: dict[str, str]) -> list[float]:
+        """Every suspended rank resumes (the others have nothing to do). Any rank failing: every rank back
+        to sleep as before this wake (the next wake resumes the ones still suspended)."""
+        outcomes = self.workers.run("comm_resume", None, self.workers.group.resume)
+        failed = {r: v for r, v in outcomes.items() if isinstance(v, BaseException)}
+        if failed:
+            self._back_to_sleep(list(outcomes), targets, before)
+            raise PoolError(f"wake_up failed resuming the device communicator on {self._name(failed)}; every rank "
+                            f"was put back to sleep (tags {sorted(targets)} stay asleep): free the resource named "
+                            "and call wake_up again")
+        return [v for _, v in sorted(outcomes.items())]
 
     def _release_comm(self) -> list[float]:
         """Every rank drops its decode graphs and its communicator (after the sleep succeeded everywhere:
@@ -156,8 +191,8 @@ class ParallelPool:
 
     @staticmethod
     def _timings(clock: Clock, outcomes: dict[int, Any], **extra: Any) -> dict[str, Any]:
-        """This call's phases ("ranks": every rank's pool call, run at once; "comm_release" or
-        "comm_recreate"), rank 0's own pool phases, each rank's pool ms (and communicator ms: comm_ms)."""
+        """This call's phases ("ranks": every rank's pool call, run at once; "comm_suspend", "comm_release",
+        "comm_resume" or "comm_recreate"), rank 0's own pool phases, each rank's pool ms (and communicator ms: comm_ms)."""
         ranks = {r: v for r, v in sorted(outcomes.items()) if not isinstance(v, BaseException)}
         return clock.report(rank0=getattr(ranks.get(0), "timings", {}),
                             rank_ms=[getattr(v, "seconds", 0.0) * 1e3 for v in ranks.values()], **extra)

@@ -122,6 +122,24 @@ class SymmComm:
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         return self.nccl.broadcast(x)
 
+    @property
+    def suspendable(self) -> bool:
+        return self.nccl.suspendable
+
+    @property
+    def suspended(self) -> bool:
+        return self.nccl.suspended
+
+    def suspend(self) -> None:
+        """The NCCL communicator's memory goes; the symmetric buffer (a few MiB) stays mapped."""
+        self.nccl.suspend()
+
+    def resume(self) -> None:
+        self.nccl.resume()
+
+    def memory(self) -> dict[str, int]:
+        return self.nccl.memory()
+
     def close(self) -> None:
         self.nccl.close()  # synchronizes first: no kernel reads the buffer any more
         self.release()

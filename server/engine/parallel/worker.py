@@ -186,6 +186,12 @@ class Worker:
         fail, self.fail_recreate = self.fail_recreate, None
         return recreate(self.runner, self.group, fail)
 
+    def op_comm_suspend(self, _: Any) -> float:
+        return self.group.suspend()
+
+    def op_comm_resume(self, _: Any) -> float:
+        return self.group.resume()
+
     def op_comm_state(self, _: Any) -> dict:
         return self.group.state()
 
