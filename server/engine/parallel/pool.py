@@ -143,24 +143,7 @@ class ParallelPool:
     def _suspend_comm(self) -> list[float]:
         """Every rank suspends its communicator (after the sleep succeeded everywhere). A rank that fails is
         logged and keeps its communicator's memory while asleep; the wake resumes the ones that suspended."""
-        outcomes = self.workers.run("comm_suspend", None, self.workers.group.suspend)
-        for rank, value in sorted(outcomes.items()):
-            if isinstance(value, BaseException):
-                log.error("rank %d could not suspend its device communicator (its memory stays in use while "
-                          "asleep): %s", rank, value)
-        return [v if isinstance(v, float) else -1.0 for _, v in sorted(outcomes.items())]
-
-    def _resume_comm(self, targets: list[str], before: dict[str, str]) -> list[float]:
-        """Every suspended rank resumes (the others have nothing to do). Any rank failing: every rank back
-        to sleep as before this wake (the next wake resumes the ones still suspended)."""
-        outcomes = self.workers.run("comm_resume", None, self.workers.group.resume)
-        failed = {r: v for r, v in outcomes.items() if isinstance(v, BaseException)}
-        if failed:
-            self._back_to_sleep(list(outcomes), targets, before)
-            raise PoolError(f"wake_up failed resuming the device communicator on {self._name(failed)}; every rank "
-                            f"was put back to sleep (tags {sorted(targets)} stay asleep): free the resource named "
-                            "and call wake_up again")
-        return [v for _, v in sorted(outcomes.items())]
+        return self._after_sleep("comm_suspend", self.workers.group.suspend, "suspend")
 
     def _release_comm(self) -> list[float]:
         """Every rank drops its decode graphs and its communicator (after the sleep succeeded everywhere:
@@ -168,25 +151,41 @@ class ParallelPool:
         wake's re-creation releases what it kept first."""
         from server.engine.parallel.comm_cycle import release
 
-        outcomes = self.workers.run("comm_release", None, lambda: release(self.runner, self.workers.group))
+        return self._after_sleep("comm_release", lambda: release(self.runner, self.workers.group), "release")
+
+    def _after_sleep(self, op: str, local, verb: str) -> list[float]:
+        """`op` on every rank at once; a rank's failure is logged (its communicator's memory stays in use)."""
+        outcomes = self.workers.run(op, None, local)
         for rank, value in sorted(outcomes.items()):
             if isinstance(value, BaseException):
-                log.error("rank %d could not release its device communicator (it stays in use while asleep): %s",
-                          rank, value)
+                log.error("rank %d could not %s its device communicator (it stays in use while asleep): %s",
+                          rank, verb, value)
         return [v if isinstance(v, float) else -1.0 for _, v in sorted(outcomes.items())]
+
+    def _resume_comm(self, targets: list[str], before: dict[str, str]) -> list[float]:
+        """Every suspended rank resumes (the others have nothing to do). Any rank failing: every rank back
+        to sleep as before this wake (the next wake resumes the ones still suspended)."""
+        return self._before_wake_ends("comm_resume", self.workers.group.resume, targets, before,
+                                      "resuming the device communicator", "")
 
     def _recreate_comm(self, targets: list[str], before: dict[str, str]) -> list[dict[str, float]]:
         """A new communicator and re-captured graphs on every rank (a collective: every rank at once, as
         the group's first start). Any rank failing: every rank back to sleep as before this wake."""
         from server.engine.parallel.comm_cycle import recreate
 
-        outcomes = self.workers.run("comm_recreate", None, lambda: recreate(self.runner, self.workers.group))
+        return self._before_wake_ends("comm_recreate", lambda: recreate(self.runner, self.workers.group), targets,
+                                      before, "re-creating the device communicator", ", no communicator")
+
+    def _before_wake_ends(self, op: str, local, targets: list[str], before: dict[str, str], doing: str,
+                          left: str) -> list:
+        """`op` on every rank at once; any rank failing puts every rank back to sleep and fails the wake."""
+        outcomes = self.workers.run(op, None, local)
         failed = {r: v for r, v in outcomes.items() if isinstance(v, BaseException)}
         if failed:
             self._back_to_sleep(list(outcomes), targets, before)
-            raise PoolError(f"wake_up failed re-creating the device communicator on {self._name(failed)}; every "
-                            f"rank was put back to sleep (tags {sorted(targets)} stay asleep, no communicator): "
-                            "free the resource named and call wake_up again")
+            raise PoolError(f"wake_up failed {doing} on {self._name(failed)}; every rank was put back to sleep "
+                            f"(tags {sorted(targets)} stay asleep{left}): free the resource named and call "
+                            "wake_up again")
         return [v for _, v in sorted(outcomes.items())]
 
     @staticmethod
