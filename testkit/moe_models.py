@@ -57,6 +57,11 @@ def hf_greedy(folder: Path, prompts: list[str] = PROMPTS, n: int = NEW_TOKENS) -
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model_greedy(model, tok, prompts, n)
+
+
+def model_greedy(model, tok, prompts: list[str] = PROMPTS, n: int = NEW_TOKENS) -> list[list[int]]:
+    """A transformers model's own generate, greedy, n new tokens for each prompt (alone: no padding)."""
     refs = []
     with torch.no_grad():
         for p in prompts:

@@ -84,7 +84,7 @@ def _convert(gguf: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s once into %s (later starts load the cache)", gguf.name, out.parent)
     with tqdm(total=3, desc=f"converting {gguf.name}", unit="step") as bar:
@@ -92,7 +92,9 @@ def _convert(gguf: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update()
         bar.set_postfix_str("dequantizing weights")
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, **_missed_config(gguf))
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                     dtype=torch.float32)
         bar.update()
         bar.set_postfix_str("saving safetensors")
         # save_pretrained refuses GGUF-quantized models; the weights are plain fp32 now, so write the
@@ -107,3 +109,28 @@ def _convert(gguf: Path, out: Path) -> None:
         tokenizer.save_pretrained(out)
         (out / "sleepserve-source.json").write_text(json.dumps({"gguf": str(gguf)}))
         bar.update()
+
+
+# GGUF metadata transformers' reader leaves out of the config, by architecture: without it the config keeps
+# the class's default (Qwen3-MoE's moe_intermediate_size 768, right for Qwen3-30B-A3B and wrong for
+# Qwen3-235B-A22B's 1536 or any other size), and the experts' weights then fail to load.
+MISSED_GGUF_KEYS = {
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+}
+
+
+def _missed_config(gguf: Path) -> dict:
+    """Config fields a GGUF file holds that transformers' reader does not map (MISSED_GGUF_KEYS)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    arch_field = fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else ""
+    out = {}
+    for key, name in MISSED_GGUF_KEYS.get(arch, {}).items():
+        field = fields.get(f"{arch}.{key}")
+        if field is not None:
+            out[name] = int(field.contents())
+    return out
