@@ -50,12 +50,19 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True)
 class ModelCost:
-    """What one forward step reads and computes, from the model's shape."""
+    """What one forward step reads and computes, from the model's shape. Mixture of experts: a token is
+    multiplied by the k experts it is routed to, and a step reads the distinct experts its tokens picked,
+    taken as uniform routing: E (1 - (1 - k/E)^tokens) per sparse layer (all of them, within 1%, from
+    ~600 tokens a step at Qwen3-30B-A3B's 8 of 128: an RL batch's decode; bench/moe.py counts the
+    experts really routed instead)."""
     weight_bytes: int          # every parameter once (a tied embedding is read once, by the LM head)
     matmul_params: int         # parameters multiplied per token (layers' linears), without the LM head
     head_params: int           # vocab x hidden: multiplied only for rows that are sampled
     kv_bytes_per_token: int    # K and V of every layer
     attn_flops_per_pair: int   # FLOPs of one (query token, context token) pair over all layers
+    expert_bytes: int = 0      # of weight_bytes, the routed experts' (0: a dense model)
+    experts: int = 0           # per sparse layer
+    top_k: int = 0             # experts per token
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelCost":
@@ -63,17 +70,26 @@ class ModelCost:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         embed = c.vocab_size * c.hidden_size
         layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+        expert = [p for n, p in model.named_parameters() if ".experts." in n]
+        experts, top_k = getattr(c, "num_experts", 0), getattr(c, "num_experts_per_tok", 0)
+        idle = sum(p.numel() for p in expert) * (1 - top_k / experts) if experts else 0
         elem = next(model.parameters()).element_size()
-        return cls(weight_bytes=weight_bytes, matmul_params=layer_params, head_params=embed,
+        return cls(weight_bytes=weight_bytes, matmul_params=round(layer_params - idle), head_params=embed,
                    kv_bytes_per_token=2 * c.num_layers * c.num_kv_heads * c.head_dim * elem,
-                   attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim)
+                   attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim,
+                   expert_bytes=sum(p.numel() * p.element_size() for p in expert), experts=experts, top_k=top_k)
+
+    def expert_share_read(self, tokens: int) -> float:
+        """The share of the experts' bytes a step of `tokens` tokens reads (uniform routing)."""
+        return 1.0 - (1.0 - self.top_k / self.experts) ** tokens if self.experts else 1.0
 
     def step(self, shape: "StepShape") -> tuple[float, float]:
         """(bytes, FLOPs) of a step of that shape."""
         kv_read = shape.kv_tokens * self.kv_bytes_per_token
+        weights = self.weight_bytes - self.expert_bytes * (1.0 - self.expert_share_read(shape.tokens))
         flops = (2 * self.matmul_params * shape.tokens + 2 * self.head_params * shape.sampled
                  + self.attn_flops_per_pair * shape.pairs)
-        return self.weight_bytes + kv_read, flops
+        return weights + kv_read, flops
 
     def step_seconds(self, shape: "StepShape", device: Device) -> float:
         nbytes, flops = self.step(shape)

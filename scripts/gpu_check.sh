@@ -31,7 +31,7 @@
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
 # two: bench/tp_release.py's keep / release / suspend).
-# By name only: moe-test, moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-fidelity (--batch-invariant:
+# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -139,6 +139,10 @@ for stage in $stages; do
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;
     structured) run structured $PY bench/structured_mask.py --device cuda --model llama-1b --out "$RESULTS" ;;
     flows)      run flows $PY bench/readme_flows.py --out "$RESULTS" ;;
+    rollout-moe) # the RL rollout at the Qwen3-30B-A3B shape (dummy weights): HTTP as TRL sends it, in-process, and
+                # transformers' generate on 8 of the prompts (64 sequences: its MoE loop bounds the call's time)
+                run rollout-moe timeout 580 $PY bench/rollout.py --device cuda --model qwen3-30b-a3b --hf-prompts 8 \
+                  --out "$RESULTS" ;;
     moe-test)   run moe-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider ;;
     moe)        # the Qwen3-30B-A3B shape, dummy weights: decode vs the roofline of the bytes a step reads, level-1/2
                 # sleep and wake vs raw pinned bandwidth, routed-expert capture at batch 256 (bench/moe.py)
