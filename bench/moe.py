@@ -135,14 +135,20 @@ def step_bytes(model, batch: int, context: float, experts: float) -> tuple[float
     return nbytes, flops
 
 
-TILES = [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64),
+# The narrow ones (BLOCK_N 16, 32) are for a decode batch of a few tokens: 8 assignments at batch 1 give 8
+# busy blocks, so only the N tiles spread a layer's 75 MB over the SMs (64 wide: 96 programs on 132 SMs).
+TILES = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128),
+         dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64),
          dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)]
 
 
 def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth: float, flops: float) -> list[dict]:
     """One sparse layer's experts (align + both GEMMs + combine) per token count: the default tiles and each of
-    TILES, timed with CUDA events (median of 20), beside the bytes of the distinct experts the tokens chose."""
+    TILES, captured in a CUDA graph as decode runs them and timed per replay with CUDA events (median of 20),
+    beside the bytes of the distinct experts the tokens chose. (Timed eagerly, every tile took the same
+    349 us at 1 token, 2026-12-04: the launches, not the kernels.)"""
     from server.model.fused_moe import fused_experts, route, tiles
 
     H, I, E, K = (config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
@@ -157,16 +163,24 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
         ids, weights = route(x, gate, K, True, True)
 
         def timed(cfg) -> float:
-            for _ in range(3):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # compile and warm outside the capture
+                for _ in range(3):
+                    fused_experts(x, w13, w2, ids, weights, cfg)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 fused_experts(x, w13, w2, ids, weights, cfg)
             times = []
             for _ in range(20):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                fused_experts(x, w13, w2, ids, weights, cfg)
+                graph.replay()
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b) * 1e3)
+            del graph
             return statistics.median(times)
 
         default = tiles(T * K, max(H, I), E)
