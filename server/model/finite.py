@@ -69,9 +69,11 @@ class FiniteCheck:
             else:
                 dst.copy_(src, non_blocking=True)
                 self.add(name, dst)
-        for group in fused.values():
-            flags = self._flag_slots(len(group), group[0][1].device)
-            self._flagged.append(([name for name, _, _ in group], copy_and_flag(group, flags)))
+        for same in fused.values():
+            for i in range(0, len(same), MAX_TENSORS_PER_LAUNCH):
+                group = same[i:i + MAX_TENSORS_PER_LAUNCH]
+                flags = self._flag_slots(len(group), group[0][1].device)
+                self._flagged.append(([name for name, _, _ in group], copy_and_flag(group, flags)))
 
     def _flag_slots(self, n: int, device: torch.device) -> torch.Tensor:
         """n zeroed int32 flags on `device`, from the current buffer or a new one."""
@@ -130,11 +132,15 @@ def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: to
     # Pageable memory: the host's bytes are taken before the call returns, in the stream's order.
     table = table.to(flags.device, non_blocking=True)
     dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[group[0][1].dtype]
+    steps = next(s for s in SEARCH_STEPS if len(group) <= 1 << s)
     copy_and_flag_kernel[(firsts[-1],)](table, len(group), flags, DTYPE=dtype, BLOCK=COPY_BLOCK, ITERS=COPY_ITERS,
-                                        SEARCH_STEPS=max(1, (len(group) - 1).bit_length()), num_warps=4)
+                                        SEARCH_STEPS=steps, num_warps=4)
     return flags
 
 
+# A launch's binary search runs one of these step counts (a compiled variant each): up to 2^16 tensors a launch.
+SEARCH_STEPS = (4, 8, 16)
+MAX_TENSORS_PER_LAUNCH = 1 << SEARCH_STEPS[-1]
 # A program copies COPY_ITERS blocks of COPY_BLOCK elements (16-byte loads a thread at 16 bits).
 COPY_BLOCK = 2048
 COPY_ITERS = 4

@@ -5,20 +5,21 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tensors"])
 def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
                          SEARCH_STEPS: tl.constexpr):
     """Copies many tensors of one dtype in one launch and flags each one that holds NaN or +-Inf.
 
     table: int64 [4, n_tensors + 1], rows: source address, destination address, elements, and the first
     program of each tensor (cumulative; its last column is the grid's size). A program finds its tensor by a
-    binary search of that row (SEARCH_STEPS >= log2(n_tensors) steps), copies its ITERS blocks of BLOCK
+    binary search of that row (SEARCH_STEPS >= log2(n_tensors) steps; finite.py rounds it up to 4, 8 or 16, so
+    a dtype compiles one or two variants, not one per bucket size), copies its ITERS blocks of BLOCK
     elements and sets flags[tensor] only when it saw a bad value: no atomic in the common case."""
     pid = tl.program_id(0)
     width = n_tensors + 1
     lo = pid * 0
     hi = lo + n_tensors
-    for _ in range(SEARCH_STEPS):  # keeps table[3, lo] <= pid < table[3, hi]
+    for _ in range(SEARCH_STEPS):  # keeps table[3, lo] <= pid < table[3, hi]; idle once hi = lo + 1
         mid = (lo + hi) // 2
         go = tl.load(table + 3 * width + mid) <= pid
         lo = tl.where(go, mid, lo)

@@ -1,6 +1,6 @@
 """The fused copy-and-check kernel of model/finite.py under Triton's CPU interpreter: one launch copies every
 element of several tensors and flags exactly those holding NaN, +Inf or -Inf wherever it sits (first, last,
-past a program's blocks, in a tensor smaller than one program), in each dtype."""
+past a program's blocks, in a tensor smaller than one program), in each dtype, and among 260 tensors."""
 from __future__ import annotations
 
 import pytest
@@ -36,6 +36,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 assert flagged(bad) == [int(i == k) for i in range(len(sizes))], (dtype, k, at, value)
     big = [torch.full((n,), torch.finfo(dtype).max, dtype=dtype) for n in sizes]  # the largest finite value
     assert flagged(big) == [0] * len(sizes), dtype
+# 260 small tensors in one launch: the binary search's longest variant (more than 256 tensors).
+many = [torch.randn(int(n)) for n in torch.randint(1, 50, (260,))]
+for k in (0, 137, 259):
+    many[k][-1] = float("nan")
+assert flagged(many) == [int(i in (0, 137, 259)) for i in range(260)]
 print("ok")
 """
 
