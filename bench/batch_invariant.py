@@ -120,6 +120,10 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                    "unsplit_ms": old, "cublas_ms": cub, "x_cublas": cub / ours, "tile": mine, "unsplit_tile": before}
             if mine != narrow:
                 row["narrow_ms"] = median_ms(fixed_tile_matmul, x, ws, None, None, narrow)
+            if mine.get("SPLIT_K", 1) > 1:  # the splits through the workspace and added in each program
+                row["workspace_ms"], row["serial_ms"] = (
+                    median_ms(fixed_tile_matmul, x, ws, None, None, dict(mine, SERIAL=serial))
+                    for serial in (False, True))
             if sweep:
                 row["sweep_ms"] = {tile_name(sweep_tile(*t)): median_ms(fixed_tile_matmul, x, ws, None, None,
                                                                          sweep_tile(*t)) for t in SWEEP}
@@ -177,8 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
               "gemms": gemms}
     if gemms:
         print(table([[g["model"], g["gemm"], f"{g['N']}x{g['K']}", g["rows"], f"{g['unsplit_ms']:.4f}",
-                      f"{g['fixed_tile_ms']:.4f}", f"{g['cublas_ms']:.4f}", f"{g['x_cublas']:.2f}"] for g in gemms],
-                    ["model", "gemm", "N x K", "rows", "unsplit ms", "split-K ms", "cuBLAS ms", "split-K vs cuBLAS"]))
+                      f"{g['fixed_tile_ms']:.4f}", f"{g['cublas_ms']:.4f}", f"{g['x_cublas']:.2f}",
+                      f"{g['workspace_ms']:.4f} / {g['serial_ms']:.4f}" if "serial_ms" in g else "-"] for g in gemms],
+                    ["model", "gemm", "N x K", "rows", "unsplit ms", "mode's tile ms", "cuBLAS ms",
+                     "mode vs cuBLAS", "K splits via workspace / serial ms"]))
         print(table(per_shape(gemms), ["model", "gemm", "N x K", "unsplit tile, ms", "mode's tile, ms",
                                        "fastest swept tile, ms", "cuBLAS ms"]))
     print(table([[r["model"], r["batch"], f"{r['default_tok_s']:.0f}", f"{r['batch_invariant_tok_s']:.0f}",

@@ -27,27 +27,11 @@ from server.model.decode_kernel import triton_decode_attention
 from server.model.fused_ops import TritonOps, _rope_and_cache
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
-                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
-    next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
-    the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype; else
-    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it."""
-    pid = tl.program_id(0)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % m_tiles
-    rest = pid // m_tiles
-    pid_s = rest % SPLIT_K
-    pid_n = rest // SPLIT_K
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = pid_s * K_CHUNK + tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+@triton.jit
+def _split_partial(x_rows, w_rows, row_ok, col_ok, split, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, IEEE: tl.constexpr):
+    """One K split's fp32 partial of a [BLOCK_M, BLOCK_N] tile: from zero, its K_CHUNK in BLOCK_K steps, in order."""
+    ks = split * K_CHUNK + tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K_CHUNK, BLOCK_K):
         k = k0 + ks
@@ -58,8 +42,44 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
+                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                       SERIAL: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
+    next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
+    the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype. SERIAL
+    (SPLIT_K > 1): program (N tile, M tile) computes the splits one after the other, each from zero, and adds
+    them in split order, then rounds once: bit for bit what the split programs and _sum_splits compute, with
+    no workspace and no second launch (for many rows, whose M tiles fill the GPU without splitting). Else
+    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it."""
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    rest = pid // m_tiles
+    if SERIAL:
+        pid_s = 0
+        pid_n = rest
+    else:
+        pid_s = rest % SPLIT_K
+        pid_n = rest // SPLIT_K
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    acc = _split_partial(x_rows, w_rows, row_ok, col_ok, pid_s, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, IEEE)
+    if SERIAL:
+        for split in tl.static_range(1, SPLIT_K):  # as _sum_splits adds them: ((part 0 + part 1) + ...)
+            acc += _split_partial(x_rows, w_rows, row_ok, col_ok, split, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK,
+                                  IEEE)
     mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
+    if SPLIT_K == 1 or SERIAL:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
@@ -138,16 +158,22 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
     them) is a function of the weight and the device only. 128 columns where that alone gives every
     multiprocessor a program (lm_head, the 8B's gate_up), else 64 columns and K split (splits_for) until the
     programs fill the GPU at one M tile: a decode step's matmul is bound by reading the weight, by as many
-    programs as run at once. Only how many rows a program takes follows `rows`: 64 (one warpgroup MMA of
-    Hopper's, m64), or 128 on two warpgroups from WIDE_ROWS in 16 bits; each row's element is the same
-    sequence of k16 MMAs either way (tests/gpu/test_batch_invariant_gpu.py checks the bits across it)."""
+    programs as run at once. Only how rows are spread follows `rows`: 64 a program (one warpgroup MMA of
+    Hopper's, m64), or 128 on two warpgroups from WIDE_ROWS in 16 bits; and whether the K splits go through
+    the workspace or are added serially in each program (SERIAL). Each row's element is the same sequence of
+    k16 MMAs and the same additions either way (tests/gpu/test_batch_invariant_gpu.py checks the bits)."""
     sms = _processors(device)
     block_n = 128 if triton.cdiv(N, 128) >= sms else 64
     fp32 = dtype == torch.float32
     block_k = 32 if fp32 else 64
     wide = rows >= WIDE_ROWS and not fp32
-    return {"BLOCK_M": 128 if wide else 64, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
-            "num_stages": 3 if fp32 else 4, "SPLIT_K": splits_for(N, K, block_n, block_k, sms)}
+    block_m = 128 if wide else 64
+    splits = splits_for(N, K, block_n, block_k, sms)
+    # Once the output tiles alone give every multiprocessor a program, a program adds the splits itself (the
+    # same sums, no fp32 workspace: at 256 rows its traffic was ~3x the weight's, 2026-12-04).
+    serial = splits > 1 and triton.cdiv(rows, block_m) * triton.cdiv(N, block_n) >= sms
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
+            "num_stages": 3 if fp32 else 4, "SPLIT_K": splits, "SERIAL": serial}
 
 
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -171,6 +197,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return out
     tile = dict(tile or matmul_tile(N, K, x.dtype, x.device, M))
     splits = tile.pop("SPLIT_K", 1)
+    serial = tile.pop("SERIAL", False)
     block_m, block_k = tile["BLOCK_M"], tile["BLOCK_K"]
     # The splits' K range in whole BLOCK_K steps (the last split's tail masked); no split left empty.
     chunk = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
@@ -179,10 +206,11 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     has_bias = bias is not None
     b = bias if has_bias else weight
     ieee = x.dtype == torch.float32
-    if splits == 1:
+    if splits == 1 or serial:
         grid = (n_tiles * triton.cdiv(M, block_m),)
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
-                                 SPLIT_K=1, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, **tile)
+                                 SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
+                                 SERIAL=splits > 1, **tile)
         return out
     step = max(block_m, WORKSPACE_BYTES // (splits * N * 4) // block_m * block_m)  # rows a launch
     ws = torch.empty((splits * min(M, step) * N,), dtype=torch.float32, device=x.device)
@@ -191,7 +219,8 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         rows = xs.shape[0]
         grid = (n_tiles * splits * triton.cdiv(rows, block_m),)
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
-                                 SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, **tile)
+                                 SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
+                                 **tile)
         _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=splits,
                                                          BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4)
     return out

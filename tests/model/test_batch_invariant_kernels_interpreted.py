@@ -31,7 +31,8 @@ bik.WORKSPACE_BYTES = 3 * 96 * 4 * 64   # split launches of 64 rows: 130 rows ta
 g = torch.Generator().manual_seed(0)
 split = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3)
 # (the mode's tile here: no split at 96 x 80 on the interpreter's 4 "multiprocessors"); 2 and 3 K splits of
-# 5 BLOCK_K steps (the last split's tail masked: K = 80)
+# 5 BLOCK_K steps (the last split's tail masked: K = 80), through the workspace and serially in one program:
+# a row alone through the workspace is the same row among others computed serially, and the reverse.
 for tile in (None, dict(split, SPLIT_K=2), dict(split, SPLIT_K=3)):
     dtype, tol = torch.float32, 1e-5  # (fp16 adds a minute of interpreter and no tiling to check)
     w = torch.randn(96, 80, generator=g).to(dtype)
@@ -45,6 +46,11 @@ for tile in (None, dict(split, SPLIT_K=2), dict(split, SPLIT_K=3)):
             batch[at] = x
             out = torch.empty(rows, 100, dtype=dtype)[:, :96]   # a row stride other than N
             assert torch.equal(fixed_tile_matmul(batch, w, b, out=out, tile=tile)[at], alone), (tile, rows, at)
+            if tile is not None:
+                serial = fixed_tile_matmul(batch, w, b, tile=dict(tile, SERIAL=True))
+                assert torch.equal(serial, out), (tile, rows, "serial")
+    if tile is not None:
+        assert torch.equal(fixed_tile_matmul(x[None], w, b, tile=dict(tile, SERIAL=True))[0], alone), tile
 print("ok")
 """
 
