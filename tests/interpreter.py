@@ -15,3 +15,23 @@ def run_interpreted(code: str, timeout: float = 300) -> str:
                          timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
+
+
+def compile_for_sm90(fn, signature: dict, constexprs: dict, **options):
+    """A Triton kernel through the compiler's whole pipeline to an sm_90 cubin, as on the H200, without a GPU
+    (the interpreter is lenient about types and shapes; the compiler is not). Skips where Triton ships no ptxas."""
+    import pytest
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
+    except RuntimeError as e:
+        if "ptxas" in str(e) and "not found" in str(e).lower():
+            pytest.skip(f"no ptxas with this Triton: {e}")
+        raise
+    assert kernel.asm["cubin"]
+    return kernel

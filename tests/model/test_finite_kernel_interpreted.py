@@ -47,3 +47,19 @@ print("ok")
 
 def test_copy_and_flag_copies_and_flags_in_interpreter():
     assert "ok" in run_interpreted(CHECK)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("steps", [4, 16])
+def test_copy_and_flag_compiles_for_sm90_without_a_gpu(dtype, steps):
+    """The addresses loaded from the table and cast to typed pointers, the binary search and the flag's atomic
+    through the compiler to an sm_90 cubin (the interpreter takes an address for a pointer without asking)."""
+    import triton.language as tl
+
+    from server.model.finite import COPY_BLOCK, COPY_ITERS
+    from server.model.finite_kernel import copy_and_flag_kernel
+    from tests.interpreter import compile_for_sm90
+
+    compile_for_sm90(copy_and_flag_kernel, {"table": "*i64", "n_tensors": "i32", "flags": "*i32"},
+                     dict(DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype],
+                          BLOCK=COPY_BLOCK, ITERS=COPY_ITERS, SEARCH_STEPS=steps))
