@@ -149,7 +149,7 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
     TILES, captured in a CUDA graph as decode runs them and timed per replay with CUDA events (median of 20),
     beside the bytes of the distinct experts the tokens chose. (Timed eagerly, every tile took the same
     349 us at 1 token, 2026-12-04: the launches, not the kernels.)"""
-    from server.model.fused_moe import fused_experts, route, tiles
+    from server.model.fused_moe import SMALL_TOKENS, fused_experts, route, small_experts, tiles
 
     H, I, E, K = (config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
                   config["num_experts_per_tok"])
@@ -162,16 +162,16 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
         x = torch.randn(T, H, device=device, dtype=torch.bfloat16, generator=g)
         ids, weights = route(x, gate, K, True, True)
 
-        def timed(cfg) -> float:
+        def timed(cfg, layer=fused_experts) -> float:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):  # compile and warm outside the capture
                 for _ in range(3):
-                    fused_experts(x, w13, w2, ids, weights, cfg)
+                    layer(x, w13, w2, ids, weights, cfg)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                fused_experts(x, w13, w2, ids, weights, cfg)
+                layer(x, w13, w2, ids, weights, cfg)
             times = []
             for _ in range(20):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -189,9 +189,12 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
         experts = len(torch.unique(ids))
         nbytes = experts * 3 * H * I * 2
         floor_us = 1e6 * max(nbytes / bandwidth, 2 * 3 * H * I * T * K / flops)
-        rows.append({"tokens": T, "experts_read": experts, "default_tile": default, "default_us": sweep.get(
+        row = {"tokens": T, "experts_read": experts, "default_tile": default, "default_us": sweep.get(
             json.dumps(default), None) or timed(default), "best_tile": json.loads(best), "best_us": sweep[best],
-            "roofline_us": floor_us, "sweep_us": sweep})
+            "roofline_us": floor_us, "sweep_us": sweep}
+        if T <= SMALL_TOKENS:  # the ungrouped few-token path (two launches, every program busy), by its block_n
+            row["small_us"] = {n: timed(None, lambda *a, n=n: small_experts(*a[:5], block_n=n)) for n in (16, 32, 64)}
+        rows.append(row)
     return rows
 
 

@@ -207,6 +207,63 @@ def _combine(parts_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
     tl.store(out_ptr + t.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _small_gate_up(x_ptr, w13_ptr, act_ptr, ids_ptr, I, stride_x, stride_we, stride_wn, stride_act,
+                   H: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A decode batch of a few tokens, no grouping: program (assignment a = token * K + slot, N tile) reads its
+    token's row and its expert's gate and up rows [n, n + BLOCK_N) and writes silu(gate) * up, rounded as
+    _grouped_gemm's GATE_UP does. A product of rows (fp32, BLOCK_K columns at a time), not an MMA: one row."""
+    a = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    expert = tl.load(ids_ptr + a).to(tl.int64)
+    x_row = x_ptr + (a // K).to(tl.int64) * stride_x
+    gate_rows = w13_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + I * stride_wn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc += tl.sum(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        acc_up += tl.sum(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+    dtype = act_ptr.dtype.element_ty
+    gate = acc.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    out = silu * acc_up.to(dtype).to(tl.float32)
+    tl.store(act_ptr + a.to(tl.int64) * stride_act + offs_n, out.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _small_down_combine(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, H, stride_act, stride_we, stride_wn,
+                        stride_out, I: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (token, N tile): for slots 0..K-1 in order, its activation row times its expert's down rows
+    [n, n + BLOCK_N), rounded and scaled by the routing weight as _grouped_gemm's WEIGHTED does, added in
+    fp32 from zero as _combine adds them, then one rounding: the down GEMM and the combine in one launch."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(K):
+        a = t * K + slot
+        expert = tl.load(ids_ptr + a).to(tl.int64)
+        rows = w2_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        act_row = act_ptr + a.to(tl.int64) * stride_act
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < I
+            h = tl.load(act_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * h, axis=1)
+        weight = tl.load(weights_ptr + a).to(tl.float32)
+        total += (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, total.to(dtype), mask=n_ok)
+
+
 SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program (_route_align_small)
 
 
@@ -331,6 +388,30 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         parts.stride(0), KDIM=I, A_DIV=1, GATE_UP=False, WEIGHTED=True, **cfg, **common)
     BLOCK_H = min(1024, triton.next_power_of_2(H))
     _combine[(T, triton.cdiv(H, BLOCK_H))](parts, out, H, K=K, BLOCK_H=BLOCK_H, num_warps=4)
+    return out
+
+
+def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  block_n: int = 16, block_k: int = 256) -> torch.Tensor:
+    """fused_experts for a decode batch of a few tokens without grouping: two launches (_small_gate_up over
+    the T*k assignments, _small_down_combine over the tokens), each program a row product, none idle. At
+    batch 1 the grouped path's grids cover the worst case (121 blocks of 16 rows at Qwen3-30B-A3B's 128
+    experts, 8 of them with work); bench/moe.py times both in a CUDA graph to choose between them."""
+    T, H = x.shape
+    I = w2.shape[2]
+    K = ids.shape[1]
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    x = x.contiguous()
+    flat_ids, flat_w = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+    act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
+    _small_gate_up[(T * K, triton.cdiv(I, block_n))](
+        x, w13, act, flat_ids, I, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), H=H, K=K,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    _small_down_combine[(T, triton.cdiv(H, block_n))](
+        act, w2, out, flat_ids, flat_w, H, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), I=I, K=K,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 
 

@@ -10,8 +10,9 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from tests.model.moe_cases import check_align, check_fused_moe, check_moe_layer
+from tests.model.moe_cases import check_align, check_fused_moe, check_moe_layer, check_small_experts
 check_align("cpu")
+print(check_small_experts(torch.float32, "cpu", 1e-5))
 print(check_moe_layer(torch.float32, "cpu", 1e-5))
 print(check_fused_moe(torch.float32, "cpu", 1e-5))
 # the prefill tiles (64-row blocks) on a batch that spans several blocks per expert
@@ -63,3 +64,20 @@ def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile):
                                        "T": "i32", "E": "i32", "stride": "i32", "max_blocks": "i32"},
                   dict(K=8, BLOCK_E=128, BLOCK_K=8, BLOCK_A=64, RENORM=True, ROUND=True, BLOCK_M=16, BLOCK_B=64))
     assert route.asm["cubin"] and offsets.asm["cubin"] and small.asm["cubin"]
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_small_batch_kernels_compile_for_sm90_without_a_gpu(block_n):
+    """fused_moe.small_experts' two kernels at the Qwen3-30B-A3B shapes (bf16, 8 of 128 experts), through the
+    compiler to an sm_90 cubin."""
+    from server.model.fused_moe import _small_down_combine, _small_gate_up
+    from tests.interpreter import compile_for_sm90
+
+    ints = ("I", "stride_x", "stride_we", "stride_wn", "stride_act")
+    compile_for_sm90(_small_gate_up, {"x_ptr": "*bf16", "w13_ptr": "*bf16", "act_ptr": "*bf16", "ids_ptr": "*i32",
+                                      **{p: "i32" for p in ints}},
+                     dict(H=2048, K=8, BLOCK_N=block_n, BLOCK_K=256))
+    ints = ("H", "stride_act", "stride_we", "stride_wn", "stride_out")
+    compile_for_sm90(_small_down_combine, {"act_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16",
+                                           "ids_ptr": "*i32", "weights_ptr": "*fp32", **{p: "i32" for p in ints}},
+                     dict(I=768, K=8, BLOCK_N=block_n, BLOCK_K=256))
