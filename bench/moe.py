@@ -9,7 +9,8 @@
 - the cost of routed-expert capture at batch 256: the same decode with the flag off (another engine), on
   without asking (the sparse layers' buffer writes), and on with every request asking;
 - CUDA: one sparse layer alone (fused_moe.py) at 1, 64, 256 and 8192 tokens, its default tiles against a few
-  others, beside the bytes of the experts it read (the tile table is where to tune).
+  others, its few-token path, and the same layer on PyTorch's grouped GEMM (torch._grouped_mm: a library's
+  kernel beside ours), each captured in a CUDA graph, beside the bytes of the experts it read.
 
 Prints one JSON object (stdout, also --out/moe.json) and its progress on stderr; a phase that runs past
 --phase-timeout prints what it has and exits 124.
@@ -144,6 +145,28 @@ TILES = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=32,
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)]
 
 
+def library_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """The same layer on a well-kept library's grouped GEMM, for comparison: PyTorch's torch._grouped_mm (CUTLASS
+    on Hopper) for gate|up and for down over the assignments sorted by expert, silu * up and the weighted
+    scatter-add in PyTorch; no host sync, so it captures in a CUDA graph. (FlashInfer's fused MoE was the other
+    candidate: a 101 MB wheel, 715 MB unpacked, plus ~40 MB of dependencies and the CUTLASS DSL, and its sm_90
+    kernels build with nvcc on first use: more than a device call carries and builds, 2026-12-05.)"""
+    T, K = ids.shape
+    I = w2.shape[2]
+    flat = ids.reshape(-1).long()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    tokens = order // K
+    h = torch._grouped_mm(x[tokens], w13.transpose(1, 2), offs=offs)            # [T*K, 2I]
+    act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)                   # [T*K, H]
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
 def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth: float, flops: float) -> list[dict]:
     """One sparse layer's experts (align + both GEMMs + combine) per token count: the default tiles and each of
     TILES, captured in a CUDA graph as decode runs them and timed per replay with CUDA events (median of 20),
@@ -192,6 +215,10 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
         row = {"tokens": T, "experts_read": experts, "default_tile": default, "default_us": sweep.get(
             json.dumps(default), None) or timed(default), "best_tile": json.loads(best), "best_us": sweep[best],
             "roofline_us": floor_us, "sweep_us": sweep}
+        try:  # the library's grouped GEMM, as the same graph runs it
+            row["library_us"] = timed(None, lambda *a: library_experts(*a[:5]))
+        except (RuntimeError, AttributeError) as e:  # torch._grouped_mm missing or refusing these shapes here
+            row["library_error"] = f"{type(e).__name__}: {e}"[:300]
         if T <= SMALL_TOKENS:  # the ungrouped few-token path (two launches, every program busy), by its block_n
             row["small_us"] = {n: timed(None, lambda *a, n=n: small_experts(*a[:5], block_n=n)) for n in (16, 32, 64)}
         rows.append(row)
