@@ -11,13 +11,21 @@ JSON answer or an event stream; any status but 200 raises with the body.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
+import time
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 
 class HTTPStatusError(RuntimeError):
     pass
+
+
+# uvicorn closes a kept-alive connection idle for 5 s (its timeout_keep_alive): one idle longer than this is
+# not reused (a rate pass at 0.5 requests/s a client process leaves many idle that long).
+IDLE_REUSE_S = 4.0
 
 
 class FastClient:
@@ -28,68 +36,97 @@ class FastClient:
         self.prefix = parts.path.rstrip("/")
         self.timeout = timeout
         self._auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        # (reader, writer, when it went idle): taken oldest first.
+        self._idle: collections.deque = collections.deque()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(self.host, self.port, limit=1 << 20)
 
     async def open(self, n: int) -> None:
         """Open connections until n are idle (the run then starts with every connection up)."""
         while len(self._idle) < n:
-            self._idle.append(await asyncio.open_connection(self.host, self.port, limit=1 << 20))
+            self._idle.append((*await self._connect(), time.monotonic()))
 
     async def close(self) -> None:
-        for _, writer in self._idle:
+        for _, writer, _ in self._idle:
             writer.close()
-        self._idle = []
+        self._idle.clear()
+
+    def _reusable(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """An idle connection the server has not closed and will not have closed by now, or None."""
+        now = time.monotonic()
+        while self._idle:
+            reader, writer, since = self._idle.popleft()
+            if not reader.at_eof() and not writer.is_closing() and now - since < IDLE_REUSE_S:
+                return reader, writer
+            writer.close()
+        return None
 
     async def post_json(self, path: str, body: dict) -> dict:
         """POST; the answer's JSON."""
-        parts = [piece async for piece in self._post(path, body)]
-        return json.loads(b"".join(parts))
+        async with contextlib.aclosing(self._post(path, body)) as pieces:
+            return json.loads(b"".join([piece async for piece in pieces]))
 
     async def post_events(self, path: str, body: dict) -> AsyncIterator[dict]:
         """POST; each server-sent event's JSON up to [DONE] (an event carrying "error" raises). The body is
-        read to its end, so the connection can carry the next request."""
+        read to its end, so the connection can carry the next request; a stream left early drops it at once."""
         pending = b""
-        async for piece in self._post(path, body):
-            pending += piece
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                data = json.loads(event[6:])
-                if data.get("error"):
-                    raise RuntimeError(f"error in the stream: {data['error']}")
-                yield data
+        async with contextlib.aclosing(self._post(path, body)) as pieces:
+            async for piece in pieces:
+                pending += piece
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                        continue
+                    data = json.loads(event[6:])
+                    if data.get("error"):
+                        raise RuntimeError(f"error in the stream: {data['error']}")
+                    yield data
 
     async def _post(self, path: str, body: dict) -> AsyncIterator[bytes]:
         """The answer's body, a piece at a time (each HTTP chunk as it arrives); the connection goes back to
-        the idle ones once the body ended, and is dropped if the read stops early. The whole exchange runs
-        under one deadline (asyncio.timeout: no task per read, as wait_for would make)."""
-        reader, writer = self._idle.pop() if self._idle else await asyncio.open_connection(
-            self.host, self.port, limit=1 << 20)
+        the idle ones once the body ended, and is dropped if the read stops early. A reused connection that
+        the server closed before answering (nothing read yet) is replaced by a new one, once. The whole
+        exchange runs under one deadline (asyncio.timeout: no task per read, as wait_for would make); the
+        callers do not await between pieces."""
         data = json.dumps(body).encode()
+        request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._auth}"
+                   f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
         keep = False
-        try:
-            async with asyncio.timeout(self.timeout):
-                writer.write((f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._auth}"
-                              f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
-                             + data)
-                head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        async with asyncio.timeout(self.timeout):
+            conn = self._reusable()
+            reused = conn is not None
+            reader, writer = conn or await self._connect()
+            try:
+                try:
+                    writer.write(request)
+                    head = (await reader.readuntil(b"\r\n\r\n")).lower()
+                except (asyncio.IncompleteReadError, ConnectionError) as e:
+                    if not reused or getattr(e, "partial", b""):  # an answer had begun: not retried
+                        raise
+                    writer.close()  # closed by the server while idle: the request never reached it
+                    reader, writer = await self._connect()
+                    writer.write(request)
+                    head = (await reader.readuntil(b"\r\n\r\n")).lower()
                 status = int(head.split(b" ", 2)[1])
                 if b"transfer-encoding: chunked" in head:
                     pieces = self._chunked(reader)
-                else:
+                elif b"content-length:" in head:
                     pieces = self._whole(reader, int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0]))
+                else:  # neither: the body runs to the connection's end
+                    pieces = self._whole(reader, -1)
+                    head += b"connection: close\r\n"
                 if status != 200:
                     text = b"".join([p async for p in pieces]).decode(errors="replace")
                     raise HTTPStatusError(f"HTTP {status}: {text[:500]}")
                 async for piece in pieces:
                     yield piece
                 keep = b"connection: close" not in head
-        finally:
-            if keep:
-                self._idle.append((reader, writer))
-            else:
-                writer.close()
+            finally:
+                if keep:
+                    self._idle.append((reader, writer, time.monotonic()))
+                else:
+                    writer.close()
 
     @staticmethod
     async def _chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
@@ -103,4 +140,5 @@ class FastClient:
 
     @staticmethod
     async def _whole(reader: asyncio.StreamReader, length: int) -> AsyncIterator[bytes]:
-        yield await reader.readexactly(length)
+        """length bytes, or (-1) everything until the server closes the connection."""
+        yield await (reader.readexactly(length) if length >= 0 else reader.read())

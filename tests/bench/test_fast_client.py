@@ -20,15 +20,24 @@ def _chunked(pieces: list[bytes]) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
 
 
-async def _serve(answers: dict[str, bytes], connections: list, bodies: list) -> asyncio.AbstractServer:
+async def _serve(answers: dict[str, bytes], connections: list, bodies: list,
+                 idle_close_s: float | None = None, once: bool = False) -> asyncio.AbstractServer:
+    """idle_close_s: close a kept-alive connection idle that long, as uvicorn does after its timeout_keep_alive.
+    once: read a connection's second request, then close it unanswered (a close racing the client's reuse)."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), idle_close_s)
+                except asyncio.TimeoutError:
+                    break
                 path = head.split(b" ")[1].decode()
                 length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 bodies.append((path, json.loads(await reader.readexactly(length)), head))
+                if once and sum(1 for c, _ in _served if c is writer):
+                    break
+                _served.append((writer, path))
                 writer.write(answers[path])
                 await writer.drain()
                 if b"connection: close" in answers[path].split(b"\r\n\r\n")[0].lower():
@@ -40,11 +49,16 @@ async def _serve(answers: dict[str, bytes], connections: list, bodies: list) -> 
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
 
-def _run(answers: dict[str, bytes], script) -> tuple[object, list, list]:
+_served: list = []  # (connection, path) of every answer sent
+
+
+def _run(answers: dict[str, bytes], script, idle_close_s: float | None = None,
+         once: bool = False) -> tuple[object, list, list]:
     async def main():
         connections: list = []
         bodies: list = []
-        server = await _serve(answers, connections, bodies)
+        _served.clear()
+        server = await _serve(answers, connections, bodies, idle_close_s, once)
         port = server.sockets[0].getsockname()[1]
         client = FastClient(f"http://127.0.0.1:{port}/v1", api_key="sk-test", timeout=30)  # as bench/serve.py
         try:
@@ -115,3 +129,47 @@ def test_a_connection_the_server_closes_is_not_reused():
     got, connections, _ = _run(answers, script)
     assert got == [{}, {}] and len(connections) == 2
 
+
+
+@pytest.mark.parametrize("reuse_s", [0.1, 60.0])
+def test_a_connection_the_server_closed_while_idle_is_not_a_failed_request(reuse_s, monkeypatch):
+    """The server closes connections idle 0.2 s (uvicorn: 5 s); the client waits 0.4 s between requests. Dropped
+    before reuse when idle past IDLE_REUSE_S (0.1 s here), else found closed on reuse and sent again on a new
+    connection: every request answered either way, over two connections."""
+    import bench.fast_client as fast_client
+
+    monkeypatch.setattr(fast_client, "IDLE_REUSE_S", reuse_s)
+    plain = b'{"ok": 1}'
+    answers = {"/v1/x": b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(plain), plain)}
+
+    async def script(client):
+        first = await client.post_json("/x", {})
+        await asyncio.sleep(0.4)
+        return [first, await client.post_json("/x", {})]
+
+    got, connections, bodies = _run(answers, script, idle_close_s=0.2)
+    assert got == [{"ok": 1}] * 2 and len(connections) == 2 and len(bodies) == 2
+
+
+def test_a_body_without_length_or_chunks_runs_to_the_connection_end():
+    answers = {"/v1/x": b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{\"whole\": true}"}
+
+    async def script(client):
+        return await client.post_json("/x", {})
+
+    got, _, _ = _run(answers, script)
+    assert got == {"whole": True}
+
+
+def test_a_reused_connection_closed_before_its_answer_sends_the_request_again():
+    """The server reads the second request on a kept-alive connection and closes it unanswered (its close raced
+    the client's reuse: the connection looked open): the request goes again on a new connection, answered."""
+    plain = b'{"ok": 1}'
+    answers = {"/v1/x": b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(plain), plain)}
+
+    async def script(client):
+        return [await client.post_json("/x", {"n": 1}), await client.post_json("/x", {"n": 2})]
+
+    got, connections, bodies = _run(answers, script, once=True)
+    assert got == [{"ok": 1}] * 2 and len(connections) == 2
+    assert [b[1] for b in bodies] == [{"n": 1}, {"n": 2}, {"n": 2}]  # the second sent twice, answered once
