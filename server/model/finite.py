@@ -17,6 +17,8 @@ push it was 18-23% of the push (12 ms of ~65); fused but launched per tensor, 11
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from server.wire.errors import NonFiniteWeightsError
@@ -111,8 +113,11 @@ FLAG_SLOTS = 1024  # flags zeroed at once: an 8B model's 291 tensors fit one buf
 
 
 def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copied and checked by the kernel: one CUDA device and float dtype, contiguous, both 16-byte aligned (the
+    kernel's 16-byte loads assume it; a packed bucket's tensors are, when their sizes are whole 16 bytes)."""
     return (dst.is_cuda and src.device == dst.device and dst.dtype == src.dtype and dst.dtype in FLAGGED_DTYPES
-            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape and dst.numel() > 0)
+            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape and dst.numel() > 0
+            and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0)
 
 
 def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: torch.Tensor) -> torch.Tensor:
@@ -129,12 +134,13 @@ def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: to
     table = torch.tensor([[src.data_ptr() for _, _, src in group] + [0],
                           [dst.data_ptr() for _, dst, _ in group] + [0],
                           [dst.numel() for _, dst, _ in group] + [0], firsts], dtype=torch.int64)
-    # Pageable memory: the host's bytes are taken before the call returns, in the stream's order.
-    table = table.to(flags.device, non_blocking=True)
     dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[group[0][1].dtype]
     steps = next(s for s in SEARCH_STEPS if len(group) <= 1 << s)
-    copy_and_flag_kernel[(firsts[-1],)](table, len(group), flags, DTYPE=dtype, BLOCK=COPY_BLOCK, ITERS=COPY_ITERS,
-                                        SEARCH_STEPS=steps, num_warps=4)
+    with torch.cuda.device(flags.device) if flags.is_cuda else contextlib.nullcontext():  # Triton's launch device
+        # Pageable memory: the host's bytes are taken before the call returns, in the stream's order.
+        table = table.to(flags.device, non_blocking=True)
+        copy_and_flag_kernel[(firsts[-1],)](table, len(group), flags, DTYPE=dtype, BLOCK=COPY_BLOCK,
+                                            ITERS=COPY_ITERS, SEARCH_STEPS=steps, num_warps=4)
     return flags
 
 

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n_tensors"])
+@triton.jit(do_not_specialize=["n_tensors", "flags"])
 def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
                          SEARCH_STEPS: tl.constexpr):
     """Copies many tensors of one dtype in one launch and flags each one that holds NaN or +-Inf.
@@ -13,8 +13,13 @@ def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl
     table: int64 [4, n_tensors + 1], rows: source address, destination address, elements, and the first
     program of each tensor (cumulative; its last column is the grid's size). A program finds its tensor by a
     binary search of that row (SEARCH_STEPS >= log2(n_tensors) steps; finite.py rounds it up to 4, 8 or 16, so
-    a dtype compiles one or two variants, not one per bucket size), copies its ITERS blocks of BLOCK
-    elements and sets flags[tensor] only when it saw a bad value: no atomic in the common case."""
+    a dtype compiles one or two variants, not one per bucket size), copies its ITERS blocks of BLOCK elements
+    and sets flags[tensor] only when it saw a bad value: no atomic in the common case.
+
+    Addresses read from memory tell the compiler nothing of their alignment: finite.py fuses only tensors whose
+    both addresses are 16-byte aligned and says so here (tl.multiple_of), and a program whose blocks all lie
+    inside its tensor copies them unmasked, so the loads and stores are 16 bytes a thread; only a tensor's last
+    program masks (masked with an arbitrary length, the compiled copy fell to 2 bytes a thread)."""
     pid = tl.program_id(0)
     width = n_tensors + 1
     lo = pid * 0
@@ -24,18 +29,26 @@ def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl
         go = tl.load(table + 3 * width + mid) <= pid
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
-    src = tl.load(table + lo).to(tl.pointer_type(DTYPE))
-    dst = tl.load(table + width + lo).to(tl.pointer_type(DTYPE))
+    src = tl.multiple_of(tl.load(table + lo).to(tl.pointer_type(DTYPE)), 16)
+    dst = tl.multiple_of(tl.load(table + width + lo).to(tl.pointer_type(DTYPE)), 16)
     n = tl.load(table + 2 * width + lo)
     start = (pid - tl.load(table + 3 * width + lo)) * BLOCK * ITERS
     bad = tl.zeros([BLOCK], tl.int32)
-    for i in range(ITERS):
-        offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(src + offs, mask=mask, other=0)
-        tl.store(dst + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        bad = bad | ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
+    if start + BLOCK * ITERS <= n:
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(src + offs)
+            tl.store(dst + offs, x)
+            xf = x.to(tl.float32)
+            bad = bad | ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
+    else:
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(src + offs, mask=mask, other=0)
+            tl.store(dst + offs, x, mask=mask)
+            xf = x.to(tl.float32)
+            bad = bad | ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
     seen = tl.max(bad, 0)
     if seen > 0:
         tl.atomic_max(flags + lo, seen)

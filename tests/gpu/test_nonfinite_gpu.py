@@ -127,8 +127,8 @@ def test_copy_and_check_in_one_pass_on_the_gpu(dtype):
 
 def test_a_bucket_is_copied_and_checked_by_one_launch_per_dtype():
     """FiniteCheck.copy_many as a receive unpacks a bucket: bf16 and fp32 tensors of many sizes (one launch per
-    dtype), a float64 and a non-contiguous one (the copy, then min/max); exactly the poisoned ones are named and
-    every byte lands, over two buckets and one flag buffer."""
+    dtype), a float64, a non-contiguous and a misaligned one (the copy, then min/max); exactly the poisoned ones
+    are named and every byte lands, over two buckets and one flag buffer."""
     from server.model.finite import FiniteCheck
 
     torch.manual_seed(0)
@@ -136,8 +136,10 @@ def test_a_bucket_is_copied_and_checked_by_one_launch_per_dtype():
     sources = [(f"bf16.{n}", torch.randn(n, device="cuda", dtype=torch.bfloat16)) for n in sizes]
     sources += [(f"fp32.{n}", torch.randn(n, device="cuda")) for n in sizes]
     sources += [("fp64", torch.randn(64, device="cuda", dtype=torch.float64)),
-                ("strided", torch.randn(64, 2, device="cuda")[:, 0])]
-    poisoned = {"bf16.8192": (8191, float("inf")), "fp32.24581": (24580, float("nan")), "fp64": (0, float("-inf"))}
+                ("strided", torch.randn(64, 2, device="cuda")[:, 0]),
+                ("unaligned", torch.randn(65, device="cuda", dtype=torch.bfloat16)[1:])]  # 2 bytes off: not fused
+    poisoned = {"bf16.8192": (8191, float("inf")), "fp32.24581": (24580, float("nan")), "fp64": (0, float("-inf")),
+                "unaligned": (5, float("nan"))}
     for name, (at, value) in poisoned.items():
         dict(sources)[name][at] = value
     check = FiniteCheck()
