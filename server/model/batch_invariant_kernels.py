@@ -170,8 +170,9 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
     block_m = 128 if wide else 64
     splits = splits_for(N, K, block_n, block_k, sms)
     # Once the output tiles alone give every multiprocessor a program, a program adds the splits itself (the
-    # same sums, no fp32 workspace: at 256 rows its traffic was ~3x the weight's, 2026-12-04).
-    serial = splits > 1 and triton.cdiv(rows, block_m) * triton.cdiv(N, block_n) >= sms
+    # same sums, no fp32 workspace: at 256 rows its traffic was ~3x the weight's, 2026-12-04). 16 bits only: in
+    # fp32 the serial tile needs 255 registers and spills (164 through the workspace).
+    serial = splits > 1 and not fp32 and triton.cdiv(rows, block_m) * triton.cdiv(N, block_n) >= sms
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
             "num_stages": 3 if fp32 else 4, "SPLIT_K": splits, "SERIAL": serial}
 
@@ -202,6 +203,10 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     # The splits' K range in whole BLOCK_K steps (the last split's tail masked); no split left empty.
     chunk = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
     splits = triton.cdiv(K, chunk)
+    # A split of one BLOCK_K step is no loop to Triton's compiler, which then folds `acc + dot(x, w, 0)` into
+    # `dot(x, w, acc)`: another rounding than the workspace's. Serial only from two steps a split (the mode's
+    # tiles have at least MIN_SPLIT_STEPS).
+    serial = serial and chunk >= 2 * block_k
     n_tiles = triton.cdiv(N, tile["BLOCK_N"])
     has_bias = bias is not None
     b = bias if has_bias else weight

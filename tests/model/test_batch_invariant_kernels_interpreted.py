@@ -151,12 +151,16 @@ def test_per_token_attention_is_the_same_in_decode_and_prefill_in_interpreter():
 @pytest.mark.parametrize("serial", [False, True])
 def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
     """The 8B qkv's tile at 256 rows (128-row tiles on 8 warps, K split 4 ways), through the workspace and with the
-    splits added in each program, through the compiler to an sm_90 cubin."""
+    splits added in each program, through the compiler to an sm_90 cubin; serially, the three additions of the
+    partials stay additions (with one BLOCK_K step a split the compiler folds them into the MMAs' accumulator,
+    another rounding: fixed_tile_matmul never runs such a split serially)."""
     from server.model.batch_invariant_kernels import _fixed_tile_matmul
     from tests.interpreter import compile_for_sm90
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32" if not serial else "*bf16",
            **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
-    compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
-                                                   K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=serial),
-                     num_warps=8, num_stages=4)
+    kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
+                                                            K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=serial),
+                              num_warps=8, num_stages=4)
+    if serial:  # the partials added as _sum_splits adds them: 3 adds, none folded into an MMA's accumulator
+        assert kernel.asm["ttgir"].count("arith.addf") == 3
