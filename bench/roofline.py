@@ -53,8 +53,8 @@ class ModelCost:
     """What one forward step reads and computes, from the model's shape. Mixture of experts: a token is
     multiplied by the k experts it is routed to, and a step reads the distinct experts its tokens picked,
     taken as uniform routing: E (1 - (1 - k/E)^tokens) per sparse layer (all of them, within 1%, from
-    ~600 tokens a step at Qwen3-30B-A3B's 8 of 128: an RL batch's decode; bench/moe.py counts the
-    experts really routed instead)."""
+    ~72 tokens a step at Qwen3-30B-A3B's 8 of 128, (15/16)^72 < 0.01: an RL batch's decode; bench/moe.py
+    counts the experts really routed instead)."""
     weight_bytes: int          # every parameter once (a tied embedding is read once, by the LM head)
     matmul_params: int         # parameters multiplied per token (layers' linears), without the LM head
     head_params: int           # vocab x hidden: multiplied only for rows that are sampled

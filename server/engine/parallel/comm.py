@@ -94,12 +94,20 @@ class NcclGroupComm:
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
+    def _usable(self) -> None:
+        """A collective on a suspended communicator would reach memory NCCL gave back: refused here (a graph's
+        replay does not pass through Python; the pool never replays while the communicator is suspended)."""
+        if self.suspended:
+            raise RuntimeError("a collective on a suspended NCCL communicator (it is resumed by the wake)")
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self._usable()
         self.nccl.check(self.lib.ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], _SUM,
                                               self.comm, self._stream()))
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self._usable()
         x = x.contiguous()
         out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
         self.nccl.check(self.lib.ncclAllGather(x.data_ptr(), out.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype],
@@ -108,6 +116,7 @@ class NcclGroupComm:
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into every rank's x (in place, x contiguous), on the current stream."""
+        self._usable()
         self.nccl.check(self.lib.ncclBroadcast(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], 0,
                                               self.comm, self._stream()))
         return x

@@ -164,9 +164,13 @@ class ParallelPool:
 
     def _resume_comm(self, targets: list[str], before: dict[str, str]) -> list[float]:
         """Every suspended rank resumes (the others have nothing to do). Any rank failing: every rank back
-        to sleep as before this wake (the next wake resumes the ones still suspended)."""
-        return self._before_wake_ends("comm_resume", self.workers.group.resume, targets, before,
-                                      "resuming the device communicator", "")
+        to sleep as before this wake, the ranks that resumed suspended again (the next wake resumes them all)."""
+        try:
+            return self._before_wake_ends("comm_resume", self.workers.group.resume, targets, before,
+                                          "resuming the device communicator", "")
+        except PoolError:
+            self._suspend_comm()  # a no-op on the ranks still suspended
+            raise
 
     def _recreate_comm(self, targets: list[str], before: dict[str, str]) -> list[dict[str, float]]:
         """A new communicator and re-captured graphs on every rank (a collective: every rank at once, as
