@@ -144,6 +144,20 @@ def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: to
     return flags
 
 
+@torch.inference_mode()
+def warm_up(device: torch.device, dtypes) -> None:
+    """Compile, at start-up, the fused check's variants a weight update can meet for these dtypes (each search
+    step count: 1, 17 and 257 tensors a launch), so the first update compiles nothing (Triton caches them on
+    disk: a later start loads them)."""
+    for dtype in (d for d in FLAGGED_DTYPES if d in set(dtypes)):
+        for count in (1, 17, 257):
+            src = torch.zeros(count * 8, dtype=dtype, device=device)
+            dst = torch.empty_like(src)
+            group = [(str(i), dst[8 * i:8 * i + 8], src[8 * i:8 * i + 8]) for i in range(count)]
+            flags = torch.zeros(count, dtype=torch.int32, device=device)
+            assert not copy_and_flag(group, flags).any(), "zeros flagged as not finite"
+
+
 # A launch's binary search runs one of these step counts (a compiled variant each): up to 2^16 tensors a launch.
 SEARCH_STEPS = (4, 8, 16)
 MAX_TENSORS_PER_LAUNCH = 1 << SEARCH_STEPS[-1]
