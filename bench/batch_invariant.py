@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
-from bench.common import hardware, now_iso, table, write_json
+from bench.common import graph_ms, hardware, now_iso, table, write_json
 from bench.throughput import median_rate
 from testkit.models import model_folder
 
@@ -79,28 +79,13 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
               "lm_head": (c["vocab_size"], h)}
 
     def median_ms(fn, x, ws, *args) -> float:
-        for w in ws[:2]:  # compile, pick cuBLAS's kernels, outside the capture
+        for w in ws[:2]:  # compile, pick cuBLAS's kernels, for each copy's first call outside the capture
             fn(x, w, *args)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            fn(x, ws[0], *args)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def calls() -> None:
             for r in range(REPS):
                 fn(x, ws[r % len(ws)], *args)
-        graph.replay()
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / REPS)
-        del graph
-        return sorted(times)[len(times) // 2]
+        return graph_ms(calls, device, per_replay=REPS)
 
     def cublas(x, w):
         return torch.mm(x, w.t())

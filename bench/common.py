@@ -34,6 +34,32 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t
 
 
+def graph_ms(fn, device: torch.device, replays: int = 10, per_replay: int = 1) -> float:
+    """Median milliseconds of fn's work as a decode step runs it: fn() warmed (compiled) on a side stream,
+    captured in one CUDA graph, replayed `replays` times, each replay timed with CUDA events and divided by
+    per_replay (the calls fn makes per capture)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # compile, pick cuBLAS's kernels, outside the capture
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / per_replay)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
 def write_json(out: Path, name: str, data: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import hardware, now_iso, write_json  # noqa: E402
+from bench.common import graph_ms, hardware, now_iso, write_json  # noqa: E402
 from testkit.models import MOE_CONFIGS, moe_model_folder  # noqa: E402
 
 GB = 1e9
@@ -185,26 +185,8 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
         x = torch.randn(T, H, device=device, dtype=torch.bfloat16, generator=g)
         ids, weights = route(x, gate, K, True, True)
 
-        def timed(cfg, layer=fused_experts) -> float:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # compile and warm outside the capture
-                for _ in range(3):
-                    layer(x, w13, w2, ids, weights, cfg)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layer(x, w13, w2, ids, weights, cfg)
-            times = []
-            for _ in range(20):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            del graph
-            return statistics.median(times)
+        def timed(cfg, layer=fused_experts) -> float:  # microseconds, as a decode graph replays it
+            return 1e3 * graph_ms(lambda: layer(x, w13, w2, ids, weights, cfg), device, replays=20)
 
         default = tiles(T * K, max(H, I), E)
         sweep = {json.dumps(t): timed(t) for t in TILES}
