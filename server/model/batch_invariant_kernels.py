@@ -25,6 +25,7 @@ import triton.language as tl
 from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
 from server.model.fused_ops import TritonOps, _rope_and_cache
+from server.model.launch import dependent_launch_on, gdc_launch
 
 
 @triton.jit
@@ -49,14 +50,18 @@ def _split_partial(x_rows, w_rows, row_ok, col_ok, split, K: tl.constexpr, BLOCK
 def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       SERIAL: tl.constexpr):
+                       SERIAL: tl.constexpr, GDC: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
     next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
     the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype. SERIAL
     (SPLIT_K > 1): program (N tile, M tile) computes the splits one after the other, each from zero, and adds
     them in split order, then rounds once: bit for bit what the split programs and _sum_splits compute, with
     no workspace and no second launch (for many rows, whose M tiles fill the GPU without splitting). Else
-    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it."""
+    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it. GDC: _sum_splits is launched before
+    this ends (dependent launch, launch.py) and waits in-kernel for it: no launch gap between the two, the same
+    arithmetic."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
@@ -91,9 +96,12 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
 
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+                HAS_BIAS: tl.constexpr, GDC: tl.constexpr):
     """out[row, cols] = (((part 0 + part 1) + ...) + part S-1) (+ b), one rounding: program (row, column block),
-    an element's sum in split order whatever M."""
+    an element's sum in split order whatever M. GDC: launched before the split matmul ended; waits for it (its
+    partials complete and visible) before reading anything."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(N, BLOCK)
     row = pid // col_blocks
@@ -215,9 +223,12 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         grid = (n_tiles * triton.cdiv(M, block_m),)
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
-                                 SERIAL=splits > 1, **tile)
+                                 SERIAL=splits > 1, GDC=False, **tile)
         return out
     step = max(block_m, WORKSPACE_BYTES // (splits * N * 4) // block_m * block_m)  # rows a launch
+    # The sum waits in-kernel for the split matmul instead of in the stream (Hopper's dependent launch): a
+    # 1B decode step has 48 of these pairs, each launch gap ~2-3 us of the mode's ~357 us over the default's.
+    chain = dependent_launch_on(x.device)
     ws = torch.empty((splits * min(M, step) * N,), dtype=torch.float32, device=x.device)
     for r0 in range(0, M, step):  # a row's sums do not depend on its launch or its place in one
         xs, outs = x[r0:r0 + step], out[r0:r0 + step]
@@ -225,9 +236,10 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         grid = (n_tiles * splits * triton.cdiv(rows, block_m),)
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
-                                 **tile)
+                                 GDC=chain, **tile)
         _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=splits,
-                                                         BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4)
+                                                         BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4,
+                                                         **gdc_launch(chain))
     return out
 
 

@@ -154,13 +154,20 @@ def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
     splits added in each program, through the compiler to an sm_90 cubin; serially, the three additions of the
     partials stay additions (with one BLOCK_K step a split the compiler folds them into the MMAs' accumulator,
     another rounding: fixed_tile_matmul never runs such a split serially)."""
-    from server.model.batch_invariant_kernels import _fixed_tile_matmul
+    from server.model.batch_invariant_kernels import _fixed_tile_matmul, _sum_splits
     from tests.interpreter import compile_for_sm90
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32" if not serial else "*bf16",
            **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
     kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
-                                                            K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=serial),
+                                                            K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=serial,
+                                                            GDC=not serial),
                               num_warps=8, num_stages=4)
     if serial:  # the partials added as _sum_splits adds them: 3 adds, none folded into an MMA's accumulator
         assert kernel.asm["ttgir"].count("arith.addf") == 3
+    else:  # through the workspace: lets the sum launch before it ends (dependent launch), which waits for it
+        assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"]
+        sums = compile_for_sm90(_sum_splits, {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",
+                                              "N": "i32", "stride_o": "i32"},
+                                dict(SPLIT_K=4, BLOCK=512, HAS_BIAS=False, GDC=True))
+        assert "griddepcontrol.wait" in sums.asm["ptx"]
