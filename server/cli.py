@@ -146,8 +146,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--no-prefix-caching", "do not reuse the KV of shared prompt prefixes", False, boolean,
            negation="--prefix-caching"),
     Option("--no-check-weights-finite", "do not check that every weight update's tensors are finite (by default "
-           "one sum per tensor on the device refuses NaN or Inf with 400 and leaves the weights invalid until a good "
-           "update)", False, boolean, negation="--check-weights-finite"),
+           "the device checks what lands, in the copy itself where there is one, and refuses NaN or Inf with 400, "
+           "leaving the weights invalid until a good update)", False, boolean, negation="--check-weights-finite"),
     Option("--offload-dir", "CPU device: folder for offloaded weights while asleep (default: the temp folder)",
            None, metavar="DIR"),
     Option("--prepare-backups", "allocate the host backup of level-1 sleep right after start-up, in the "
