@@ -131,9 +131,9 @@ for stage in $stages; do
     tp-noreg)   # NCCL without CUDA-graph buffer registration, every rank (a suspect of TP=2's slow batch 64)
                 run tp-noreg env NCCL_GRAPH_REGISTER=0 $PY bench/tensor_parallel.py --world 2 --all-reduce nccl \
                   --no-spin-run --out "$RESULTS/noreg" ;;
-    weights-nccl)  # every receive path checked against a disk load first, then timed (with its breakdown)
+    weights-nccl)  # every receive path checked against a disk load first (and TRL's VLLMClient's sync), then timed
                 run weights-nccl-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_weight_transfer_gpu.py \
-                  -k nccl -p no:cacheprovider
+                  -k "nccl or trl" -p no:cacheprovider
                 run weights-nccl $PY bench/weight_transfer.py --backend nccl --models llama-8b --out "$RESULTS" ;;
     rlloop)     run rlloop $PY examples/rl_colocated.py --device cuda --model llama-1b --iterations 3 --prompts 8 \
                   --n 4 --max-tokens 64 --kv-cache 8GiB --out "$RESULTS/rlloop" ;;

@@ -161,3 +161,34 @@ def test_nccl_push_from_another_gpu(base, tmp_path_factory):
         sender.close()
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TRL's NCCL weight sync needs two GPUs")
+def test_trl_vllm_client_weight_sync_from_another_gpu(base, tmp_path_factory, monkeypatch):
+    """TRL's own VLLMClient (trl 1.16) against the server on GPU 1 with the NCCL backend: init_communicator, then
+    update_named_params of a whole weight set from GPU 0; the server then answers as a disk load of the same
+    weights, twice (A, then B). TRL makes every HTTP call; the bytes go through this package's trainer side in
+    place of vLLM's (testkit/trl_trainer_side.py: vLLM is not installed on the device machines)."""
+    from trl.generation.vllm_client import VLLMClient
+
+    from server.weight_transfer import rendezvous
+    from testkit.trl_trainer_side import use_this_packages_trainer_side
+
+    server = launch(base, "nccl", env={"CUDA_VISIBLE_DEVICES": "1"})
+    try:
+        sets = weight_sets(base, tmp_path_factory)
+        server.wait_ready()
+        refs = references(server, sets)  # B is served now
+        use_this_packages_trainer_side(monkeypatch, server.url, torch.device("cuda", 0))
+        client = VLLMClient(base_url=server.url, group_port=rendezvous.free_port())
+        client.init_communicator(device=0)
+        for which in ("A", "B"):
+            named = [(n, t.cuda(0)) for n, t in sets[which][1].items()]
+            metadata = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in named]
+            client.update_named_params(metadata, iter(named))
+            info = httpx.get(server.url + "/server_info", timeout=30).json()
+            assert info.get("weights_valid", True) is not False, info
+            assert greedy(server) == refs[which], which
+        client.close_communicator()
+    finally:
+        server.stop()

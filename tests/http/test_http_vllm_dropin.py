@@ -111,6 +111,44 @@ def test_trl_init_communicator_gets_past_its_http_calls(trl_client):
         trl_client.init_communicator(device="cpu")
 
 
+def test_trl_update_named_params_lands_the_weights_a_disk_load_gives(trl_client, server, default_model_folder,
+                                                                      tmp_path, monkeypatch):
+    """TRL's update_named_params (its start/update/finish calls, the update announced while the bytes go) over the
+    server's gloo engine, the bytes through this package's trainer side in place of vLLM's
+    (testkit/trl_trainer_side.py; TRL's init_communicator needs CUDA, so its two init steps are taken as it
+    takes them): the server then answers token for token, log-prob for log-prob, as a disk load of the same
+    weights, and not as before."""
+    import torch
+    from safetensors.torch import load_file
+
+    from server.weight_transfer import rendezvous
+    from testkit.models import write_trained_checkpoint
+    from testkit.trl_trainer_side import init_like_trl, use_this_packages_trainer_side
+
+    def scored() -> list:
+        r = completion(server, logprobs=1)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+    trained = write_trained_checkpoint(default_model_folder, tmp_path / "trained", seed=3)
+    before = scored()
+    assert admin(server, "POST", "/update_weights", json={"path": str(trained)}).status_code == 200
+    expected = scored()
+    assert expected != before
+    try:
+        assert admin(server, "POST", "/update_weights", json={"path": str(default_model_folder)}).status_code == 200
+        assert scored() == before
+        use_this_packages_trainer_side(monkeypatch, server.url, torch.device("cpu"), backend="gloo")
+        init_like_trl(trl_client, rendezvous.free_port())
+        named = list(load_file(str(trained / "model.safetensors")).items())
+        metadata = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in named]
+        trl_client.update_named_params(metadata, iter(named))
+        assert scored() == expected
+    finally:
+        trl_client.close_communicator()
+        admin(server, "POST", "/update_weights", json={"path": str(default_model_folder)})
+
+
 def test_trl_keyed_client_from_the_docs(server):
     """docs/rl-clients.md's subclass for a server whose /v1 needs the key too: the header is in the session
     before the constructor's first request."""
