@@ -42,6 +42,7 @@ def use_this_packages_trainer_side(monkeypatch, server_url: str, device: torch.d
             sender.group = None  # the endpoint's, not the sender's to close
             sender.close()
 
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *a, **k: True)  # its constructor's check only
     monkeypatch.setattr(vllm_client, "_HAS_STATEFUL_TRAINER_ENGINE", True)
     monkeypatch.setattr(vllm_client, "open_trainer_endpoint", Endpoint, raising=False)
     monkeypatch.setattr(vllm_client, "packed_nccl_broadcast_producer", producer, raising=False)

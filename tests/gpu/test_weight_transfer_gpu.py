@@ -179,8 +179,8 @@ def test_trl_vllm_client_weight_sync_from_another_gpu(base, tmp_path_factory, mo
         sets = weight_sets(base, tmp_path_factory)
         server.wait_ready()
         refs = references(server, sets)  # B is served now
-        use_this_packages_trainer_side(monkeypatch, server.url, torch.device("cuda", 0))
-        client = VLLMClient(base_url=server.url, group_port=rendezvous.free_port())
+        use_this_packages_trainer_side(monkeypatch, server.url, torch.device("cuda", 0))  # before the constructor
+        client = VLLMClient(base_url=server.url, group_port=rendezvous.free_port(), connection_timeout=60)
         client.init_communicator(device=0)
         for which in ("A", "B"):
             named = [(n, t.cuda(0)) for n, t in sets[which][1].items()]
