@@ -125,10 +125,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "device communicator (NCCL's buffers: ~840 MiB per H200 rank) and the wake creates a new one and "
            "re-captures the decode CUDA graphs (the wake takes longer)", False, boolean,
            negation="--no-tp-release-comm-on-sleep"),
-    Option("--tp-comm-suspend", "with --tensor-parallel-size > 1, where the NCCL in use has ncclCommSuspend (>= 2.29.7; "
-           "SLEEPSERVE_NCCL_SO names the libnccl): auto, a level-1/2 sleep suspends every rank's communicator (its "
-           "device memory goes, the decode graphs stay) and the wake resumes it, taking precedence over "
-           "--tp-release-comm-on-sleep; off, as if it had none", "auto", choices=("auto", "off")),
+    Option("--tp-comm-suspend", "with --tensor-parallel-size > 1, where the NCCL in use has ncclCommSuspend "
+           "(>= 2.29.7; SLEEPSERVE_NCCL_SO names the libnccl): auto, a level-1/2 sleep suspends every rank's "
+           "communicator (its device memory goes, the decode graphs stay) and the wake resumes it, taking precedence "
+           "over --tp-release-comm-on-sleep; off, as if it had none", "auto", choices=("auto", "off")),
     Option("--enforce-eager", "never capture CUDA graphs", False, boolean, negation="--no-enforce-eager"),
     Option("--enable-return-routed-experts", "mixture-of-experts models: record the experts each token was routed "
            "to, returned to requests that set return_routed_experts (docs/moe.md)", False, boolean,

@@ -11,8 +11,8 @@ tags to sleep suspend every rank's communicator (NCCL unmaps its physical memory
 addresses) and the wake that leaves nothing asleep resumes it: the decode graphs that captured its
 collectives replay as they were, nothing is re-created. Otherwise the device communicator stays up while
 the ranks sleep by default (NCCL 2.28.9 keeps ~840 MiB per H200 rank outside the pool): the decode graphs
-captured its collectives, so they replay after the wake as they were. With --tp-release-comm-on-sleep (release_comm) this facade also takes it down on every rank after
-the first tags sleep, and a wake that leaves nothing asleep creates a new one and re-captures the graphs
+captured its collectives, so they replay after the wake as they were. With --tp-release-comm-on-sleep
+(release_comm) this facade also takes it down on every rank after the first tags sleep, and a wake that leaves nothing asleep creates a new one and re-captures the graphs
 on every rank before it returns (comm_cycle.py); if any rank fails that, every rank goes back to sleep as
 before the wake. An earlier build that always did so (H200x2, 8B) woke in 2.5-3.6 s instead of 0.3 s and
 left ~142 MiB more in use per rank after each cycle; this one re-captures into the same graph buffers
@@ -195,7 +195,8 @@ class ParallelPool:
     @staticmethod
     def _timings(clock: Clock, outcomes: dict[int, Any], **extra: Any) -> dict[str, Any]:
         """This call's phases ("ranks": every rank's pool call, run at once; "comm_suspend", "comm_release",
-        "comm_resume" or "comm_recreate"), rank 0's own pool phases, each rank's pool ms (and communicator ms: comm_ms)."""
+        "comm_resume" or "comm_recreate"), rank 0's own pool phases, each rank's pool ms (and communicator ms:
+        comm_ms)."""
         ranks = {r: v for r, v in sorted(outcomes.items()) if not isinstance(v, BaseException)}
         return clock.report(rank0=getattr(ranks.get(0), "timings", {}),
                             rank_ms=[getattr(v, "seconds", 0.0) * 1e3 for v in ranks.values()], **extra)
