@@ -24,23 +24,19 @@ def use_this_packages_trainer_side(monkeypatch, server_url: str, device: torch.d
     from server.weight_transfer.sender import WeightSender
 
     class Endpoint:
-        """What trainer_init returns as TRL uses it: `.group` (its close_communicator clears store and socket)."""
+        """What trainer_init returns as TRL uses it: `.group` (its close_communicator clears store and socket).
+        It keeps one sender on the group, so its packing buffers serve every update, as a trainer's do."""
 
         def __init__(self, init_info: dict):
             world = init_info["world_size"]
             store = rendezvous.host_store(init_info["master_address"], init_info["master_port"], world, timeout_s)
-            self.transfer = open_group(backend, store, 0, world, device, timeout_s)
+            self.sender = WeightSender(server_url, backend=backend, device=device, timeout_s=timeout_s)
+            self.sender.group = open_group(backend, store, 0, world, device, timeout_s)
             self.group = SimpleNamespace(store=store, socket=None)
 
     def producer(iterator, group: Endpoint, src: int, post_iter_func) -> None:
         assert src == 0, src
-        sender = WeightSender(server_url, backend=backend, device=device, timeout_s=timeout_s)
-        sender.group = group.transfer
-        try:
-            sender._broadcast([post_iter_func(item) for item in iterator])  # the packed buckets, vLLM's layout
-        finally:
-            sender.group = None  # the endpoint's, not the sender's to close
-            sender.close()
+        group.sender._broadcast([post_iter_func(item) for item in iterator])  # the packed buckets, vLLM's layout
 
     monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *a, **k: True)  # its constructor's check only
     monkeypatch.setattr(vllm_client, "_HAS_STATEFUL_TRAINER_ENGINE", True)

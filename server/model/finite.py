@@ -146,11 +146,12 @@ def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: to
 
 @torch.inference_mode()
 def warm_up(device: torch.device, dtypes) -> None:
-    """Compile, at start-up, the fused check's variants a weight update can meet for these dtypes (each search
-    step count: 1, 17 and 257 tensors a launch), so the first update compiles nothing (Triton caches them on
-    disk: a later start loads them)."""
+    """Compile, at start-up, the fused check's variants a weight update can meet for these dtypes (a launch of
+    1 tensor, then one past each step count's reach but the last: each of SEARCH_STEPS), so the first update
+    compiles nothing (Triton caches them on disk: a later start loads them)."""
+    counts = [1] + [(1 << steps) + 1 for steps in SEARCH_STEPS[:-1]]
     for dtype in (d for d in FLAGGED_DTYPES if d in set(dtypes)):
-        for count in (1, 17, 257):
+        for count in counts:
             src = torch.zeros(count * 8, dtype=dtype, device=device)
             dst = torch.empty_like(src)
             group = [(str(i), dst[8 * i:8 * i + 8], src[8 * i:8 * i + 8]) for i in range(count)]

@@ -5,6 +5,24 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _copy_blocks(src, dst, start, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr):
+    """dst <- src for ITERS blocks of BLOCK elements from `start` (MASKED: those before n only); per lane, 1
+    where a value was NaN or +-Inf."""
+    bad = tl.zeros([BLOCK], tl.int32)
+    for i in range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        if MASKED:
+            x = tl.load(src + offs, mask=offs < n, other=0)
+            tl.store(dst + offs, x, mask=offs < n)
+        else:
+            x = tl.load(src + offs)
+            tl.store(dst + offs, x)
+        xf = x.to(tl.float32)
+        bad = bad | ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
+    return bad
+
+
 @triton.jit(do_not_specialize=["n_tensors", "flags"])
 def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
                          SEARCH_STEPS: tl.constexpr):
@@ -33,22 +51,10 @@ def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl
     dst = tl.multiple_of(tl.load(table + width + lo).to(tl.pointer_type(DTYPE)), 16)
     n = tl.load(table + 2 * width + lo)
     start = (pid - tl.load(table + 3 * width + lo)) * BLOCK * ITERS
-    bad = tl.zeros([BLOCK], tl.int32)
     if start + BLOCK * ITERS <= n:
-        for i in range(ITERS):
-            offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            x = tl.load(src + offs)
-            tl.store(dst + offs, x)
-            xf = x.to(tl.float32)
-            bad = bad | ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
+        bad = _copy_blocks(src, dst, start, n, BLOCK, ITERS, MASKED=False)
     else:
-        for i in range(ITERS):
-            offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n
-            x = tl.load(src + offs, mask=mask, other=0)
-            tl.store(dst + offs, x, mask=mask)
-            xf = x.to(tl.float32)
-            bad = bad | ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
+        bad = _copy_blocks(src, dst, start, n, BLOCK, ITERS, MASKED=True)
     seen = tl.max(bad, 0)
     if seen > 0:
         tl.atomic_max(flags + lo, seen)

@@ -118,7 +118,7 @@ class Group:
     def resume(self) -> float:
         """After the wake that leaves nothing asleep (a no-op where this rank is not suspended)."""
         t0 = time.perf_counter()
-        if self.comm is not None and getattr(self.comm, "suspended", False):
+        if self.suspendable and self.comm.suspended:
             self.comm.resume()
         return (time.perf_counter() - t0) * 1e3
 

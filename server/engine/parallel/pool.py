@@ -12,11 +12,12 @@ addresses) and the wake that leaves nothing asleep resumes it: the decode graphs
 collectives replay as they were, nothing is re-created. Otherwise the device communicator stays up while
 the ranks sleep by default (NCCL 2.28.9 keeps ~840 MiB per H200 rank outside the pool): the decode graphs
 captured its collectives, so they replay after the wake as they were. With --tp-release-comm-on-sleep
-(release_comm) this facade also takes it down on every rank after the first tags sleep, and a wake that leaves nothing asleep creates a new one and re-captures the graphs
-on every rank before it returns (comm_cycle.py); if any rank fails that, every rank goes back to sleep as
-before the wake. An earlier build that always did so (H200x2, 8B) woke in 2.5-3.6 s instead of 0.3 s and
-left ~142 MiB more in use per rank after each cycle; this one re-captures into the same graph buffers
-with one warm-up, measured by `make gpu-check ARGS=tp-release`.
+(release_comm) this facade also takes it down on every rank after the first tags sleep, and a wake that
+leaves nothing asleep creates a new one and re-captures the graphs on every rank before it returns
+(comm_cycle.py); if any rank fails that, every rank goes back to sleep as before the wake. An earlier build
+that always did so (H200x2, 8B) woke in 2.5-3.6 s instead of 0.3 s and left ~142 MiB more in use per rank
+after each cycle; this one re-captures into the same graph buffers with one warm-up, measured by
+`make gpu-check ARGS=tp-release`.
 """
 from __future__ import annotations
 
