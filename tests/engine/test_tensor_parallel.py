@@ -410,3 +410,11 @@ def test_row_parallel_writes_into_a_staging_communicator_and_sums():
                 assert torch.allclose(tp.row_parallel(linear, x), 2 * linear(x), atol=1e-6)
     assert tp.comm.staged == 2  # the rows that fit went through the buffer, with and without a bias
     assert torch.equal(TensorParallel(cfg).row_parallel(linear, x), linear(x))  # one rank: linear alone
+
+
+def test_tp_comm_suspend_takes_auto_or_off():
+    from server.config import EngineConfig
+
+    assert EngineConfig(tp_comm_suspend="off").tp_comm_suspend == "off"
+    with pytest.raises(ValueError, match="tp_comm_suspend must be auto or off"):
+        EngineConfig(tp_comm_suspend="on")

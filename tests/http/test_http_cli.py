@@ -84,6 +84,7 @@ def test_api_server_count_defaults_to_auto_for_the_host():
     ([], {"SLEEPSERVE_PORT": "eighty"}, "SLEEPSERVE_PORT='eighty'"),
     ([], {"SLEEPSERVE_DEV_MODE": "maybe"}, "1/true/yes/on"),
     ([], {"SLEEPSERVE_DEVICE": "tpu"}, "choose from auto, cpu, cuda"),
+    (["--tp-comm-suspend", "on"], {}, "invalid choice: 'on'"),
     ([], {"SLEEPSERVE_KV_CACHE_MEMORY": "1GiB", "SLEEPSERVE_GPU_MEMORY_UTILIZATION": "0.5"}, "keep one"),
     (["--port", "70000"], {}, "port number"),
     (["--max-num-seqs", "0"], {}, "at least 1"),

@@ -28,7 +28,7 @@ def server():
     proc = ServerProcess([*BASE_ARGS, "--dev-mode", "--async-scheduling", "--weight-transfer-config",
                           '{"backend": "gloo"}'],
                          env={"SLEEPSERVE_TENSOR_PARALLEL_SIZE": "2", "SLEEPSERVE_TP_ALL_REDUCE": "symm",
-                              "SLEEPSERVE_TP_RELEASE_COMM_ON_SLEEP": "1"}).start()
+                              "SLEEPSERVE_TP_RELEASE_COMM_ON_SLEEP": "1", "SLEEPSERVE_TP_COMM_SUSPEND": "off"}).start()
     yield proc
     proc.stop()
 
@@ -54,6 +54,7 @@ def test_world_size_and_per_rank_reports(server):
     assert info["world_size"] == 2 and info["engine_config"]["tensor_parallel_size"] == 2
     assert info["engine_config"]["tp_all_reduce"] == "symm"
     assert info["engine_config"]["tp_release_comm_on_sleep"] is True
+    assert info["engine_config"]["tp_comm_suspend"] == "off"
     ranks = info["tensor_parallel"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
     assert [r["all_reduce"] for r in ranks] == ["gloo", "gloo"]  # CPU: gloo whatever --tp-all-reduce says
