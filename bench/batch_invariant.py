@@ -55,6 +55,19 @@ def sweep_tile(block_n: int, splits: int) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SPLIT_K": splits}
 
 
+def wide_candidates(mine: dict) -> dict[str, dict]:
+    """Tiles for many rows that keep a row's K order (BLOCK_K, SPLIT_K): split sums added in each program on
+    64-row tiles (enough output tiles to fill the GPU where 128-row ones do not), and wider column tiles."""
+    out = {}
+    if mine.get("SPLIT_K", 1) > 1:
+        out["serial m64"] = dict(mine, BLOCK_M=64, num_warps=4, SERIAL=True)
+    for n, stages in ((128, 3), (256, 3)):
+        if n >= mine["BLOCK_N"]:
+            out[f"m128 n{n} st{stages}"] = dict(mine, BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=stages,
+                                                SERIAL=mine.get("SPLIT_K", 1) > 1)
+    return out
+
+
 def tile_name(t: dict) -> str:
     return f"n{t['BLOCK_N']}/k{t['BLOCK_K']}/s{t.get('SPLIT_K', 1)}"
 
@@ -66,6 +79,7 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
     graph (no launch gaps from Python), each on another copy of the weight, the median of 10 replays per
     call. A tile is one choice for every row count: per shape, the fastest over the batches is the one to keep."""
     from server.model.batch_invariant_kernels import (
+        WIDE_ROWS,
         fixed_tile_matmul,
         matmul_tile,
         unsplit_tile,
@@ -109,6 +123,9 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                 row["workspace_ms"], row["serial_ms"] = (
                     median_ms(fixed_tile_matmul, x, ws, None, None, dict(mine, SERIAL=serial))
                     for serial in (False, True))
+            if b >= WIDE_ROWS:  # candidates for many rows, each keeping the K order (BLOCK_K, SPLIT_K) of one row's
+                row["wide_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t)
+                                  for k, t in wide_candidates(mine).items()}
             if sweep:
                 row["sweep_ms"] = {tile_name(sweep_tile(*t)): median_ms(fixed_tile_matmul, x, ws, None, None,
                                                                          sweep_tile(*t)) for t in SWEEP}
@@ -170,6 +187,11 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{g['workspace_ms']:.4f} / {g['serial_ms']:.4f}" if "serial_ms" in g else "-"] for g in gemms],
                     ["model", "gemm", "N x K", "rows", "unsplit ms", "mode's tile ms", "cuBLAS ms",
                      "mode vs cuBLAS", "K splits via workspace / serial ms"]))
+        wide = [g for g in gemms if "wide_ms" in g]
+        if wide:  # the mode's tile at many rows against the candidates that keep its K order
+            print(table([[g["model"], g["gemm"], g["rows"], f"{g['fixed_tile_ms']:.4f}",
+                          ", ".join(f"{k} {v:.4f}" for k, v in g["wide_ms"].items()), f"{g['cublas_ms']:.4f}"]
+                         for g in wide], ["model", "gemm", "rows", "mode's tile ms", "candidates ms", "cuBLAS ms"]))
         print(table(per_shape(gemms), ["model", "gemm", "N x K", "unsplit tile, ms", "mode's tile, ms",
                                        "fastest swept tile, ms", "cuBLAS ms"]))
     print(table([[r["model"], r["batch"], f"{r['default_tok_s']:.0f}", f"{r['batch_invariant_tok_s']:.0f}",
