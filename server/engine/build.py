@@ -19,11 +19,6 @@ from server.wire.tags import KV_CACHE
 def build_engine(config: EngineConfig) -> EngineCore:
     source = resolve_model(config.model)
     model_config = ModelConfig.from_folder(source.folder)
-    if config.batch_invariant and model_config.num_experts:
-        # A sparse layer's GEMM rows are the tokens the batch routed to each expert: their count, and so the
-        # tiling, follows the batch. Refused rather than served with a promise it cannot keep.
-        raise ValueError(f"--batch-invariant does not cover Mixture-of-Experts models yet ({model_config.model_type}: "
-                         f"{model_config.num_experts} experts); serve it without --batch-invariant")
     tokenizer = load_tokenizer(source.folder)
     positions = position_limit(config, model_config)
     if config.tensor_parallel_size > 1:

@@ -16,12 +16,16 @@ The three places a reduction's order can follow the batch, and what this mode do
   size): SiLU is written as x / (1 + exp(-x)), whose every step rounds the same in both forms.
 RMSNorm (a row's sum over its own columns), rotary (elementwise) and log-softmax (per row) are per-row
 already; the tests check them too.
+Sparse (mixture-of-experts) layers: the router's logits and each expert's rows (the tokens the batch sent
+it, a count that follows the batch) go through the same fixed-row matmul; a token's softmax and top-k are
+its own row's, and its experts' outputs are added in expert order.
 """
 from __future__ import annotations
 
 import torch
 
 from server.model.attention import AttentionContext, write_kv
+from server.model.moe import moe_torch
 from server.model.ops import TorchOps, norm_then_gate_up_act, norm_then_qkv
 from server.model.rope import apply_rotary
 
@@ -58,6 +62,11 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x), as exp, add and divide: each rounds identically in a vector body and its remainder
     (torch's fused silu does not on x86, so an element's result followed its place in the tensor)."""
     return x / (1 + torch.exp(-x))
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), for the reason silu is written out."""
+    return 1 / (1 + torch.exp(-x))
 
 
 def token_layout(ctx: AttentionContext, num_tokens: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +180,11 @@ class InvariantProjections:
     def lm_head(cls, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return cls.matmul(hidden, weight, None, out)
 
+    @classmethod
+    def project(cls, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A router's logits, a shared expert's down and gate (moe.py)."""
+        return cls.matmul(x, weight)
+
 
 class BatchInvariantTorchOps(InvariantProjections, TorchOps):
     """TorchOps with every reduction's order fixed independently of the batch (the CPU path of the mode)."""
@@ -189,6 +203,13 @@ class BatchInvariantTorchOps(InvariantProjections, TorchOps):
         return silu(gate) * up
 
     attend = staticmethod(attend_per_token)
+    sigmoid = staticmethod(sigmoid)
+
+    @classmethod
+    def moe(cls, x: torch.Tensor, block) -> torch.Tensor:
+        """Hugging Face's sparse layer with this set's matmul and SiLU: an expert's rows are the tokens the
+        batch sent it, and each row's bits are its own (fixed_rows_mm); a token's experts are added in id order."""
+        return moe_torch(x, block, cls.project, cls.silu_mul_packed)
 
 
 def ordered_all_reduce(comm, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@
   prefix-cache hit compute what a decode computes.
 - RMSNorm (one program per row), rotary + cache write (one per token), SiLU × up (elementwise) are the
   default path's kernels, which are per-row already; they are launched without dependent-launch chaining.
+- Sparse (mixture-of-experts) layers: the router through the matmul above, then fused_moe.moe_invariant: one
+  routing program per token and the grouped GEMMs on one tile whatever the batch (the default path's tile
+  and its one-program routing for a few tokens follow the batch).
 CUDA-graph padding rows are rows like any other: they cannot change a real row.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import triton.language as tl
 
 from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
+from server.model.fused_moe import moe_invariant
 from server.model.fused_ops import TritonOps, _rope_and_cache
 from server.model.launch import dependent_launch_on, gdc_launch
 
@@ -276,3 +280,7 @@ class BatchInvariantTritonOps(InvariantProjections, TritonOps):
         return q, k
 
     attend = staticmethod(attend_per_token)
+
+    @classmethod
+    def moe(cls, x: torch.Tensor, block) -> torch.Tensor:
+        return moe_invariant(x, block, cls.project)

@@ -353,6 +353,26 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
     return experts(x, w13, w2, weights, grouped, K, cfg)
 
 
+# --batch-invariant's one tile for every number of tokens: tiles() picks BLOCK_K (a row's order of summation)
+# and BLOCK_M (m16 MMAs below 64 rows, Hopper's m64 warpgroup MMAs from 64) from the batch. 64 rows a block on
+# one warpgroup, as the mode's dense matmul's rows; a decode step's blocks are mostly padding, its reads the same.
+INVARIANT_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}
+
+
+def moe_invariant(x: torch.Tensor, block, project) -> torch.Tensor:
+    """The sparse layer of the batch-invariant mode: the router's logits by `project` (the mode's fixed-tile
+    matmul), one routing program per token (_route), grouping, and the grouped GEMMs and combine with
+    INVARIANT_TILE whatever the batch. A row's place in its expert's blocks follows the atomics, its
+    arithmetic does not; a token's k parts are added in slot order (_combine)."""
+    w13, w2 = block.experts.w13_weight, block.experts.w2_weight
+    T, K = x.shape[0], block.top_k
+    ids, weights = route_logits(project(x, block.gate.weight), K, block.norm_topk_prob, block.round_weights)
+    if block.routed is not None:
+        block.routed[:T].copy_(ids)
+    grouped = list(align(ids, w13.shape[0], INVARIANT_TILE["BLOCK_M"])) if T else []
+    return experts(x, w13, w2, weights, grouped, K, INVARIANT_TILE)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                   weights: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; x [T, H], w13 [E, 2I, H],
@@ -431,9 +451,10 @@ def warm_up(model: torch.nn.Module) -> None:
     saved, block.routed = block.routed, None  # the capture buffer may be shorter than the long prefill here
     try:
         for T in (1, SMALL_TOKENS + 1, 16 * E // K + 1):
-            moe(torch.zeros((T, H), dtype=w13.dtype, device=w13.device), block)
+            model.ops.moe(torch.zeros((T, H), dtype=w13.dtype, device=w13.device), block)
     finally:
         block.routed = saved
 
 
-__all__ = ["SMALL_TOKENS", "align", "fused_experts", "moe", "route", "route_align_small", "tiles", "warm_up"]
+__all__ = ["INVARIANT_TILE", "SMALL_TOKENS", "align", "fused_experts", "moe", "moe_invariant", "route",
+           "route_align_small", "tiles", "warm_up"]

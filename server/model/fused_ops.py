@@ -160,6 +160,9 @@ class TritonOps:
             return module(x)
         return small_gemm(x, module.weight, module.bias, gdc=chained(x))[0]
 
+    project = staticmethod(F.linear)  # a router, a shared expert's down and gate (ops.py)
+    sigmoid = staticmethod(torch.sigmoid)
+
     @staticmethod
     def lm_head(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if not small_rows(hidden):

@@ -99,24 +99,29 @@ class SparseMoeBlock(nn.Module):
         """x: the post-attention-normed hidden states [T, H] -> the experts' weighted sum [T, H]."""
         out = ops.moe(x, self)
         if self.shared_expert is not None:  # Qwen2-MoE: + sigmoid(gate(x)) * shared(x), as transformers adds it
-            shared = F.linear(ops.gate_up_act(self.shared_expert, x), self.shared_expert.down_proj.weight)
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+            shared = ops.project(ops.gate_up_act(self.shared_expert, x), self.shared_expert.down_proj.weight)
+            out = out + ops.sigmoid(ops.project(x, self.shared_expert_gate.weight)) * shared
         return self.tp.all_reduce(out)
 
 
-def moe_torch(x: torch.Tensor, block: SparseMoeBlock) -> torch.Tensor:
-    """The sparse MLP as Hugging Face computes it: route, record the ids if asked, the experts' sum."""
-    ids, weights = route_torch(x, block.gate.weight, block.top_k, block.norm_topk_prob, block.round_weights)
+def moe_torch(x: torch.Tensor, block: SparseMoeBlock, project=F.linear, silu_mul_packed=None) -> torch.Tensor:
+    """The sparse MLP as Hugging Face computes it: route, record the ids if asked, the experts' sum. project
+    (x @ w.T) and silu_mul_packed ([n, 2I] gate|up -> [n, I]) are an ops set's: the batch-invariant mode's
+    keep each row's bits whatever the number of rows (batch_invariant.py)."""
+    ids, weights = route_torch(x, block.gate.weight, block.top_k, block.norm_topk_prob, block.round_weights,
+                               project)
     if block.routed is not None:
         block.routed[:x.shape[0]].copy_(ids)
-    return experts_torch(x, block.experts.w13_weight, block.experts.w2_weight, ids, weights)
+    return experts_torch(x, block.experts.w13_weight, block.experts.w2_weight, ids, weights, project,
+                         silu_mul_packed)
 
 
 def route_torch(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
-                round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                round_weights: bool, project=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's router: softmax over the experts' logits in fp32, the top k, renormalized if asked.
-    Returns (expert ids [T, k] int32, weights [T, k]: fp32, or the model dtype when round_weights)."""
-    probs = torch.softmax(F.linear(x, gate).float(), dim=-1)
+    Returns (expert ids [T, k] int32, weights [T, k]: fp32, or the model dtype when round_weights). Each
+    row's softmax and top-k are its own: a row's result follows the logits' row only."""
+    probs = torch.softmax(project(x, gate).float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -124,9 +129,10 @@ def route_torch(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
 
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor) -> torch.Tensor:
+                  weights: torch.Tensor, project=F.linear, silu_mul_packed=None) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t, k]: the reference (and
-    the CPU path), expert by expert over the tokens routed to it, in Hugging Face's order of summation."""
+    the CPU path), expert by expert over the tokens routed to it, in Hugging Face's order of summation (a
+    token's experts in id order, whatever else the batch holds)."""
     out = torch.zeros_like(x)
     I = w2.shape[2]
     flat = ids.view(-1).long()
@@ -139,8 +145,8 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
         sel = order[start:start + n]
         start += n
         tokens, slot = sel // ids.shape[1], sel % ids.shape[1]
-        h = F.linear(x[tokens], w13[e])
-        act = F.silu(h[:, :I]) * h[:, I:]
-        y = F.linear(act, w2[e]) * weights[tokens, slot, None]
+        h = project(x[tokens], w13[e])
+        act = F.silu(h[:, :I]) * h[:, I:] if silu_mul_packed is None else silu_mul_packed(h)
+        y = project(act, w2[e]) * weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out

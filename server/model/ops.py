@@ -65,6 +65,10 @@ class TorchOps:
         """o_proj and down_proj on one device."""
         return module(x)
 
+    # x @ weight.T for the weights outside a layer's projections: a router, a shared expert's down and gate.
+    project = staticmethod(F.linear)
+    sigmoid = staticmethod(torch.sigmoid)  # a shared expert's gate
+
     @staticmethod
     def lm_head(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Logits in the model's dtype, written to `out` when given."""

@@ -140,12 +140,3 @@ def test_default_mode_is_unchanged(llm, monkeypatch):
 def test_a_combination_it_cannot_keep_fails_at_start_naming_the_flag():
     with pytest.raises(ValueError, match="--batch-invariant.*--tp-all-reduce symm"):
         EngineConfig(batch_invariant=True, tp_all_reduce="symm")
-
-
-def test_a_mixture_of_experts_model_is_refused_at_start_naming_the_flag(tmp_path):
-    """Expert GEMMs group rows by the batch's routing: the mode cannot promise invariance there, so it says so."""
-    from testkit.models import moe_model_folder
-
-    folder = moe_model_folder("qwen3-moe-tiny", tmp_path)
-    with pytest.raises(ValueError, match="--batch-invariant does not cover Mixture-of-Experts"):
-        LLM(model=str(folder), device="cpu", load_format="dummy", batch_invariant=True)

@@ -113,3 +113,28 @@ def test_the_plain_path_does_follow_the_batch():
     if all(torch.equal(rows[0], r) for r in rows[1:]):
         # A control, not a requirement: seen on the H200 (cuBLAS, torch 2.11) at this shape on 2026-12-04.
         pytest.skip("cuBLAS gave this row the same bits at every batch size here: the control shows nothing")
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe-tiny", "qwen2_moe"])
+def test_mixture_of_experts_alone_and_among_others_bitwise(family, tmp_path, n_others):
+    """The mode's sparse layer (fused_moe.moe_invariant, the router through the fixed-tile matmul) in bf16 with
+    CUDA graphs: a target alone and among n_others, greedy and seeded; and re-scored as a prompt. Qwen3-MoE's
+    layer at a small shape (16 experts, top-4, random weights), and Qwen2-MoE's shared expert and its gate."""
+    from testkit.batch_invariance import GREEDY, SEEDED, TARGET_PROMPTS, alone_and_among, explain, rescored
+
+    if family == "qwen2_moe":
+        from testkit.moe_models import write_checkpoint
+
+        folder, load_format = write_checkpoint(family, tmp_path), "auto"
+    else:
+        from testkit.models import moe_model_folder
+
+        folder, load_format = moe_model_folder(family, tmp_path), "dummy"
+    with LLM(model=str(folder), load_format=load_format, device="cuda", dtype="bfloat16", batch_invariant=True,
+             max_num_batched_tokens=BUDGET, kv_cache_memory="2GiB", max_model_len=1024, max_num_seqs=256) as llm:
+        targets = [(p, sp) for p in TARGET_PROMPTS for sp in (GREEDY, SEEDED)]
+        for (alone, among), (prompt, params) in zip(alone_and_among(llm, n_others, targets=targets), targets):
+            assert alone == among, f"{prompt[:20]!r} at temperature {params.temperature}: {explain(alone, among)}"
+        gen, scored = rescored(llm, TARGET_PROMPTS[0], GREEDY)
+        assert gen[1] == scored, explain(gen, (gen[0], scored))
+        assert llm.engine.runner.replayed, "the last decode step did not replay a graph"

@@ -8,7 +8,14 @@ import torch
 
 from server import LLM, SamplingParams
 from testkit.models import moe_model_folder
-from tests.model.moe_cases import check_align, check_fused_moe, check_moe_layer, check_small_experts, moe_inputs
+from tests.model.moe_cases import (
+    check_align,
+    check_fused_moe,
+    check_moe_invariant,
+    check_moe_layer,
+    check_small_experts,
+    moe_inputs,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -26,6 +33,7 @@ def test_fused_moe_matches_the_reference(dtype, tol):
     # the whole layer (the one-program route+align up to 8 tokens, the separate kernels above)
     print(check_moe_layer(dtype, "cuda", tol, shapes=[(T, E, K, H, I, True, True) for T in (1, 8, 9, 256)]))
     print(check_small_experts(dtype, "cuda", tol))  # the few-token path bench/moe.py times beside the grouped one
+    print(check_moe_invariant(dtype, "cuda", tol))  # --batch-invariant's layer: a token's row alone = in a batch
 
 
 @pytest.mark.parametrize("T", [4, 64])  # the one-program route+align, and the separate kernels

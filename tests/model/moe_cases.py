@@ -109,6 +109,29 @@ def check_moe_layer(dtype: torch.dtype, device: str, tol: float, shapes=None) ->
     return ", ".join(report)
 
 
+def check_moe_invariant(dtype: torch.dtype, device: str, tol: float) -> str:
+    """The batch-invariant mode's sparse layer (BatchInvariantTritonOps.moe: fused_moe.moe_invariant) on a batch
+    of 20 tokens, within tol of moe_torch; on CUDA each token's row equals that token alone bitwise (the
+    interpreter's dot is numpy's, whose rows do not keep their bits across batches: no such claim there)."""
+    from types import SimpleNamespace
+
+    from server.model.batch_invariant_kernels import BatchInvariantTritonOps
+    from server.model.moe import moe_torch
+
+    T, E, K, H, I = 20, 8, 2, 64, 48
+    x, gate, w13, w2 = moe_inputs(T, E, K, H, I, dtype, device, seed=5)
+    layer = SimpleNamespace(gate=SimpleNamespace(weight=gate), experts=SimpleNamespace(w13_weight=w13, w2_weight=w2),
+                            top_k=K, norm_topk_prob=True, round_weights=False, routed=None)
+    batch = BatchInvariantTritonOps.moe(x, layer)
+    for t in (0, 7, T - 1) if device == "cuda" else ():
+        alone = BatchInvariantTritonOps.moe(x[t:t + 1], layer)
+        assert torch.equal(alone[0], batch[t]), f"token {t}: alone and in the batch differ"
+    want = moe_torch(x, layer)
+    err = ((batch.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err <= tol, f"relative error {err:.2e} > {tol}"
+    return f"invariant layer: {err:.1e}"
+
+
 def check_small_experts(dtype: torch.dtype, device: str, tol: float) -> str:
     """fused_moe.small_experts (a few tokens, no grouping) within tol of the reference on the same routing, at
     1 to 8 tokens; widths that are not multiples of its blocks (masked tails) included."""

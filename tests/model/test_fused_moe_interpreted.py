@@ -10,8 +10,10 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from tests.model.moe_cases import check_align, check_fused_moe, check_moe_layer, check_small_experts
+from tests.model.moe_cases import (check_align, check_fused_moe, check_moe_invariant, check_moe_layer,
+                                   check_small_experts)
 check_align("cpu")
+print(check_moe_invariant(torch.float32, "cpu", 1e-5))
 print(check_small_experts(torch.float32, "cpu", 1e-5))
 print(check_moe_layer(torch.float32, "cpu", 1e-5))
 print(check_fused_moe(torch.float32, "cpu", 1e-5))
@@ -27,7 +29,8 @@ def test_fused_moe_matches_the_reference_in_interpreter():
 
 
 @pytest.mark.parametrize("gate_up, tile", [(True, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
-                                           (False, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64))])
+                                           (False, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)),
+                                           (True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64))])  # INVARIANT_TILE
 def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile):
     """The interpreter does not run Triton's compiler: the GEMM (the Qwen3-30B-A3B shapes, bf16) goes through its
     whole pipeline to an sm_90 cubin, as on the H200; so do the routing and align kernels."""
