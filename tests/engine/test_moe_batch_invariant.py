@@ -2,10 +2,13 @@
 made with transformers' classes): an expert's rows are the tokens the batch routed to it, so without the mode's
 matmul in the router and the experts a token's bits follow the batch (4.8e-7 apart in log-prob among 12 others,
 measured with the default sparse layer inside the mode). Alone vs among others of other lengths, greedy and
-seeded, its prompt prefilled in chunks; and the sampled log-probs re-scored as a prompt. CUDA: the same checks
+seeded, its prompt prefilled in chunks; the sampled log-probs re-scored as a prompt; the routed experts. CUDA: the same checks
 in tests/gpu/test_batch_invariant_gpu.py."""
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 from testkit.batch_invariance import GREEDY, SEEDED, TARGET_PROMPTS, alone_and_among, explain, rescored
 from testkit.moe_models import FAMILIES, write_checkpoint
@@ -20,7 +23,7 @@ def inv(request, tmp_path_factory):
     folder = write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     # 16 tokens a step: the others' prompts and the targets' are prefilled in chunks, beside decodes.
     with LLM(model=str(folder), device="cpu", batch_invariant=True, max_num_batched_tokens=16,
-             kv_cache_memory="32MiB", max_model_len=512) as llm:
+             kv_cache_memory="32MiB", max_model_len=512, enable_return_routed_experts=True) as llm:
         yield llm
 
 
@@ -34,3 +37,13 @@ def test_alone_and_among_others_bitwise(inv):
 def test_rescored_as_a_prompt_equals_the_sampled_logprobs(inv):
     gen, scored = rescored(inv, TARGET_PROMPTS[0], GREEDY)
     assert gen[1] == scored, explain(gen, (gen[0], scored))
+
+
+def test_routed_experts_alone_and_among_others_equal(inv):
+    """What a trainer replays: a request's routed experts (prompt and generated tokens) alone and in a batch."""
+    params = replace(GREEDY, return_routed_experts=True)
+    ids = inv.tokenizer.encode(TARGET_PROMPTS[1])
+    alone = inv.generate([ids], [params])[0].outputs[0].routed_experts
+    others = [inv.tokenizer.encode(f"Another request, number {i}, " * (1 + i % 3)) for i in range(8)]
+    among = inv.generate(others[:4] + [ids] + others[4:], [GREEDY] * 4 + [params] + [GREEDY] * 4)[4]
+    assert alone is not None and np.array_equal(alone, among.outputs[0].routed_experts)
