@@ -2,8 +2,8 @@
 made with transformers' classes): an expert's rows are the tokens the batch routed to it, so without the mode's
 matmul in the router and the experts a token's bits follow the batch (4.8e-7 apart in log-prob among 12 others,
 measured with the default sparse layer inside the mode). Alone vs among others of other lengths, greedy and
-seeded, its prompt prefilled in chunks; the sampled log-probs re-scored as a prompt; the routed experts. CUDA: the same checks
-in tests/gpu/test_batch_invariant_gpu.py."""
+seeded, its prompt prefilled in chunks; the sampled log-probs re-scored as a prompt; the routed experts. CUDA:
+the same checks in tests/gpu/test_batch_invariant_gpu.py."""
 from __future__ import annotations
 
 from dataclasses import replace
