@@ -11,7 +11,9 @@
   its block table is its span's, its context its position + 1, so a prompt's tokens, its chunks and a
   prefix-cache hit compute what a decode computes.
 - RMSNorm (one program per row), rotary + cache write (one per token), SiLU × up (elementwise) are the
-  default path's kernels, which are per-row already; they are launched without dependent-launch chaining.
+  default path's kernels, which are per-row already. On Hopper every kernel of the mode chains to the one
+  before it by dependent launch (chained(), launch.py): it starts while its predecessor ends and waits for it
+  in-kernel, so the mode's extra, unfused kernels cost no launch gaps; the arithmetic is the same.
 - Sparse (mixture-of-experts) layers: the router through the matmul above, then fused_moe.moe_invariant: one
   routing program per token and the grouped GEMMs on one tile whatever the batch (the default path's tile
   and its one-program routing for a few tokens follow the batch).
@@ -28,7 +30,7 @@ import triton.language as tl
 from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
 from server.model.fused_moe import moe_invariant
-from server.model.fused_ops import TritonOps, _rope_and_cache
+from server.model.fused_ops import TritonOps
 from server.model.launch import dependent_launch_on, gdc_launch
 
 
@@ -61,11 +63,12 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
     (SPLIT_K > 1): program (N tile, M tile) computes the splits one after the other, each from zero, and adds
     them in split order, then rounds once: bit for bit what the split programs and _sum_splits compute, with
     no workspace and no second launch (for many rows, whose M tiles fill the GPU without splitting). Else
-    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it. GDC: _sum_splits is launched before
-    this ends (dependent launch, launch.py) and waits in-kernel for it: no launch gap between the two, the same
-    arithmetic."""
+    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it. GDC: chained by dependent launch
+    (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets the next
+    (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
@@ -103,8 +106,9 @@ def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, B
                 HAS_BIAS: tl.constexpr, GDC: tl.constexpr):
     """out[row, cols] = (((part 0 + part 1) + ...) + part S-1) (+ b), one rounding: program (row, column block),
     an element's sum in split order whatever M. GDC: launched before the split matmul ended; waits for it (its
-    partials complete and visible) before reading anything."""
+    partials complete and visible) before reading anything, and lets the next kernel launch."""
     if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(N, BLOCK)
@@ -117,6 +121,15 @@ def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, B
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def chained(x: torch.Tensor) -> bool:
+    """Whether the mode's kernels for x chain by dependent launch (launch.py): on a device that has it, at any
+    number of rows. A 1B decode step at batch 1 runs ~9 kernels a layer more than the default path's fused
+    chain (norms, rotary, SiLU, split sums, unfused), and their launch gaps were most of the mode's ~350 us
+    over the default (2026-12-04, H200). Every chained kernel waits for the one before it before touching
+    memory, so the order of the stream holds; no arithmetic changes."""
+    return x.shape[0] > 0 and dependent_launch_on(x.device)
 
 
 @functools.cache
@@ -223,16 +236,14 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     has_bias = bias is not None
     b = bias if has_bias else weight
     ieee = x.dtype == torch.float32
+    chain = chained(x)
     if splits == 1 or serial:
         grid = (n_tiles * triton.cdiv(M, block_m),)
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
-                                 SERIAL=splits > 1, GDC=False, **tile)
+                                 SERIAL=splits > 1, **gdc_launch(chain), **tile)
         return out
     step = max(block_m, WORKSPACE_BYTES // (splits * N * 4) // block_m * block_m)  # rows a launch
-    # The sum waits in-kernel for the split matmul instead of in the stream (Hopper's dependent launch): a
-    # 1B decode step has 48 of these pairs, each launch gap ~2-3 us of the mode's ~357 us over the default's.
-    chain = dependent_launch_on(x.device)
     ws = torch.empty((splits * min(M, step) * N,), dtype=torch.float32, device=x.device)
     for r0 in range(0, M, step):  # a row's sums do not depend on its launch or its place in one
         xs, outs = x[r0:r0 + step], out[r0:r0 + step]
@@ -240,7 +251,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         grid = (n_tiles * splits * triton.cdiv(rows, block_m),)
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
-                                 GDC=chain, **tile)
+                                 **gdc_launch(chain), **tile)
         _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=splits,
                                                          BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4,
                                                          **gdc_launch(chain))
@@ -256,28 +267,27 @@ def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         tables, lens = token_layout(ctx, q.shape[0])
     else:  # a decode step (a CUDA graph's too): the decode rows are every token's rows already
         tables, lens = ctx.block_tables, ctx.context_lens
-    return triton_decode_attention(q, k_cache, v_cache, tables, lens, scale, None, None, gdc=False)
+    return triton_decode_attention(q, k_cache, v_cache, tables, lens, scale, None, None, gdc=chained(q))
 
 
 class BatchInvariantTritonOps(InvariantProjections, TritonOps):
-    """TritonOps with the matmuls and attention above; the per-row kernels as they are, never chained."""
+    """TritonOps with the matmuls and attention above; the per-row kernels as they are, chained (chained())."""
 
     name = "triton-batch-invariant"
     matmul = staticmethod(fixed_tile_matmul)
 
     @staticmethod
     def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
-        T, H, D = q.shape
-        if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
-            raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
-                             f"{k_cache.stride()} and {v_cache.stride()}")
-        if T:
-            _rope_and_cache[(T,)](q, k, v, cos, sin, k_cache, v_cache, slots, H, k.shape[1],
-                                  q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                  HALF=D // 2, HEADS_P2=triton.next_power_of_2(max(H, k.shape[1])),
-                                  BLOCK_SIZE=k_cache.shape[1], num_warps=4, GDC=False)
-        return q, k
+        return TritonOps.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, gdc=chained(q))
+
+    @staticmethod
+    def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return TritonOps.add_rmsnorm(x, residual, weight, eps, gdc=chained(x))
+
+    @staticmethod
+    def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+        return TritonOps.silu_mul_packed(gate_up, gdc=chained(gate_up))
 
     attend = staticmethod(attend_per_token)
 

@@ -24,7 +24,10 @@ from server.model.small_gemm import chained, small_gemm, small_rows
 
 @triton.jit
 def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n_cols, eps,
-                 HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    if GDC:  # chained by dependent launch (launch.py): let the next kernel launch, wait for the one before
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -82,7 +85,10 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
 
 
 @triton.jit
-def _silu_mul_packed(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_packed(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    if GDC:  # chained, as _add_rmsnorm
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < inter
@@ -99,7 +105,8 @@ class TritonOps:
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, gdc: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """gdc: chained by dependent launch (launch.py; the batch-invariant mode's chain)."""
         x = x.contiguous()
         rows, cols = x.shape
         out = torch.empty_like(x)
@@ -107,13 +114,14 @@ class TritonOps:
         if rows:
             _add_rmsnorm[(rows,)](x, residual if residual is not None else x, weight, out, rout, cols, eps,
                                   HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
-                                  num_warps=4 if cols <= 4096 else 8)
+                                  num_warps=4 if cols <= 4096 else 8, **gdc_launch(gdc))
         return out, rout
 
     @staticmethod
     def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       gdc: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """gdc: chained by dependent launch (default: as a few rows' chain is, small_gemm.chained)."""
         T, H, D = q.shape
         KVH = k.shape[1]
         if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
@@ -124,7 +132,8 @@ class TritonOps:
                                   q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
                                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                   HALF=D // 2, HEADS_P2=triton.next_power_of_2(max(H, KVH)),
-                                  BLOCK_SIZE=k_cache.shape[1], num_warps=4, **gdc_launch(chained(q)))
+                                  BLOCK_SIZE=k_cache.shape[1], num_warps=4,
+                                  **gdc_launch(chained(q) if gdc is None else gdc))
         return q, k
 
     @staticmethod
@@ -170,13 +179,14 @@ class TritonOps:
         return small_gemm(hidden, weight, out=out, gdc=chained(hidden))[0]
 
     @staticmethod
-    def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul_packed(gate_up: torch.Tensor, gdc: bool = False) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
         BLOCK = 1024
         if rows:
-            _silu_mul_packed[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, BLOCK=BLOCK, num_warps=4)
+            _silu_mul_packed[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, BLOCK=BLOCK, num_warps=4,
+                                                                **gdc_launch(gdc))
         return out
 
     @staticmethod

@@ -153,7 +153,8 @@ def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
     """The 8B qkv's tile at 256 rows (128-row tiles on 8 warps, K split 4 ways), through the workspace and with the
     splits added in each program, through the compiler to an sm_90 cubin; serially, the three additions of the
     partials stay additions (with one BLOCK_K step a split the compiler folds them into the MMAs' accumulator,
-    another rounding: fixed_tile_matmul never runs such a split serially)."""
+    another rounding: fixed_tile_matmul never runs such a split serially). Both chained by dependent launch, as
+    the mode launches them on Hopper: each waits for the kernel before it and lets the next launch."""
     from server.model.batch_invariant_kernels import _fixed_tile_matmul, _sum_splits
     from tests.interpreter import compile_for_sm90
 
@@ -161,13 +162,31 @@ def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
            **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
     kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
                                                             K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=serial,
-                                                            GDC=not serial),
+                                                            GDC=True),
                               num_warps=8, num_stages=4)
+    chained = [kernel]
     if serial:  # the partials added as _sum_splits adds them: 3 adds, none folded into an MMA's accumulator
         assert kernel.asm["ttgir"].count("arith.addf") == 3
-    else:  # through the workspace: lets the sum launch before it ends (dependent launch), which waits for it
-        assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"]
-        sums = compile_for_sm90(_sum_splits, {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",
-                                              "N": "i32", "stride_o": "i32"},
-                                dict(SPLIT_K=4, BLOCK=512, HAS_BIAS=False, GDC=True))
-        assert "griddepcontrol.wait" in sums.asm["ptx"]
+    else:  # through the workspace: the sum launches before the matmul ends and waits for it
+        chained.append(compile_for_sm90(_sum_splits, {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
+                                                      "M": "i32", "N": "i32", "stride_o": "i32"},
+                                        dict(SPLIT_K=4, BLOCK=512, HAS_BIAS=False, GDC=True)))
+    for k in chained:
+        assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]
+
+
+def test_the_modes_per_row_kernels_chain_on_sm90_without_a_gpu():
+    """RMSNorm and SiLU x up as the mode launches them on Hopper (GDC): each waits in-kernel for the kernel
+    before it (griddepcontrol.wait) and lets the next one launch; without GDC, neither instruction."""
+    from server.model.fused_ops import _add_rmsnorm, _silu_mul_packed
+    from tests.interpreter import compile_for_sm90
+
+    for gdc in (True, False):
+        norm = compile_for_sm90(_add_rmsnorm, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                                               "rout_ptr": "*bf16", "n_cols": "i32", "eps": "fp32"},
+                                dict(HAS_RESIDUAL=True, BLOCK=2048, GDC=gdc))
+        silu = compile_for_sm90(_silu_mul_packed, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32"},
+                                dict(BLOCK=1024, GDC=gdc))
+        for k in (norm, silu):
+            ptx = k.asm["ptx"]
+            assert ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx) == gdc
