@@ -47,3 +47,14 @@ def test_routed_experts_alone_and_among_others_equal(inv):
     others = [inv.tokenizer.encode(f"Another request, number {i}, " * (1 + i % 3)) for i in range(8)]
     among = inv.generate(others[:4] + [ids] + others[4:], [GREEDY] * 4 + [params] + [GREEDY] * 4)[4]
     assert alone is not None and np.array_equal(alone, among.outputs[0].routed_experts)
+
+
+def test_tensor_parallel_alone_and_among_others_bitwise(tmp_path):
+    """TP=2 over gloo, Qwen2-MoE (experts and the shared expert cut along their width, the router whole on every
+    rank): the partial sums added in rank order, the same bits alone and among others."""
+    folder = write_checkpoint("qwen2_moe", tmp_path)
+    with LLM(model=str(folder), device="cpu", batch_invariant=True, tensor_parallel_size=2,
+             kv_cache_memory="32MiB", max_model_len=512) as llm:
+        assert llm.engine.runner.model.tp.ordered_reduce is True
+        pairs = alone_and_among(llm, 6, targets=[(TARGET_PROMPTS[1], replace(GREEDY, max_tokens=4))])
+        assert pairs[0][0] == pairs[0][1], explain(*pairs[0])
