@@ -1,19 +1,21 @@
 """The batch-invariant mode on CUDA (--batch-invariant; batch_invariant.py is the CPU path and says why).
 
-- GEMMs: one Triton matmul whose tiling is a function of the weight's shape only (BLOCK_M/N/K, warps,
-  stages, K splits), never of the number of rows: each K split's loop in order, its fp32 partial into a
-  workspace, the splits then added in order by a second kernel (no atomics); one compiled variant for every
-  M (M is not specialised). cuBLAS picks its algorithm (and split-K) from M, and the default path's small-batch
-  kernel (small_gemm.py) serves only a few rows: both made a row's bits follow the batch.
+- GEMMs: one Triton matmul whose order of summation is a function of the weight's shape only (BLOCK_N/K,
+  K splits), never of the number of rows: each K split's loop in order, its fp32 partial into a workspace,
+  the splits then added in order by a second kernel (no atomics), or added in each program once the output
+  tiles fill the GPU (SERIAL); 64- or 128-row tiles by the number of rows (matmul_tile: the same sums either
+  way); M itself is not specialised. cuBLAS picks its algorithm (and split-K) from M, and the default path's
+  small-batch kernel (small_gemm.py) serves only a few rows: both made a row's bits follow the batch.
 - Attention: every query token, decode or prefill, is one program of the paged decode kernel per KV head
   (decode_kernel.py) over its own context, in fixed tiles of keys folded in order; never split over
   programs (the default path's split count follows the batch size). A prefill token is that kernel's row:
   its block table is its span's, its context its position + 1, so a prompt's tokens, its chunks and a
   prefix-cache hit compute what a decode computes.
 - RMSNorm (one program per row), rotary + cache write (one per token), SiLU × up (elementwise) are the
-  default path's kernels, which are per-row already. On Hopper every kernel of the mode chains to the one
-  before it by dependent launch (chained(), launch.py): it starts while its predecessor ends and waits for it
-  in-kernel, so the mode's extra, unfused kernels cost no launch gaps; the arithmetic is the same.
+  default path's kernels, which are per-row already. On Hopper these, the matmul and its split sum, rotary
+  and attention chain to the kernel before by dependent launch (chained(), launch.py): each starts while its
+  predecessor ends and waits for it in-kernel, so a dense layer's extra, unfused kernels cost no launch gaps;
+  the arithmetic is the same. A sparse layer's routing and grouped GEMMs launch the ordinary way.
 - Sparse (mixture-of-experts) layers: the router through the matmul above, then fused_moe.moe_invariant: one
   routing program per token and the grouped GEMMs on one tile whatever the batch (the default path's tile
   and its one-program routing for a few tokens follow the batch).

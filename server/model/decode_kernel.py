@@ -47,7 +47,8 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, parts_ptr,
     """Program (sequence, KV head, split): the split's share of the context, whole tiles of at least
     MIN_SPLIT_TILES. One active split writes the output; several write partial results (m, l, acc), and
     the last to finish (an atomic count per (sequence, KV head), left at 0 again) combines them.
-    GDC: launched before the kernel before it ends (a small batch's chain, small_gemm.py): waits for it first."""
+    GDC: launched before the kernel before it ends (a small batch's chain, small_gemm.py; the batch-invariant
+    mode's at any batch): waits for it first."""
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -143,7 +144,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             gdc: bool = False) -> torch.Tensor:
     """Same contract as attention.decode_attention_torch: q [B, H, D] -> [B, H, D]. split_counts: int32
     zeros, SPLIT_COUNTS of them, that the caller keeps between launches (AttentionContext.split_counts);
-    without them a sequence's context is one program's. gdc: chained by dependent launch (small_gemm.py)."""
+    without them a sequence's context is one program's. gdc: chained by dependent launch (launch.py)."""
     B, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     # K and V are strided views of one block-major cache (kv_layout.py): the kernel reads both with

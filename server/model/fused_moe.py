@@ -354,8 +354,9 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
 
 
 # --batch-invariant's one tile for every number of tokens: tiles() picks BLOCK_K (a row's order of summation)
-# and BLOCK_M (m16 MMAs below 64 rows, Hopper's m64 warpgroup MMAs from 64) from the batch. 64 rows a block on
-# one warpgroup, as the mode's dense matmul's rows; a decode step's blocks are mostly padding, its reads the same.
+# and BLOCK_M (16-row blocks, m16 MMAs, up to 16 assignments an expert; 64-row blocks, Hopper's m64 warpgroup
+# MMAs, above) from the batch. Here 64 rows a block on one warpgroup at every batch: a decode step's blocks are
+# mostly padding, the weights it reads the same.
 INVARIANT_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}
 
 
@@ -440,7 +441,9 @@ def warm_up(model: torch.nn.Module) -> None:
     """Compile, at start-up, every variant of these kernels serving can meet, on the first sparse layer with
     scratch inputs: the one-program path, the separate routing kernels with 16-row tiles, and the 64-row
     tiles of a long prefill (the runner's own warm-up step is too short to reach them, and the memory profile
-    runs only without --kv-cache-memory)."""
+    runs only without --kv-cache-memory). Through the model's ops: in the batch-invariant mode its one tile,
+    and its router's matmul at those rows (not the serial router variant of prefills of several thousand
+    tokens, which compiles when one first comes)."""
     from server.model.moe import SparseMoeBlock
 
     block = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)

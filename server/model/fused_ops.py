@@ -47,7 +47,7 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
                     n_heads, n_kv_heads, stride_qt, stride_kt, stride_vt, stride_ct,
                     stride_cb, stride_cs, stride_ch,
                     HALF: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, GDC: tl.constexpr):
-    if GDC:  # launched before the q|k|v matmul ends (small_gemm.py): wait for it, let the attention launch
+    if GDC:  # launched before the q|k|v matmul ends (a chain, launch.py): wait for it, let the attention launch
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)

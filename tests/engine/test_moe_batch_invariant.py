@@ -6,14 +6,19 @@ seeded, its prompt prefilled in chunks; the sampled log-probs re-scored as a pro
 the same checks in tests/gpu/test_batch_invariant_gpu.py."""
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from testkit.batch_invariance import GREEDY, SEEDED, TARGET_PROMPTS, alone_and_among, explain, rescored
-from testkit.moe_models import FAMILIES, write_checkpoint
+from testkit.models import TOKENIZER_FILES, tokenizer_folder
+from testkit.moe_models import FAMILIES, hf_model, write_checkpoint
 
 from server import LLM
+from server.model.moe import moe_torch
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,14 +44,49 @@ def test_rescored_as_a_prompt_equals_the_sampled_logprobs(inv):
     assert gen[1] == scored, explain(gen, (gen[0], scored))
 
 
-def test_routed_experts_alone_and_among_others_equal(inv):
-    """What a trainer replays: a request's routed experts (prompt and generated tokens) alone and in a batch."""
+def tied_router_checkpoint(root: Path) -> Path:
+    """A Qwen3-MoE checkpoint whose router rows come in pairs 1e-7 apart (relative): every token's top-2 is a
+    pair whose order rests on the logits' last bits, so a router whose bits follow the batch reorders it."""
+    model = hf_model("qwen3_moe")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p[1::2] = p[0::2] * (1 + 1e-7 * torch.randn_like(p[0::2]))
+    out = root / "tied-router"
+    model.save_pretrained(out)
+    for f in TOKENIZER_FILES:
+        if (tokenizer_folder() / f).is_file():
+            shutil.copy(tokenizer_folder() / f, out / f)
+    return out
+
+
+def routed_alone_and_among(llm) -> tuple[np.ndarray, np.ndarray]:
     params = replace(GREEDY, return_routed_experts=True)
-    ids = inv.tokenizer.encode(TARGET_PROMPTS[1])
-    alone = inv.generate([ids], [params])[0].outputs[0].routed_experts
-    others = [inv.tokenizer.encode(f"Another request, number {i}, " * (1 + i % 3)) for i in range(8)]
-    among = inv.generate(others[:4] + [ids] + others[4:], [GREEDY] * 4 + [params] + [GREEDY] * 4)[4]
-    assert alone is not None and np.array_equal(alone, among.outputs[0].routed_experts)
+    ids = llm.tokenizer.encode(TARGET_PROMPTS[1])
+    alone = llm.generate([ids], [params])[0].outputs[0].routed_experts
+    others = [llm.tokenizer.encode(f"Another request, number {i}, " * (1 + i % 3)) for i in range(8)]
+    among = llm.generate(others[:4] + [ids] + others[4:], [GREEDY] * 4 + [params] + [GREEDY] * 4)[4]
+    return alone, among.outputs[0].routed_experts
+
+
+def test_routed_experts_alone_and_among_others_equal(tmp_path, monkeypatch):
+    """What a trainer replays: a request's routed experts (prompt and generated tokens) alone and in a batch,
+    on a router whose top-2 is a near tie for every token. The control: the default sparse layer inside the
+    mode (the router by the plain matmul) orders some of those ties otherwise in a batch."""
+    args = dict(device="cpu", batch_invariant=True, kv_cache_memory="32MiB", max_model_len=512,
+                enable_return_routed_experts=True)
+    folder = tied_router_checkpoint(tmp_path)
+    with LLM(model=str(folder), **args) as llm:
+        alone, among = routed_alone_and_among(llm)
+    assert alone is not None and np.array_equal(alone, among)
+    from server.model.batch_invariant import BatchInvariantTorchOps
+
+    monkeypatch.setattr(BatchInvariantTorchOps, "moe", staticmethod(moe_torch))
+    with LLM(model=str(folder), **args) as llm:
+        alone, among = routed_alone_and_among(llm)
+    if np.array_equal(alone, among):
+        pytest.skip("the default sparse layer gave these tokens the same routing alone and in the batch here: "
+                    "the control shows nothing")
 
 
 def test_tensor_parallel_alone_and_among_others_bitwise(tmp_path):
