@@ -13,9 +13,9 @@
   prefix-cache hit compute what a decode computes.
 - RMSNorm (one program per row), rotary + cache write (one per token), SiLU × up (elementwise) are the
   default path's kernels, which are per-row already. On Hopper these, the matmul and its split sum, rotary
-  and attention chain to the kernel before by dependent launch (chained(), launch.py): each starts while its
-  predecessor ends and waits for it in-kernel, so a dense layer's extra, unfused kernels cost no launch gaps;
-  the arithmetic is the same. A sparse layer's routing and grouped GEMMs launch the ordinary way.
+  and attention chain to the kernel before by dependent launch (mode_chained(), launch.py): each starts
+  while its predecessor ends and waits for it in-kernel, so a dense layer's extra, unfused kernels cost no
+  launch gaps; the arithmetic is the same. A sparse layer's routing and grouped GEMMs launch the ordinary way.
 - Sparse (mixture-of-experts) layers: the router through the matmul above, then fused_moe.moe_invariant: one
   routing program per token and the grouped GEMMs on one tile whatever the batch (the default path's tile
   and its one-program routing for a few tokens follow the batch).
@@ -125,7 +125,7 @@ def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, B
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def chained(x: torch.Tensor) -> bool:
+def mode_chained(x: torch.Tensor) -> bool:
     """Whether the mode's kernels for x chain by dependent launch (launch.py): on a device that has it, at any
     number of rows. A 1B decode step at batch 1 runs ~9 kernels a layer more than the default path's fused
     chain (norms, rotary, SiLU, split sums, unfused), and their launch gaps were most of the mode's ~350 us
@@ -238,7 +238,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     has_bias = bias is not None
     b = bias if has_bias else weight
     ieee = x.dtype == torch.float32
-    chain = chained(x)
+    chain = mode_chained(x)
     if splits == 1 or serial:
         grid = (n_tiles * triton.cdiv(M, block_m),)
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
@@ -269,27 +269,27 @@ def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         tables, lens = token_layout(ctx, q.shape[0])
     else:  # a decode step (a CUDA graph's too): the decode rows are every token's rows already
         tables, lens = ctx.block_tables, ctx.context_lens
-    return triton_decode_attention(q, k_cache, v_cache, tables, lens, scale, None, None, gdc=chained(q))
+    return triton_decode_attention(q, k_cache, v_cache, tables, lens, scale, None, None, gdc=mode_chained(q))
 
 
 class BatchInvariantTritonOps(InvariantProjections, TritonOps):
-    """TritonOps with the matmuls and attention above; the per-row kernels as they are, chained (chained())."""
+    """TritonOps with the matmuls and attention above; the per-row kernels as they are, chained (mode_chained())."""
 
     name = "triton-batch-invariant"
     matmul = staticmethod(fixed_tile_matmul)
 
     @staticmethod
     def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
-        return TritonOps.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, gdc=chained(q))
+        return TritonOps.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, gdc=mode_chained(q))
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return TritonOps.add_rmsnorm(x, residual, weight, eps, gdc=chained(x))
+        return TritonOps.add_rmsnorm(x, residual, weight, eps, gdc=mode_chained(x))
 
     @staticmethod
     def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
-        return TritonOps.silu_mul_packed(gate_up, gdc=chained(gate_up))
+        return TritonOps.silu_mul_packed(gate_up, gdc=mode_chained(gate_up))
 
     attend = staticmethod(attend_per_token)
 

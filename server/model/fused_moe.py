@@ -370,8 +370,7 @@ def moe_invariant(x: torch.Tensor, block, project) -> torch.Tensor:
     ids, weights = route_logits(project(x, block.gate.weight), K, block.norm_topk_prob, block.round_weights)
     if block.routed is not None:
         block.routed[:T].copy_(ids)
-    grouped = list(align(ids, w13.shape[0], INVARIANT_TILE["BLOCK_M"])) if T else []
-    return experts(x, w13, w2, weights, grouped, K, INVARIANT_TILE)
+    return fused_experts(x, w13, w2, ids, weights, INVARIANT_TILE)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
