@@ -67,6 +67,11 @@ def model_folder(name: str, root: Path, max_position_embeddings: int = 131072) -
 def _write_folder(out: Path, cfg: dict) -> Path:
     """config.json and the tokenizer's files: a model folder whose weights come from --load-format dummy."""
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return copy_tokenizer(out)
+
+
+def copy_tokenizer(out: Path) -> Path:
+    """The tokenizer's files (tokenizer_folder's) into the model folder `out`."""
     src = tokenizer_folder()
     for f in TOKENIZER_FILES:
         if (src / f).is_file():

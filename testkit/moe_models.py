@@ -2,12 +2,11 @@
 fp32 beside the embedded model's tokenizer, and transformers' greedy tokens for them. Nothing is downloaded."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
-from testkit.models import TOKENIZER_FILES, tokenizer_folder
+from testkit.models import copy_tokenizer
 
 FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -42,13 +41,13 @@ def hf_model(family: str, seed: int = 0):
 
 
 def write_checkpoint(family: str, root: Path, seed: int = 0) -> Path:
-    out = Path(root) / f"{family}-{seed}"
-    hf_model(family, seed).save_pretrained(out)
-    src = tokenizer_folder()
-    for f in TOKENIZER_FILES:
-        if (src / f).is_file():
-            shutil.copy(src / f, out / f)
-    return out
+    return save_checkpoint(hf_model(family, seed), Path(root) / f"{family}-{seed}")
+
+
+def save_checkpoint(model, out: Path) -> Path:
+    """A transformers model's folder: its weights and config, and the embedded model's tokenizer files."""
+    model.save_pretrained(out)
+    return copy_tokenizer(out)
 
 
 def hf_greedy(folder: Path, prompts: list[str] = PROMPTS, n: int = NEW_TOKENS) -> list[list[int]]:

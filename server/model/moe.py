@@ -104,7 +104,13 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
 
-def moe_torch(x: torch.Tensor, block: SparseMoeBlock, project=F.linear, silu_mul_packed=None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2I] holding gate | up -> silu(gate) * up, as Hugging Face's experts compute it."""
+    I = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :I]) * gate_up[:, I:]
+
+
+def moe_torch(x: torch.Tensor, block: SparseMoeBlock, project=F.linear, silu_mul_packed=silu_mul) -> torch.Tensor:
     """The sparse MLP as Hugging Face computes it: route, record the ids if asked, the experts' sum. project
     (x @ w.T) and silu_mul_packed ([n, 2I] gate|up -> [n, I]) are an ops set's: the batch-invariant mode's
     keep each row's bits whatever the number of rows (batch_invariant.py)."""
@@ -129,12 +135,11 @@ def route_torch(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
 
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor, project=F.linear, silu_mul_packed=None) -> torch.Tensor:
+                  weights: torch.Tensor, project=F.linear, silu_mul_packed=silu_mul) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t, k]: the reference (and
     the CPU path), expert by expert over the tokens routed to it, in Hugging Face's order of summation (a
     token's experts in id order, whatever else the batch holds)."""
     out = torch.zeros_like(x)
-    I = w2.shape[2]
     flat = ids.view(-1).long()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
@@ -146,7 +151,6 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
         start += n
         tokens, slot = sel // ids.shape[1], sel % ids.shape[1]
         h = project(x[tokens], w13[e])
-        act = F.silu(h[:, :I]) * h[:, I:] if silu_mul_packed is None else silu_mul_packed(h)
-        y = project(act, w2[e]) * weights[tokens, slot, None]
+        y = project(silu_mul_packed(h), w2[e]) * weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out

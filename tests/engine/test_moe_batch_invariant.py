@@ -6,7 +6,6 @@ seeded, its prompt prefilled in chunks; the sampled log-probs re-scored as a pro
 the same checks in tests/gpu/test_batch_invariant_gpu.py."""
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 from testkit.batch_invariance import GREEDY, SEEDED, TARGET_PROMPTS, alone_and_among, explain, rescored
-from testkit.models import TOKENIZER_FILES, tokenizer_folder
-from testkit.moe_models import FAMILIES, hf_model, write_checkpoint
+from testkit.moe_models import FAMILIES, hf_model, save_checkpoint, write_checkpoint
 
 from server import LLM
 from server.model.moe import moe_torch
@@ -52,12 +50,7 @@ def tied_router_checkpoint(root: Path) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p[1::2] = p[0::2] * (1 + 1e-7 * torch.randn_like(p[0::2]))
-    out = root / "tied-router"
-    model.save_pretrained(out)
-    for f in TOKENIZER_FILES:
-        if (tokenizer_folder() / f).is_file():
-            shutil.copy(tokenizer_folder() / f, out / f)
-    return out
+    return save_checkpoint(model, root / "tied-router")
 
 
 def routed_alone_and_among(llm) -> tuple[np.ndarray, np.ndarray]:
