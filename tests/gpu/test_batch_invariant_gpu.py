@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from server import LLM
+from server import LLM, SamplingParams
 from testkit.batch_invariance import ALL_TARGETS
 from tests.engine.test_batch_invariant import (  # noqa: F401 (run here too)
     BUDGET,
@@ -62,8 +62,6 @@ def targets() -> list:
 
 
 def test_graphs_replayed_in_the_mode(inv):
-    from server import SamplingParams
-
     inv.generate([[1000, 1001, 1002]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert inv.engine.runner.replayed, "the last decode step did not replay a graph"
 
@@ -137,4 +135,6 @@ def test_mixture_of_experts_alone_and_among_others_bitwise(family, tmp_path, n_o
             assert alone == among, f"{prompt[:20]!r} at temperature {params.temperature}: {explain(alone, among)}"
         gen, scored = rescored(llm, TARGET_PROMPTS[0], GREEDY)
         assert gen[1] == scored, explain(gen, (gen[0], scored))
+        # Re-scoring ends on a prefill step; a short generation ends on a decode step, which must be a replay.
+        llm.generate([[1000, 1001, 1002]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         assert llm.engine.runner.replayed, "the last decode step did not replay a graph"
