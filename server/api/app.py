@@ -27,6 +27,7 @@ from server.api.loop_watch import watch_loop
 from server.api.middleware import BodyLimit, ContainErrors
 from server.api.openapi import install_openapi
 from server.api.settings import ServerSettings
+from server.api.streaming import ServerSend
 from server.api.tokens import TokenizerPreload, Tokens
 from server.api.servers import (MAX_AUTO_API_SERVERS, START_TIMEOUT_S, STOP_TIMEOUT_S, OtherApiServers,
                                 listening_sockets, metrics_folder)
@@ -264,7 +265,7 @@ def run_http(app: FastAPI, engine: EngineClient, settings: ServerSettings, liste
 
     grace = settings.shutdown_grace_period
     server = GracefulServer.make(uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="on",
+        ServerSend(app), host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="on",
         timeout_graceful_shutdown=grace + 5, server_header=False), engine, grace, others, on_started)
     died: list[BaseException | str] = []
 

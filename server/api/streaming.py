@@ -78,7 +78,43 @@ async def events(items: AsyncIterator[T], chunks: Callable[[T], bytes],
     yield DONE
 
 
-def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
+# Where ServerSend puts the HTTP server's own send in a request's scope.
+SERVER_SEND = "sleepserve.server_send"
+
+
+class ServerSend:
+    """The outermost ASGI layer, around Starlette's: puts the HTTP server's own `send` into the scope. Every
+    layer between (Starlette's error and exception middleware, the route's, ours) wraps `send` to watch for
+    the response's start, and a stream would pass each of its chunks through all of them, a coroutine each:
+    SSEStream sends the start through them and its chunks straight to the server."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:  # a coroutine: uvicorn's ASGI 3 test
+        scope[SERVER_SEND] = send
+        await self.app(scope, receive, send)
+
+
+class SSEStream(StreamingResponse):
+    """Starlette's StreamingResponse (its disconnect watch, its errors) whose body chunks skip the wrapped
+    sends (ServerSend): the start and the end go through them, so every layer sees the response begin and
+    finish. Without ServerSend around the app (an in-process test client), every chunk goes the usual way."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        self.chunk_send = scope.get(SERVER_SEND, send)
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        chunk_send = self.chunk_send
+        async for chunk in self.body_iterator:
+            await chunk_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def sse_response(body: AsyncIterator[bytes]) -> SSEStream:
     # No caching and no proxy buffering: tokens must reach the client as they are made.
-    return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return SSEStream(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
