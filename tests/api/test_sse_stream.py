@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 
+import uvicorn
 from fastapi import FastAPI
 
 from server.api.streaming import SERVER_SEND, ServerSend, sse_response
@@ -84,3 +85,6 @@ def test_server_send_is_an_asgi3_app_for_uvicorn():
     # uvicorn's "auto" interface takes an object whose __call__ is not a coroutine function for ASGI 2.
     assert inspect.iscoroutinefunction(ServerSend(None).__call__)
     assert SERVER_SEND.startswith("sleepserve.")
+    config = uvicorn.Config(ServerSend(_app([])), log_config=None)
+    config.load()
+    assert config.interface == "asgi3"

@@ -61,9 +61,14 @@ def targets() -> list:
     return ALL_TARGETS
 
 
+def assert_decode_replays(llm) -> None:
+    """A short generation ends on a decode step, which must replay a captured graph."""
+    llm.generate([[1000, 1001, 1002]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert llm.engine.runner.replayed, "the last decode step did not replay a graph"
+
+
 def test_graphs_replayed_in_the_mode(inv):
-    inv.generate([[1000, 1001, 1002]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert inv.engine.runner.replayed, "the last decode step did not replay a graph"
+    assert_decode_replays(inv)
 
 
 @pytest.mark.parametrize("which", ["mode", "unsplit", "serial"])
@@ -135,6 +140,4 @@ def test_mixture_of_experts_alone_and_among_others_bitwise(family, tmp_path, n_o
             assert alone == among, f"{prompt[:20]!r} at temperature {params.temperature}: {explain(alone, among)}"
         gen, scored = rescored(llm, TARGET_PROMPTS[0], GREEDY)
         assert gen[1] == scored, explain(gen, (gen[0], scored))
-        # Re-scoring ends on a prefill step; a short generation ends on a decode step, which must be a replay.
-        llm.generate([[1000, 1001, 1002]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        assert llm.engine.runner.replayed, "the last decode step did not replay a graph"
+        assert_decode_replays(llm)  # (re-scoring ended on a prefill step)
