@@ -180,6 +180,9 @@ for stage in $stages; do
     serve-default) # serve64 with the server's default flags (--api-server-count auto): what `sleepserve serve` gives
                 run serve-default $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
                   --api-server-count auto --out "$RESULTS/serve-default" ;;
+    serve-api6) # serve-default with six API processes (auto caps at four): is the streamed limit the API's cores?
+                run serve-api6 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
+                  --api-server-count 6 --out "$RESULTS/serve-api6" ;;
     clientcost) run clientcost $PY bench/openai_client_cost.py --out "$RESULTS" ;;
     serve64-interval) run serve64-interval $PY bench/serve.py --device cuda --model llama-1b --rates none \
                   --saturation 64,256 --stream-interval 4 --out "$RESULTS/serve64-interval" ;;
