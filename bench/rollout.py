@@ -365,10 +365,9 @@ def main() -> None:
     cuda = args.device == "cuda"
     name = args.model or ("llama-1b" if cuda else "llama-tiny")
     if name in SHAPES + MOE_SHAPES:
-        from testkit.models import model_folder, moe_model_folder
+        from testkit.models import shape_folder
 
-        make = moe_model_folder if name in MOE_SHAPES else model_folder
-        folder = str(make(name, Path(tempfile.mkdtemp()), max_position_embeddings=131072))
+        folder = str(shape_folder(name, Path(tempfile.mkdtemp())))
         load = ["--load-format", "dummy"]
     else:
         folder, load = name, []

@@ -21,11 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import in_thread, sync, table, write_json  # noqa: E402
-from testkit.models import model_folder  # noqa: E402
+from testkit.models import shape_folder  # noqa: E402
 
 
 def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int | None = None,
-            prompt_len: int = 32, kernels: int = 0) -> dict:
+            prompt_len: int = 32, kernels: int = 0, top: int = 16) -> dict:
     from server import SamplingParams
 
     core, runner = llm.engine, llm.engine.runner
@@ -69,7 +69,7 @@ def profile(llm, batch: int, steps: int, temperature: float = 0.0, logprobs: int
         gpu += start.elapsed_time(end) / 1e3 if cuda else 0.0
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             parts[k] += v
-    traced = kernel_times(core, kernels) if kernels and cuda else {}
+    traced = kernel_times(core, kernels, top) if kernels and cuda else {}
     core.abort_all()
     return {"batch": batch, "prompt_len": prompt_len, "wall_ms": 1e3 * wall, "graph_gpu_ms": 1e3 * gpu / n,
             **{f"{k}_ms": 1e3 * v / n for k, v in parts.items()}, **traced}
@@ -109,17 +109,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens: the decode steps' context (RL "
                     "rollouts: 128 prompt + up to 512 new tokens)")
     ap.add_argument("--kernels", type=int, default=0, help="trace this many more steps: the top kernels (CUDA)")
+    ap.add_argument("--top", type=int, default=16, help="kernels listed a batch size (with --kernels)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     from server import LLM
 
-    folder = model_folder(args.model, Path(tempfile.mkdtemp()), max_position_embeddings=131072)
+    folder = shape_folder(args.model, Path(tempfile.mkdtemp()))
     batches = [int(b) for b in args.batches.split(",")]
     kv = {"kv_cache_memory": "1GiB"} if args.device == "cpu" else {}
     llm = LLM(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches),
               max_model_len=2048, **kv)
     # On a thread, as the server drives the engine (bench/common.in_thread says why it matters on CPU).
-    rows = [in_thread(profile, llm, b, args.steps, args.temperature, args.logprobs, args.prompt_len, args.kernels)
+    rows = [in_thread(profile, llm, b, args.steps, args.temperature, args.logprobs, args.prompt_len, args.kernels,
+                      args.top)
             for b in batches]
     llm.close()
     sampled = args.temperature or args.logprobs is not None

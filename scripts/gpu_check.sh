@@ -143,6 +143,9 @@ for stage in $stages; do
                 # transformers' generate on 8 of the prompts (64 sequences: its MoE loop bounds the call's time)
                 run rollout-moe timeout 580 $PY bench/rollout.py --device cuda --model qwen3-30b-a3b --hf-prompts 8 \
                   --out "$RESULTS" ;;
+    moe-profile) # where a decode step of the Qwen3-30B-A3B shape goes at batch 1 and 64: the kernels, us a step
+                run moe-profile $PY bench/step_profile.py --model qwen3-30b-a3b --batches 1,64 --steps 40 --kernels 10 \
+                  --top 40 --out "$RESULTS" ;;
     moe-test)   run moe-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider ;;
     moe)        # the Qwen3-30B-A3B shape, dummy weights: decode vs the roofline of the bytes a step reads, level-1/2
                 # sleep and wake vs raw pinned bandwidth, routed-expert capture at batch 256 (bench/moe.py)

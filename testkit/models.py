@@ -90,6 +90,12 @@ def moe_model_folder(name: str, root: Path, max_position_embeddings: int = 40960
     return _write_folder(out, cfg)
 
 
+def shape_folder(name: str, root: Path, max_position_embeddings: int = 131072) -> Path:
+    """The folder of any named shape: a Qwen3-MoE one (MOE_CONFIGS) or a Llama one (CONFIGS)."""
+    make = moe_model_folder if name in MOE_CONFIGS else model_folder
+    return make(name, root, max_position_embeddings=max_position_embeddings)
+
+
 def parameter_count(name: str) -> int:
     from server.model.config import ModelConfig
 
