@@ -54,17 +54,52 @@ def _split_partial(x_rows, w_rows, row_ok, col_ok, split, K: tl.constexpr, BLOCK
     return acc
 
 
+@triton.jit
+def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr,
+                        IEEE: tl.constexpr):
+    """The SPLIT_K partials of _split_partial added in split order, ((part 0 + part 1) + ...), from ONE loop over
+    every split's BLOCK_K steps (the last split's masked tail included, as _split_partial walks it) instead of a
+    loop a split, each filling and draining its own software pipeline. The same loads, MMAs (from zeroed
+    registers at a split's first step, as _split_partial starts) and additions: the same bits as SERIAL's loops
+    and the workspace. Compiled for sm_90 by Triton 3.6 this stays one pipelined loop with the MMAs asynchronous
+    (a wait for all of them only in the branch that folds a split), because the loop uses the partial only under
+    that `if`: the pipeliner lets an MMA run on past its iteration only when nothing outside an `if` reads its
+    result. (Triton's OptimizeAccumulatorInit, which would turn the reset into wgmma's use-accumulator flag, runs
+    for Blackwell only; the reset is a zeroing of the registers inside the branch.)"""
+    STEPS: tl.constexpr = K_CHUNK // BLOCK_K
+    ks = tl.arange(0, BLOCK_K)
+    part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # never added to: split 0's partial replaces it
+    for step in range(0, SPLIT_K * STEPS):
+        k = step * BLOCK_K + ks
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            part = tl.dot(x, tl.trans(w), part, input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w), part)
+        if step % STEPS == STEPS - 1:
+            # Split 0's partial itself, not 0.0 + it (+0.0 for a -0.0). A select, not `if ...: total = part`:
+            # yielding the MMA's result as a second loop value would make the pipeliner wait for every MMA.
+            total = tl.where(step == STEPS - 1, part, total + part)
+            part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    return total
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       SERIAL: tl.constexpr, GDC: tl.constexpr):
+                       SERIAL: tl.constexpr, FLAT: tl.constexpr, GDC: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
     next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
     the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype. SERIAL
     (SPLIT_K > 1): program (N tile, M tile) computes the splits one after the other, each from zero, and adds
     them in split order, then rounds once: bit for bit what the split programs and _sum_splits compute, with
-    no workspace and no second launch (for many rows, whose M tiles fill the GPU without splitting). Else
+    no workspace and no second launch (for many rows, whose M tiles fill the GPU without splitting); FLAT:
+    the same in one K loop over all the splits (_splits_in_one_loop), not one loop a split. Else
     out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it. GDC: chained by dependent launch
     (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets the next
     (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
@@ -87,11 +122,15 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
     col_ok = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    acc = _split_partial(x_rows, w_rows, row_ok, col_ok, pid_s, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, IEEE)
-    if SERIAL:
-        for split in tl.static_range(1, SPLIT_K):  # as _sum_splits adds them: ((part 0 + part 1) + ...)
-            acc += _split_partial(x_rows, w_rows, row_ok, col_ok, split, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK,
+    if SERIAL and FLAT:
+        acc = _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_CHUNK,
                                   IEEE)
+    else:
+        acc = _split_partial(x_rows, w_rows, row_ok, col_ok, pid_s, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, IEEE)
+        if SERIAL:
+            for split in tl.static_range(1, SPLIT_K):  # as _sum_splits adds them: ((part 0 + part 1) + ...)
+                acc += _split_partial(x_rows, w_rows, row_ok, col_ok, split, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      K_CHUNK, IEEE)
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1 or SERIAL:
         if HAS_BIAS:
@@ -208,7 +247,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       out: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit
     column stride): row i's bits depend on row i's values only. tile: another tile than matmul_tile's
-    (bench/batch_invariant.py --sweep-tiles compares some; SPLIT_K defaults to 1).
+    (bench/batch_invariant.py --sweep-tiles compares some; SPLIT_K defaults to 1, SERIAL and FLAT to False).
 
     With SPLIT_K > 1 each split writes an fp32 partial into a [SPLIT_K, rows, N] workspace, allocated here
     like any activation (inside a decode graph's capture it is the graph pool's, so the pool owns it), and
@@ -226,13 +265,14 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     tile = dict(tile or matmul_tile(N, K, x.dtype, x.device, M))
     splits = tile.pop("SPLIT_K", 1)
     serial = tile.pop("SERIAL", False)
+    flat = tile.pop("FLAT", False)
     block_m, block_k = tile["BLOCK_M"], tile["BLOCK_K"]
     # The splits' K range in whole BLOCK_K steps (the last split's tail masked); no split left empty.
     chunk = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
     splits = triton.cdiv(K, chunk)
     # A split of one BLOCK_K step is no loop to Triton's compiler, which then folds `acc + dot(x, w, 0)` into
-    # `dot(x, w, acc)`: another rounding than the workspace's. Serial only from two steps a split (the mode's
-    # tiles have at least MIN_SPLIT_STEPS).
+    # `dot(x, w, acc)`: another rounding than the workspace's (FLAT too: a reset every step leaves the partial a
+    # constant zero). Serial only from two steps a split (the mode's tiles have at least MIN_SPLIT_STEPS).
     serial = serial and chunk >= 2 * block_k
     n_tiles = triton.cdiv(N, tile["BLOCK_N"])
     has_bias = bias is not None
@@ -243,7 +283,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         grid = (n_tiles * triton.cdiv(M, block_m),)
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
-                                 SERIAL=splits > 1, **gdc_launch(chain), **tile)
+                                 SERIAL=splits > 1, FLAT=flat and splits > 1, **gdc_launch(chain), **tile)
         return out
     step = max(block_m, WORKSPACE_BYTES // (splits * N * 4) // block_m * block_m)  # rows a launch
     ws = torch.empty((splits * min(M, step) * N,), dtype=torch.float32, device=x.device)
@@ -253,7 +293,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         grid = (n_tiles * splits * triton.cdiv(rows, block_m),)
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
-                                 **gdc_launch(chain), **tile)
+                                 FLAT=False, **gdc_launch(chain), **tile)
         _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=splits,
                                                          BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4,
                                                          **gdc_launch(chain))

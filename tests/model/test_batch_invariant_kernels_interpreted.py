@@ -54,6 +54,63 @@ for tile in (None, dict(split, SPLIT_K=2), dict(split, SPLIT_K=3)):
 print("ok")
 """
 
+# The interpreter holds a bf16 tensor as its uint16 bits, and its tl.dot multiplies those bits as integers:
+# here a bf16 operand is read as the value it holds (exactly, in fp32), so bf16 inputs give real sums.
+BF16_DOT = r"""
+import numpy as np
+_matmul = np.matmul
+def _bf16_as_values(a, b, *args, **kwargs):
+    a, b = ((v.astype(np.uint32) << 16).view(np.float32) if v.dtype == np.uint16 else v for v in (a, b))
+    return _matmul(a, b, *args, **kwargs)
+np.matmul = _bf16_as_values
+"""
+# SERIAL's sum in one loop over all the splits' K steps (FLAT) against SERIAL's loop a split and against the
+# workspace + _sum_splits: the same bits, fp32 and bf16 inputs, 2 to 4 splits, the last one shorter (K = 200:
+# 13 steps of 16 in splits of 5 or 4, the tail of one step masked and whole steps past K), M not a multiple of
+# BLOCK_M, columns not of BLOCK_N, with and without bias. An fp32 `out` keeps the sums unrounded (bf16 hides an
+# order's last bits), where the data tells orders apart: the unsplit sum (what the flat loop computes if its
+# reset is lost) and the splits added in reverse order give other bits, the splits added in order these.
+FLAT_SERIAL = BF16_DOT + r"""
+import torch
+import triton
+from server.model.batch_invariant_kernels import _fixed_tile_matmul, fixed_tile_matmul
+g = torch.Generator().manual_seed(0)
+tile = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3)
+for dtype in (torch.float32, torch.bfloat16):
+    for M, N, K, splits in ((45, 40, 200, 3), (5, 40, 200, 4), (45, 40, 192, 2)):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        w = torch.randn(N, K, generator=g).to(dtype)
+        for b in (None, torch.randn(N, generator=g).to(dtype)):
+            t = dict(tile, SPLIT_K=splits)
+            case = (dtype, M, N, K, splits, b is not None)
+            for out_dtype in dict.fromkeys((torch.float32, dtype)):
+                def run(t):
+                    return fixed_tile_matmul(x, w, b, out=torch.empty(M, N, dtype=out_dtype), tile=t)
+                workspace, serial, flat = run(t), run(dict(t, SERIAL=True)), run(dict(t, SERIAL=True, FLAT=True))
+                assert torch.equal(serial, workspace), (case, out_dtype, "serial")
+                assert torch.equal(flat, workspace), (case, out_dtype, "flat")
+                if out_dtype == torch.float32:
+                    assert not torch.equal(flat, run(dict(t, SPLIT_K=1))), (case, "the splits leave no trace")
+            want = x.float() @ w.float().t() + (0 if b is None else b.float())
+            torch.testing.assert_close(flat.float(), want, rtol=2e-2, atol=2e-2)
+        # The splits' partials as the workspace holds them (fixed_tile_matmul's chunks), added here in two orders.
+        chunk = triton.cdiv(triton.cdiv(K, 16), splits) * 16
+        parts = torch.empty(triton.cdiv(K, chunk), M, N)
+        grid = (triton.cdiv(N, 32) * parts.shape[0] * triton.cdiv(M, 32),)
+        _fixed_tile_matmul[grid](x, w, w, parts, M, N, x.stride(0), w.stride(0), N, K=K, SPLIT_K=parts.shape[0],
+                                 K_CHUNK=chunk, HAS_BIAS=False, IEEE=dtype == torch.float32, SERIAL=False,
+                                 FLAT=False, GDC=False, **tile)
+        in_order, reverse = parts[0].clone(), parts[-1].clone()
+        for p in parts[1:]:
+            in_order += p
+        for p in parts.flip(0)[1:]:
+            reverse += p
+        flat = fixed_tile_matmul(x, w, out=torch.empty(M, N), tile=dict(tile, SPLIT_K=splits, SERIAL=True, FLAT=True))
+        assert torch.equal(flat, in_order), (dtype, M, N, K, splits, "in order")
+        assert splits == 2 or not torch.equal(flat, reverse), (dtype, M, N, K, splits, "reversed")
+print("ok")
+"""
+
 ATTENTION = r"""
 import torch
 from server.model.attention import AttentionContext, PrefillSpan
@@ -125,6 +182,10 @@ def test_the_engine_on_the_cuda_ops_in_interpreter():
 
 def test_fixed_tile_matmul_rows_are_invariant_in_interpreter():
     assert run_interpreted(MATMUL).strip().endswith("ok")
+
+
+def test_flat_serial_sum_is_the_serial_and_the_workspace_sum_in_interpreter():
+    assert run_interpreted(FLAT_SERIAL).strip().endswith("ok")
 
 
 def test_split_k_follows_the_weight_and_the_device_only():
