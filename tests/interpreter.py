@@ -17,9 +17,11 @@ def run_interpreted(code: str, timeout: float = 300) -> str:
     return res.stdout
 
 
-def compile_for_sm90(fn, signature: dict, constexprs: dict, **options):
+def compile_for_sm90(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...] = (), **options):
     """A Triton kernel through the compiler's whole pipeline to an sm_90 cubin, as on the H200, without a GPU
-    (the interpreter is lenient about types and shapes; the compiler is not). Skips where Triton ships no ptxas."""
+    (the interpreter is lenient about types and shapes; the compiler is not). Skips where Triton ships no ptxas.
+    divisible: the arguments to mark multiples of 16 (a pointer: 16-byte aligned), as the JIT marks them at a
+    call whose values are; without them no load can be an asynchronous copy, and no loop is software-pipelined."""
     import pytest
     import triton
     from triton.backends.compiler import GPUTarget
@@ -27,7 +29,8 @@ def compile_for_sm90(fn, signature: dict, constexprs: dict, **options):
 
     sig = {**signature, **{name: "constexpr" for name in constexprs}}
     try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
     except RuntimeError as e:
         if "ptxas" in str(e) and "not found" in str(e).lower():

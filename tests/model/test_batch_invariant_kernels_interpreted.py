@@ -236,6 +236,32 @@ def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
         assert waits_before_memory(k.asm["ptx"])
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_serial_matmul_pipelines_on_sm90_without_a_gpu(flat):
+    """The 8B qkv's tile at 256 rows (K split 4 ways, added in each program), compiled as the JIT compiles it for
+    the mode's tensors (pointers, N and strides multiples of 16: the loads become asynchronous copies). SERIAL
+    is 4 pipelined loops, one a split, and 3 additions; FLAT is ONE pipelined loop whose MMA stays asynchronous
+    (one left in flight at the end of an iteration; the wait for all of them only in the branch that folds a
+    split's partial into the total, the one addition)."""
+    from server.model.batch_invariant_kernels import _fixed_tile_matmul
+    from tests.interpreter import compile_for_sm90
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+           **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
+    kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
+                                                            K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=True,
+                                                            FLAT=flat, GDC=True),
+                              divisible=("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "stride_x", "stride_w", "stride_o"),
+                              num_warps=8, num_stages=4)
+    ttgir = kernel.asm["ttgir"]
+    loops, additions = (1, 1) if flat else (4, 3)
+    assert ttgir.count("scf.for") == loops and ttgir.count("arith.addf") == additions
+    assert "ttg.async_copy_global_to_local" in ttgir and ttgir.count("pendings = 1") == loops
+    if flat:
+        loop = ttgir[ttgir.index("scf.for"):]
+        assert loop.index("scf.if") < loop.index("pendings = 0") < loop.index("arith.addf")
+
+
 def waits_before_memory(ptx: str) -> bool:
     """A chained kernel's PTX: it lets the next kernel launch and waits for the one before (griddepcontrol)
     before its first global load, store or asynchronous copy."""
