@@ -71,14 +71,15 @@ def test_graphs_replayed_in_the_mode(inv):
     assert_decode_replays(inv)
 
 
-@pytest.mark.parametrize("which", ["mode", "unsplit", "serial"])
+@pytest.mark.parametrize("which", ["mode", "unsplit", "serial", "flat"])
 @pytest.mark.parametrize("N, K", [(960, 576), (576, 1536), (49152, 576), (6144, 4096), (4096, 14336)])
 def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     """A row among 1..300 rows (1 to 5 tiles of 64), in any place: the same bits; and close to cuBLAS. With
     the mode's tile (on an H200 K is split for all but 49152 x 576; 128-row tiles from WIDE_ROWS rows, and
     the splits added in each program once the output tiles fill the GPU, so a row alone and among 255 or 300
     crosses those switches), the one before split-K, and the mode's splits always added in each program
-    (SERIAL: the same bits as through the workspace, checked against the mode's row alone)."""
+    (SERIAL: the same bits as through the workspace, checked against the mode's row alone), also in one K loop
+    over all the splits (FLAT: the same again)."""
     from server.model.batch_invariant_kernels import (
         fixed_tile_matmul,
         matmul_tile,
@@ -88,7 +89,8 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     # The mode: fixed_tile_matmul's own choice at each number of rows.
     cuda = torch.device("cuda")
     tile = {"mode": None, "unsplit": unsplit_tile(N, K, torch.bfloat16, cuda),
-            "serial": dict(matmul_tile(N, K, torch.bfloat16, cuda), SERIAL=True)}[which]
+            "serial": dict(matmul_tile(N, K, torch.bfloat16, cuda), SERIAL=True),
+            "flat": dict(matmul_tile(N, K, torch.bfloat16, cuda), SERIAL=True, FLAT=True)}[which]
     assert matmul_tile(N, K, torch.bfloat16, cuda, 300)["BLOCK_M"] == 128
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -96,7 +98,7 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     x = torch.randn(K, device="cuda", generator=g).to(torch.bfloat16)
     alone = fixed_tile_matmul(x[None], w, tile=tile)[0]
     torch.testing.assert_close(alone.float(), (x[None] @ w.t())[0].float(), rtol=2e-2, atol=2e-2)
-    if which == "serial":
+    if which in ("serial", "flat"):
         assert torch.equal(alone, fixed_tile_matmul(x[None], w)[0]), "the serial sum is not the workspace's"
     for rows in (2, 63, 64, 65, 255, 300):
         for at in sorted({0, 17, rows // 2, rows - 1} & set(range(rows))):
