@@ -6,7 +6,9 @@ in the batch-invariant mode (one at a time: the first is closed before the secon
 `batch` requests of 32-token prompts for --new-tokens greedy tokens at every batch size; the median of
 --repeat runs by decode tok/s (first token of every request out -> all done: bench/throughput.py). Prints a
 table with the ratio invariant / default per (model, batch) and the result as JSON (also written to --out).
-On CUDA also each weight shape's fixed-tile matmul against cuBLAS at those rows: where the mode's time goes.
+On CUDA also each weight shape's fixed-tile matmul against cuBLAS at those rows: where the mode's time goes;
+for a weight whose K is split, also its splits added in each program in one K loop (FLAT) on 64 and 128 rows a
+program, against the mode's tile and a loop a split, each as ms and ours / cuBLAS.
 
     python bench/batch_invariant.py                      # CUDA: llama-1b and llama-8b, batch 1, 64, 256
     python bench/batch_invariant.py --small              # CPU smoke run, a tiny model, well under a minute
@@ -68,6 +70,16 @@ def wide_candidates(mine: dict) -> dict[str, dict]:
     return out
 
 
+def flat_candidates(mine: dict) -> dict[str, dict]:
+    """The mode's split tile with its splits added in each program in ONE K loop over all of them (FLAT), on its
+    rows a program and on the other width (128 rows on two warpgroups where it takes 64, 64 on one where it
+    takes 128): the K order of the mode's tile (BLOCK_K, SPLIT_K), so the same bits (checked on each run)."""
+    flat = dict(mine, SERIAL=True, FLAT=True)
+    wide = mine["BLOCK_M"] == 128
+    other = dict(flat, BLOCK_M=64 if wide else 128, num_warps=4 if wide else 8)
+    return {f"flat m{flat['BLOCK_M']}": flat, f"flat m{other['BLOCK_M']}": other}
+
+
 def tile_name(t: dict) -> str:
     return f"n{t['BLOCK_N']}/k{t['BLOCK_K']}/s{t.get('SPLIT_K', 1)}"
 
@@ -77,7 +89,8 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
     shapes at each batch's rows, the mode's tile (matmul_tile) beside the one before split-K (unsplit_tile);
     with sweep, also each tile of SWEEP. Timed as a decode step runs them: REPS calls captured in one CUDA
     graph (no launch gaps from Python), each on another copy of the weight, the median of 10 replays per
-    call. A tile is one choice for every row count: per shape, the fastest over the batches is the one to keep."""
+    call. A tile is one choice for every row count: per shape, the fastest over the batches is the one to keep.
+    Where K is split, also flat_candidates, with whether each gave the mode's tile's bits on these rows."""
     from server.model.batch_invariant_kernels import (
         WIDE_ROWS,
         fixed_tile_matmul,
@@ -123,6 +136,12 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                 row["workspace_ms"], row["serial_ms"] = (
                     median_ms(fixed_tile_matmul, x, ws, None, None, dict(mine, SERIAL=serial))
                     for serial in (False, True))
+                # and added in each program in one K loop, not a loop a split: their times and their bits
+                flat = flat_candidates(mine)
+                row["flat_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t) for k, t in flat.items()}
+                want = fixed_tile_matmul(x, ws[0], tile=mine)
+                row["flat_same_bits"] = {k: torch.equal(fixed_tile_matmul(x, ws[0], tile=t), want)
+                                         for k, t in flat.items()}
             if b >= WIDE_ROWS:  # candidates for many rows, each keeping the K order (BLOCK_K, SPLIT_K) of one row's
                 row["wide_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t)
                                   for k, t in wide_candidates(mine).items()}
@@ -133,6 +152,27 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
         del ws
         torch.cuda.empty_cache()
     return rows
+
+
+def flat_table(gemms: list[dict]) -> str:
+    """The rows of split weights: the mode's tile (through the workspace or SERIAL, as it chose at these rows), its
+    splits added in each program a loop a split (SERIAL), and the FLAT candidates, each as ms and ours / cuBLAS
+    (above 1: slower than cuBLAS); and whether every candidate gave the mode's tile's bits."""
+    def cell(ms: float, cub: float) -> str:
+        return f"{ms:.4f} ({ms / cub:.2f}x)"
+
+    rows = []
+    for g in gemms:
+        t, cub = g["tile"], g["cublas_ms"]
+        how = "serial" if t.get("SERIAL") else "workspace"
+        (same, same_ms), (other, other_ms) = g["flat_ms"].items()
+        wrong = [k for k, ok in g["flat_same_bits"].items() if not ok]
+        rows.append([g["model"], g["gemm"], g["rows"], f"m{t['BLOCK_M']} {tile_name(t)} {how}",
+                     cell(g["fixed_tile_ms"], cub), cell(g["serial_ms"], cub), f"{same} {cell(same_ms, cub)}",
+                     f"{other} {cell(other_ms, cub)}", f"{cub:.4f}", "NOT " + ", ".join(wrong) if wrong else "yes"])
+    return table(rows, ["model", "gemm", "rows", "mode's tile", "mode's ms (ours/cuBLAS)",
+                        "serial, a loop a split", "flat, same width", "flat, other width", "cuBLAS ms",
+                        "flat bits = mode's"])
 
 
 def per_shape(gemms: list[dict]) -> list[list]:
@@ -192,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(table([[g["model"], g["gemm"], g["rows"], f"{g['fixed_tile_ms']:.4f}",
                           ", ".join(f"{k} {v:.4f}" for k, v in g["wide_ms"].items()), f"{g['cublas_ms']:.4f}"]
                          for g in wide], ["model", "gemm", "rows", "mode's tile ms", "candidates ms", "cuBLAS ms"]))
+        flat = [g for g in gemms if "flat_ms" in g]
+        if flat:  # the split weights' K splits in one loop a program against the mode's tile and a loop a split
+            print(flat_table(flat))
         print(table(per_shape(gemms), ["model", "gemm", "N x K", "unsplit tile, ms", "mode's tile, ms",
                                        "fastest swept tile, ms", "cuBLAS ms"]))
     print(table([[r["model"], r["batch"], f"{r['default_tok_s']:.0f}", f"{r['batch_invariant_tok_s']:.0f}",

@@ -22,3 +22,34 @@ def test_small_run_reports_both_modes_and_their_ratio(tmp_path):
         assert r["default_tok_s"] > 0 and r["batch_invariant_tok_s"] > 0
         assert r["ratio"] == r["batch_invariant_tok_s"] / r["default_tok_s"]
     assert "| ratio |" in res.stdout
+
+
+# The GEMM table's FLAT candidates (CUDA-only in the bench) through the Triton interpreter: a shape whose K
+# splits on the interpreter's 4 "multiprocessors" (N 128 < 4 x 64 columns, K 512: 2 splits) for qkv, gate_up
+# and lm_head; every timing stubbed (CUDA graphs time them on the GPU; the interpreter's times mean nothing), and
+# the interpreter's bf16 dot multiplies bit patterns as integers: meaningless values, but the bits still compare.
+GEMM_TABLE = r"""
+import torch
+import bench.batch_invariant as bench
+from testkit.models import CONFIGS
+CONFIGS["split-probe"] = dict(hidden_size=512, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32, vocab_size=128, tie_word_embeddings=True)
+bench.REPS = 1
+bench.graph_ms = lambda fn, device, replays=10, per_replay=1: 1.0
+gemms = bench.gemm_rows("split-probe", torch.device("cpu"), [1])
+flat = [g for g in gemms if "flat_ms" in g]
+assert [g["gemm"] for g in flat] == ["qkv", "gate_up", "lm_head"], [g["gemm"] for g in gemms]
+for g in flat:
+    assert g["tile"]["SPLIT_K"] == 2 and list(g["flat_ms"]) == ["flat m64", "flat m128"], g
+    assert g["flat_same_bits"] == {"flat m64": True, "flat m128": True}, g
+print(bench.flat_table(flat))
+print("ok")
+"""
+
+
+def test_gemm_table_times_the_flat_candidates_in_interpreter():
+    from tests.interpreter import run_interpreted
+
+    out = run_interpreted(GEMM_TABLE)
+    assert out.strip().endswith("ok")
+    assert "| mode's ms (ours/cuBLAS) |" in out and "flat m128 1.0000 (1.00x)" in out and "| yes " in out
