@@ -62,11 +62,11 @@ def wide_candidates(mine: dict) -> dict[str, dict]:
     64-row tiles (enough output tiles to fill the GPU where 128-row ones do not), and wider column tiles."""
     out = {}
     if mine.get("SPLIT_K", 1) > 1:
-        out["serial m64"] = dict(mine, BLOCK_M=64, num_warps=4, SERIAL=True)
+        out["serial m64"] = dict(mine, BLOCK_M=64, num_warps=4, SERIAL=True, FLAT=False)
     for n, stages in ((128, 3), (256, 3)):
         if n >= mine["BLOCK_N"]:
             out[f"m128 n{n} st{stages}"] = dict(mine, BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=stages,
-                                                SERIAL=mine.get("SPLIT_K", 1) > 1)
+                                                SERIAL=mine.get("SPLIT_K", 1) > 1, FLAT=False)
     return out
 
 
@@ -134,7 +134,7 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                 row["narrow_ms"] = median_ms(fixed_tile_matmul, x, ws, None, None, narrow)
             if mine.get("SPLIT_K", 1) > 1:  # the splits through the workspace and added in each program
                 row["workspace_ms"], row["serial_ms"] = (
-                    median_ms(fixed_tile_matmul, x, ws, None, None, dict(mine, SERIAL=serial))
+                    median_ms(fixed_tile_matmul, x, ws, None, None, dict(mine, SERIAL=serial, FLAT=False))
                     for serial in (False, True))
                 # and added in each program in one K loop, not a loop a split: their times and their bits
                 flat = flat_candidates(mine)
@@ -164,7 +164,7 @@ def flat_table(gemms: list[dict]) -> str:
     rows = []
     for g in gemms:
         t, cub = g["tile"], g["cublas_ms"]
-        how = "serial" if t.get("SERIAL") else "workspace"
+        how = ("flat" if t.get("FLAT") else "serial") if t.get("SERIAL") else "workspace"
         (same, same_ms), (other, other_ms) = g["flat_ms"].items()
         wrong = [k for k, ok in g["flat_same_bits"].items() if not ok]
         rows.append([g["model"], g["gemm"], g["rows"], f"m{t['BLOCK_M']} {tile_name(t)} {how}",

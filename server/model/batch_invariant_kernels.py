@@ -214,9 +214,13 @@ def unsplit_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> di
             "num_stages": 3 if fp32 else 4, "SPLIT_K": 1}
 
 
-# From this many rows a 16-bit matmul takes 128-row tiles on two warpgroups: at 256 rows the 64-row tile read
+# From this many rows a 16-bit matmul may take 128-row tiles on two warpgroups: at 256 rows the 64-row tile read
 # each weight tile 4 times and ran at 0.4-0.6x cuBLAS (2026-12-04, H200).
 WIDE_ROWS = 128
+# The share of the multiprocessors the output tiles alone must give a program before a program adds its K
+# splits itself (one wave of 128 programs on an H100's 132 SMs counts): below it the splits' own programs fill
+# the GPU better, through the workspace.
+FILL = 0.9
 
 
 def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int = 1) -> dict:
@@ -224,23 +228,30 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
     them) is a function of the weight and the device only. 128 columns where that alone gives every
     multiprocessor a program (lm_head, the 8B's gate_up), else 64 columns and K split (splits_for) until the
     programs fill the GPU at one M tile: a decode step's matmul is bound by reading the weight, by as many
-    programs as run at once. Only how rows are spread follows `rows`: 64 a program (one warpgroup MMA of
-    Hopper's, m64), or 128 on two warpgroups from WIDE_ROWS in 16 bits; and whether the K splits go through
-    the workspace or are added serially in each program (SERIAL). Each row's element is the same sequence of
-    k16 MMAs and the same additions either way (tests/gpu/test_batch_invariant_gpu.py checks the bits)."""
+    programs as run at once. Only how rows are spread follows `rows`, and each way gives a row's element the
+    same k16 MMAs and the same additions (tests/gpu/test_batch_invariant_gpu.py checks the bits):
+    - 64 rows a program (one warpgroup MMA of Hopper's, m64), or 128 on two warpgroups from WIDE_ROWS in 16
+      bits where the 128-row tiles still fill the GPU;
+    - the K splits through the workspace and _sum_splits, or, once the output tiles alone fill the GPU
+      (FILL), added in each program in one loop over all of K (SERIAL, FLAT). At 256 rows on an H100 the
+      latter took 0.70x (1B qkv, m64) to 0.77x (8B o_proj, m128) of the workspace's time and 0.83x of a loop
+      a split's on the 8B qkv (2026-12-05, binv-gemm; the 1B down 1.05x: one rule for all)."""
     sms = _processors(device)
     block_n = 128 if triton.cdiv(N, 128) >= sms else 64
+    n_tiles = triton.cdiv(N, block_n)
     fp32 = dtype == torch.float32
     block_k = 32 if fp32 else 64
-    wide = rows >= WIDE_ROWS and not fp32
+
+    def fills(block_m: int) -> bool:
+        return triton.cdiv(rows, block_m) * n_tiles >= FILL * sms
+
+    wide = rows >= WIDE_ROWS and not fp32 and fills(128)
     block_m = 128 if wide else 64
     splits = splits_for(N, K, block_n, block_k, sms)
-    # Once the output tiles alone give every multiprocessor a program, a program adds the splits itself (the
-    # same sums, no fp32 workspace: at 256 rows its traffic was ~3x the weight's, 2026-12-04). 16 bits only: in
-    # fp32 the serial tile needs 255 registers and spills (164 through the workspace).
-    serial = splits > 1 and not fp32 and triton.cdiv(rows, block_m) * triton.cdiv(N, block_n) >= sms
+    # 16 bits only: in fp32 the serial tile needs 255 registers and spills (164 through the workspace).
+    serial = splits > 1 and not fp32 and fills(block_m)
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
-            "num_stages": 3 if fp32 else 4, "SPLIT_K": splits, "SERIAL": serial}
+            "num_stages": 3 if fp32 else 4, "SPLIT_K": splits, "SERIAL": serial, "FLAT": serial}
 
 
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
