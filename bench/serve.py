@@ -43,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import hardware, in_thread, now_iso, server_steps, table, write_json  # noqa: E402
+from bench.server_cpu import ServerCpu, pin_engine, topology  # noqa: E402
 from bench.spy import Spy, py_spy  # noqa: E402
 
 SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
@@ -557,6 +558,10 @@ def main() -> None:
                     help="the server's --api-server-count (a number or auto, the server's default), comma-separated for one HTTP pass set each (e.g. 1,4,auto), all "
                          "against the same in-process reference")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
+    ap.add_argument("--pin-engine", action="store_true",
+                    help="give the server's engine process one physical core to itself (all its hardware threads), "
+                         "the API processes and the clients the rest (bench/server_cpu.py): does sharing its "
+                         "core slow the engine thread?")
     ap.add_argument("--spy", type=Path, default=None,
                     help="record the started server's API and engine processes with py-spy during each HTTP pass "
                          "(raw stacks in this folder; per-thread shares and hottest frames in the JSON and printed)")
@@ -610,6 +615,8 @@ def main() -> None:
             raise SystemExit("--spy records the server this starts; with --url, run py-spy on that server yourself")
         py_spy()  # its absence said now, not after the server started
     result["client_procs"] = procs
+    result["cpus"] = topology()
+    every_cpu = os.sched_getaffinity(0)
     result["client"] = args.client
     result["repeat"] = args.repeat
     counts = [c.strip() if c.strip() == "auto" else int(c) for c in args.api_server_count.split(",") if c.strip()]
@@ -627,6 +634,8 @@ def main() -> None:
             server = ServerProcess([*flags, "--log-level", "warning", "--api-server-count", str(count),
                                     *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()
             url = server.url
+            if args.pin_engine:
+                result["pinned"] = pin_engine(server.engine_pid, server.api_pids)
         try:
             import httpx
 
@@ -636,9 +645,12 @@ def main() -> None:
             def http(reqs: list[Req], stream: bool):
                 before: list = []
                 spies: list = []
+                cpu: list = []  # the server's CPU seconds at the start (ServerCpu)
 
                 def at_start() -> None:
                     before.append(server_steps(url, args.api_key))
+                    if server is not None:
+                        cpu.append(ServerCpu(server.engine_pid, server.api_pids))
                     if args.spy is not None and server is not None:
                         name = (f"{next(spy_passes):02d}-{'async' if on else 'sync'}-{len(reqs)}-"
                                 f"{'stream' if stream else 'nostream'}")
@@ -652,7 +664,9 @@ def main() -> None:
                     profiles = spies[0].stop() if spies else None
                 after = server_steps(url, args.api_key)
                 steps = after - before[0] if None not in (before[0], after) else None
-                return results, duration, {**client, "steps": steps, **({"spy": profiles} if profiles else {})}
+                used = {"server_cores": cpu[0].cores(duration)} if cpu else {}
+                return results, duration, {**client, "steps": steps, **used,
+                                           **({"spy": profiles} if profiles else {})}
 
             run_clients(url, args.api_key, served, warm, True, args.temperature, args.timeout, 1,
                         client=args.client)  # warm-up
@@ -661,6 +675,7 @@ def main() -> None:
         finally:
             if server is not None:
                 server.stop()
+            os.sched_setaffinity(0, every_cpu)  # --pin-engine moved this process off the engine's core
 
     if not args.no_engine:
         import torch
@@ -718,6 +733,13 @@ def _client(row: dict) -> str:
     return f"{row['client_cores']:.2f}/{row['client_procs']}" if "client_cores" in row else "-"
 
 
+def _server(row: dict) -> str:
+    """The server's cores busy in an HTTP pass: the engine thread / the engine process / the busiest API process /
+    every API process ("-" in process)."""
+    c = row.get("server_cores")
+    return "-" if c is None else f"{c['engine_thread']:.2f}/{c['engine']:.2f}/{c['api_max']:.2f}/{c['api']:.2f}"
+
+
 def _path(row: dict) -> str:
     """The path, with the server's API processes when there were several."""
     count = row.get("api_servers", 1)
@@ -754,15 +776,18 @@ def report(result: dict) -> None:
                   f"{r['all_first_token_ms']:.0f}" if r["stream"] is not False and r.get("all_first_token_ms") else "-",
                   f"{r['tokens_per_chunk']:.2f}" if r.get("tokens_per_chunk") and r["stream"] else "-",
                   f"{r['send_spread_ms']:.0f}" if r.get("send_spread_ms") is not None else "-",
-                  f"{1e3 * r['duration_s']:.0f}", _client(r)] for r in sat],
+                  f"{1e3 * r['duration_s']:.0f}", _client(r), _server(r)] for r in sat],
                 ["C", "path", "mode", "ok", "out tok/s", "HTTP/engine (target >= 0.9)", "engine steps",
-                 "all first tokens ms", "tokens/chunk", "sends ms", "span ms", "client cores/procs"]))
+                 "all first tokens ms", "tokens/chunk", "sends ms", "span ms", "client cores/procs",
+                 "server cores: engine thread/engine/API max/API"]))
     print("engine steps: steps that sampled tokens during the pass (the server's vllm:iteration_tokens_total count); "
           "above the output length, the steps admission was spread over. all first tokens: from the first send "
           "until every request had its first token (streamed). tokens/chunk: streamed output tokens per content chunk. sends: first send to last send (the clients' own "
           "pace; 0 in process). span: first send to last answer, both paths. "
           "In process, stream: an output for every request at every step, as the server's engine makes for streamed "
-          "requests; no stream: first tokens and ends only, as for plain requests. HTTP/engine divides by the same mode.")
+          "requests; no stream: first tokens and ends only, as for plain requests. HTTP/engine divides by the same mode. "
+          f"server cores: busy over the pass, from /proc ({result.get('cpus', '?')}"
+          + (f"; engine pinned to CPUs {result['pinned']['engine']}" if result.get("pinned") else "") + ").")
     for r in result["rows"]:
         for proc, prof in (r.get("spy") or {}).items():
             mode = _mode(r["stream"])

@@ -183,6 +183,10 @@ for stage in $stages; do
     serve-default) # serve64 with the server's default flags (--api-server-count auto): what `sleepserve serve` gives
                 run serve-default $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
                   --api-server-count auto --out "$RESULTS/serve-default" ;;
+    serve-pinned) # serve-default with the engine process alone on one physical core (API processes and clients on
+                  # the rest): does sharing its core's hyperthreads slow the engine thread at 256 streams?
+                run serve-pinned $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
+                  --api-server-count auto --pin-engine --out "$RESULTS/serve-pinned" ;;
     serve-api6) # serve-default with six API processes (auto caps at four): is the streamed limit the API's cores?
                 run serve-api6 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
                   --api-server-count 6 --out "$RESULTS/serve-api6" ;;
