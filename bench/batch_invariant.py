@@ -90,7 +90,8 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
     with sweep, also each tile of SWEEP. Timed as a decode step runs them: REPS calls captured in one CUDA
     graph (no launch gaps from Python), each on another copy of the weight, the median of 10 replays per
     call. A tile is one choice for every row count: per shape, the fastest over the batches is the one to keep.
-    Where K is split, also flat_candidates, with whether each gave the mode's tile's bits on these rows."""
+    Where K is split, also flat_candidates, with whether each gave the mode's tile's bits on these rows; from
+    WIDE_ROWS rows, wide_candidates, with whether each gave row 0 the bits the one-row tile gives it."""
     from server.model.batch_invariant_kernels import (
         WIDE_ROWS,
         fixed_tile_matmul,
@@ -143,8 +144,13 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                 row["flat_same_bits"] = {k: torch.equal(fixed_tile_matmul(x, ws[0], tile=t), want)
                                          for k, t in flat.items()}
             if b >= WIDE_ROWS:  # candidates for many rows, each keeping the K order (BLOCK_K, SPLIT_K) of one row's
-                row["wide_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t)
-                                  for k, t in wide_candidates(mine).items()}
+                wide = wide_candidates(mine)
+                row["wide_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t) for k, t in wide.items()}
+                # Whether a wider column tile gives a row the bits the mode's one-row tile gives it: if so, the
+                # column tile could follow the rows too (the MMA's N would not order a row's sum on this GPU).
+                alone = fixed_tile_matmul(x[:1], ws[0], tile=narrow)[0]
+                row["wide_same_bits"] = {k: torch.equal(fixed_tile_matmul(x, ws[0], tile=t)[0], alone)
+                                         for k, t in wide.items()}
             if sweep:
                 row["sweep_ms"] = {tile_name(sweep_tile(*t)): median_ms(fixed_tile_matmul, x, ws, None, None,
                                                                          sweep_tile(*t)) for t in SWEEP}
@@ -230,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         wide = [g for g in gemms if "wide_ms" in g]
         if wide:  # the mode's tile at many rows against the candidates that keep its K order
             print(table([[g["model"], g["gemm"], g["rows"], f"{g['fixed_tile_ms']:.4f}",
-                          ", ".join(f"{k} {v:.4f}" for k, v in g["wide_ms"].items()), f"{g['cublas_ms']:.4f}"]
+                          ", ".join(f"{k} {v:.4f}" + ("" if g.get("wide_same_bits", {}).get(k, True) else " (other bits)")
+                                    for k, v in g["wide_ms"].items()), f"{g['cublas_ms']:.4f}"]
                          for g in wide], ["model", "gemm", "rows", "mode's tile ms", "candidates ms", "cuBLAS ms"]))
         flat = [g for g in gemms if "flat_ms" in g]
         if flat:  # the split weights' K splits in one loop a program against the mode's tile and a loop a split

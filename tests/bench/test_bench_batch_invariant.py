@@ -43,6 +43,11 @@ for g in flat:
     assert g["tile"]["SPLIT_K"] == 2 and list(g["flat_ms"]) == ["flat m64", "flat m128"], g
     assert g["flat_same_bits"] == {"flat m64": True, "flat m128": True}, g
 print(bench.flat_table(flat))
+# At WIDE_ROWS rows the wide candidates too, each with whether it gave row 0 the one-row tile's bits.
+from server.model.batch_invariant_kernels import WIDE_ROWS
+wide = [g for g in bench.gemm_rows("split-probe", torch.device("cpu"), [WIDE_ROWS]) if "wide_ms" in g]
+assert wide and all(set(g["wide_same_bits"]) == set(g["wide_ms"]) for g in wide), wide
+assert all(all(g["wide_same_bits"].values()) for g in wide), [g["wide_same_bits"] for g in wide]
 print("ok")
 """
 
