@@ -98,7 +98,10 @@ class OutputStream:
         self.metrics: RequestMetrics | None = None
         self.error: BaseException | None = None
         self._news = False
-        self._ready = asyncio.Event()
+        # The route's task, while it waits for news in next(): a bare future rather than an asyncio.Event,
+        # whose wait and set (a loop check, a deque of waiters) cost ~0.6 us more per chunk, of the ~11 us
+        # the API's own code spends on one (CPU host, frame to bytes, no uvicorn).
+        self._waiter: asyncio.Future | None = None
 
     def apply(self, d: Delta) -> None:
         request_id, seq_deltas, finished, num_cached, prompt_ids, prompt_logprobs, metrics = d
@@ -125,18 +128,22 @@ class OutputStream:
             if routed is not None:
                 acc.routed_experts = routed
         self._news = True
-        self._ready.set()
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
-        self._ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():  # done: the task was cancelled while it waited
+            waiter.set_result(None)
 
     def take(self) -> RequestOutput | None:
         """Everything new since the last take, as one output (None when nothing is new)."""
         if not self._news:
             return None
         self._news = False
-        self._ready.clear()
         outputs = []
         for i, acc in enumerate(self.seqs):
             # token_ids and logprobs are the request's own growing lists: consumers read them, and
@@ -160,7 +167,8 @@ class OutputStream:
             out = self.take()
             if out is not None:
                 return out
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
 
 
 class EngineClient:
