@@ -185,8 +185,10 @@ async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutp
     """Every prompt's outputs as they come, tagged with the prompt's index. Closing it aborts them all."""
     try:
         if len(started) == 1:  # one prompt (chat, most completions): its outputs as they are, no task or queue
-            async with contextlib.aclosing(_from_first(*started[0])) as outs:
-                async for out in outs:
+            first, gen = started[0]  # read here, not through _from_first: one generator fewer per chunk
+            yield 0, first
+            if not first.finished:
+                async for out in gen:
                     yield 0, out
             return
         async with contextlib.aclosing(_interleaved([functools.partial(_from_first, first, gen)
