@@ -24,7 +24,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from server.config import EngineConfig
 from server.wire.messages import (Call, Delta, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed, Status,
@@ -37,6 +37,9 @@ from server.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.wire.params import SamplingParams, StructuredOutputs
 from server.wire.sleep_state import SleepReport, SleepState
 from server.api.spawn import SpawnedEngine, spawn_engine
+
+if TYPE_CHECKING:
+    from server.api.metrics import RequestTracker
 
 log = logging.getLogger("sleepserve.engine")
 
@@ -375,12 +378,14 @@ class EngineClient:
         self.held.refuse_now()
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, tracker: RequestTracker | None = None) -> AsyncIterator[RequestOutput]:
         """Yield outputs (each with its delta) until the request finishes. While the engine cannot serve,
         the request is held first (or refused, per HoldPolicy). Closing the iterator early (a client
         that went away) drops a held request and aborts an admitted one, freeing its KV blocks.
+        `tracker` (the route's metrics) observes each output and the end.
         One generator (not a wrapper around another): a streamed output passes every layer once per step."""
         deadline = None
+        last: RequestOutput | None = None
         stream = OutputStream(prompt, prompt_token_ids, params.n)
         if params.grammar is not None:  # compiled objects stay in the engine process (compile_grammar)
             params = _without_grammar(params)
@@ -404,14 +409,18 @@ class EngineClient:
                     added = True  # the add still runs in the engine: the abort follows it (FIFO)
                     raise
             while not finished:
-                out = await stream.next()
+                out = last = await stream.next()
                 finished = out.finished
+                if tracker is not None:
+                    tracker.observe(out)
                 yield out
         finally:
             self._active -= 1
             self._streams.pop(request_id, None)
             if added and not finished:
                 self.notify("abort", request_id)
+            if tracker is not None:
+                tracker.finish(last)
 
     # -- named commands ------------------------------------------------------------------------------
 

@@ -70,20 +70,12 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
-async def generate(request: Request, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                   params: SamplingParams) -> AsyncIterator[RequestOutput]:
-    """engine.generate plus metrics. Close it (aclose) when done early: that aborts the request."""
-    engine = request.app.state.engine
+def generate(request: Request, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+             params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    """engine.generate with the request's metrics (the engine's generator calls the tracker: no generator
+    around it for a streamed output to pass through). Close it (aclose) when done early: that aborts the request."""
     tracker = request.app.state.metrics.track(time.monotonic(), params)
-    last: RequestOutput | None = None
-    async with contextlib.aclosing(engine.generate(request_id, prompt, prompt_token_ids, params)) as outputs:
-        try:
-            async for out in outputs:
-                tracker.observe(out)
-                last = out
-                yield out
-        finally:
-            tracker.finish(last)
+    return request.app.state.engine.generate(request_id, prompt, prompt_token_ids, params, tracker)
 
 
 async def compile_grammar(request: Request, params: SamplingParams, param: str) -> SamplingParams:
