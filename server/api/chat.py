@@ -28,7 +28,8 @@ class ChatChunks:
 
     def __init__(self, request_id: str, created: int, model: str, body: ChatCompletionRequest):
         self.head = (CHUNK_KIND, request_id, created, model)
-        self.frame = ChunkFrame(CHUNK_KIND, request_id, created, model, body.include_usage).frame
+        frame = ChunkFrame(CHUNK_KIND, request_id, created, model, body.include_usage)
+        self.frame, self.prefix, self.suffix = frame.frame, frame.prefix, frame.suffix
         self.body = body
         self.n = body.n
         self.include_usage = body.include_usage
@@ -64,11 +65,11 @@ class ChatChunks:
                 continue
             if not o.delta_text and not o.delta_token_ids and o.finish_reason is None:
                 continue
-            if o.finish_reason is None and self.plain:  # the common chunk, built as text
+            if o.finish_reason is None and self.plain:  # the common chunk, built as one string
                 delta = '{"content":' + json_str(o.delta_text) + "}" if o.delta_text else "{}"
                 ids = ',"token_ids":' + json_ids(o.delta_token_ids) if self.with_ids else ""
-                result.append(self.frame(f'{{"index":{o.index},"delta":{delta},"logprobs":null,'
-                                         f'"finish_reason":null,"stop_reason":null{ids}}}'))
+                result.append(f'{self.prefix}{{"index":{o.index},"delta":{delta},"logprobs":null,'
+                              f'"finish_reason":null,"stop_reason":null{ids}}}{self.suffix}'.encode())
                 continue
             lp = None
             if self.top_k is not None:

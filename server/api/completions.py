@@ -112,7 +112,8 @@ class CompletionChunks(CompletionFormat):
                  prompts: list[CheckedPrompt]):
         super().__init__(body, prompts)
         self.head = (KIND, request_id, created, model)
-        self.frame = ChunkFrame(KIND, request_id, created, model, body.include_usage).frame
+        frame = ChunkFrame(KIND, request_id, created, model, body.include_usage)
+        self.frame, self.prefix, self.suffix = frame.frame, frame.prefix, frame.suffix
         # A chunk with text (and token ids) only, as text: most chunks of most streams.
         self.plain = body.logprobs is None
         self.with_ids = body.return_token_ids
@@ -134,10 +135,10 @@ class CompletionChunks(CompletionFormat):
                 if not first:
                     if not o.delta_text and not o.delta_token_ids:
                         continue
-                    if self.plain:  # what choice() + the encoder would write, built directly
+                    if self.plain:  # what frame(choice() + the encoder) would write, built as one string
                         ids = ',"token_ids":' + json_ids(o.delta_token_ids) if self.with_ids else ""
-                        result.append(self.frame(f'{{"index":{key},"text":{json_str(o.delta_text)},"logprobs":null,'
-                                                 f'"finish_reason":null,"stop_reason":null{ids}}}'))
+                        result.append(f'{self.prefix}{{"index":{key},"text":{json_str(o.delta_text)},"logprobs":null,'
+                                      f'"finish_reason":null,"stop_reason":null{ids}}}{self.suffix}'.encode())
                         continue
             else:
                 self.finished.add(key)

@@ -70,20 +70,12 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
-async def generate(request: Request, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                   params: SamplingParams) -> AsyncIterator[RequestOutput]:
-    """engine.generate plus metrics. Close it (aclose) when done early: that aborts the request."""
-    engine = request.app.state.engine
+def generate(request: Request, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+             params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    """engine.generate with the request's metrics (the engine's generator calls the tracker: no generator
+    around it for a streamed output to pass through). Close it (aclose) when done early: that aborts the request."""
     tracker = request.app.state.metrics.track(time.monotonic(), params)
-    last: RequestOutput | None = None
-    async with contextlib.aclosing(engine.generate(request_id, prompt, prompt_token_ids, params)) as outputs:
-        try:
-            async for out in outputs:
-                tracker.observe(out)
-                last = out
-                yield out
-        finally:
-            tracker.finish(last)
+    return request.app.state.engine.generate(request_id, prompt, prompt_token_ids, params, tracker)
 
 
 async def compile_grammar(request: Request, params: SamplingParams, param: str) -> SamplingParams:
@@ -185,8 +177,10 @@ async def merged(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutp
     """Every prompt's outputs as they come, tagged with the prompt's index. Closing it aborts them all."""
     try:
         if len(started) == 1:  # one prompt (chat, most completions): its outputs as they are, no task or queue
-            async with contextlib.aclosing(_from_first(*started[0])) as outs:
-                async for out in outs:
+            first, gen = started[0]  # read here, not through _from_first: one generator fewer per chunk
+            yield 0, first
+            if not first.finished:
+                async for out in gen:
                     yield 0, out
             return
         async with contextlib.aclosing(_interleaved([functools.partial(_from_first, first, gen)

@@ -41,19 +41,15 @@ WAITING_REASONS = ("capacity", "deferred")  # vLLM's: no KV room yet | held back
 
 
 class _Buckets:
-    """Observations of one histogram not yet added to it: counts per bucket and their sum.
-    Histogram.observe takes a lock twice and walks the bounds per call; a stream observes per request
-    per engine step, so the counts gather here and reach the histogram at the next scrape."""
+    """Observations of one histogram not yet added to it: counts per bucket and their sum (_Unscraped.add_itl
+    fills them). Histogram.observe takes a lock twice and walks the bounds per call; a stream observes per
+    request per engine step, so the counts gather here and reach the histogram at the next scrape."""
     __slots__ = ("bounds", "counts", "total")
 
     def __init__(self, bounds: tuple[float, ...]):
         self.bounds = bounds + (float("inf"),)
         self.counts = [0] * len(self.bounds)
         self.total = 0.0
-
-    def add(self, value: float, times: int) -> None:
-        self.counts[bisect_left(self.bounds, value)] += times  # the first bound >= value: observe's bucket
-        self.total += value * times
 
     def flush(self, histogram: Any) -> None:
         """Into a prometheus_client Histogram (or a labelled child): its buckets and sum, as `times`
@@ -77,6 +73,16 @@ class _Unscraped:
         self.itl = _Buckets(_LATENCY)
         self.v_itl = _Buckets(_LATENCY)
 
+    def add_itl(self, interval: float, steps: int, tokens: int) -> None:
+        """One output's inter-token interval: `steps` times into ours, `tokens` times into vLLM's. Both have
+        the same bounds, so one search finds the bucket of both (the first bound >= interval: observe's)."""
+        itl, v_itl = self.itl, self.v_itl
+        i = bisect_left(itl.bounds, interval)
+        itl.counts[i] += steps
+        itl.total += interval * steps
+        v_itl.counts[i] += tokens
+        v_itl.total += interval * tokens
+
 
 class RequestTracker:
     """Per-request timing: TTFT, inter-token latency, tokens, outcome, and vLLM's per-request histograms."""
@@ -96,8 +102,12 @@ class RequestTracker:
             self.prompt_tokens = len(out.prompt_token_ids)
             m.prompt_tokens.inc(self.prompt_tokens)
             m.v_prompt_tokens.inc(self.prompt_tokens)
-        counts = [len(o.delta_token_ids) for o in out.outputs]
-        new = sum(counts)
+        outs = out.outputs
+        if len(outs) == 1:  # n = 1, most requests: no list of counts (a stream observes once per chunk)
+            new = steps = len(outs[0].delta_token_ids)
+        else:
+            counts = [len(o.delta_token_ids) for o in outs]
+            new, steps = sum(counts), max(counts)
         if not new:
             return
         self.generated += new
@@ -109,10 +119,7 @@ class RequestTracker:
             # An output may span several steps (a FINAL_ONLY request's last one spans all but the first; a
             # slow reader merges steps): one interval per step, the mean, and vLLM's histogram one per token
             # of each sequence (its n sequences are n requests there).
-            steps = max(counts)
-            interval = (now - self.last_token) / steps
-            m.pending.itl.add(interval, steps)
-            m.pending.v_itl.add(interval, new)
+            m.pending.add_itl((now - self.last_token) / steps, steps, new)
         self.last_token = now
 
     def finish(self, last: RequestOutput | None) -> None:

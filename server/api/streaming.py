@@ -40,8 +40,9 @@ class ChunkFrame:
     """One stream's envelope (id, object, created, model, choices, [usage: null]) as fixed text around
     one choice's JSON: a stream writes a chunk per request per engine step, and its envelope never
     changes. Byte for byte what sse(envelope(..., [choice], usage=None)) writes (tests check it),
-    at a fraction of the cost: the routes build the common choice (text and token ids, nothing else)
-    as text too, and only the rare ones (the first, the last, log-probs) as dicts."""
+    at a fraction of the cost: the routes build the common chunk (text and token ids, nothing else)
+    as one string from `prefix` to `suffix` (no choice string to frame), and only the rare ones (the
+    first, the last, log-probs) as dicts through frame()."""
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool):
         self.prefix = (f'data: {{"id":{json_str(request_id)},"object":{json_str(kind)},"created":{int(created)},'

@@ -28,7 +28,7 @@ class OneAtATime:
             self.handled += 1
             self.changed.notify_all()
 
-    async def generate(self, request_id, prompt, prompt_token_ids, params):
+    async def generate(self, request_id, prompt, prompt_token_ids, params, tracker):
         i = int(request_id.rsplit("-", 1)[1])
         done = False
         try:
