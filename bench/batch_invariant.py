@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         wide = [g for g in gemms if "wide_ms" in g]
         if wide:  # the mode's tile at many rows against the candidates that keep its K order
             print(table([[g["model"], g["gemm"], g["rows"], f"{g['fixed_tile_ms']:.4f}",
-                          ", ".join(f"{k} {v:.4f}" + ("" if g.get("wide_same_bits", {}).get(k, True) else " (other bits)")
+                          ", ".join(f"{k} {v:.4f}"
+                                    + ("" if g.get("wide_same_bits", {}).get(k, True) else " (other bits)")
                                     for k, v in g["wide_ms"].items()), f"{g['cublas_ms']:.4f}"]
                          for g in wide], ["model", "gemm", "rows", "mode's tile ms", "candidates ms", "cuBLAS ms"]))
         flat = [g for g in gemms if "flat_ms" in g]

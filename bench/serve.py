@@ -614,6 +614,8 @@ def main() -> None:
         if args.url is not None:
             raise SystemExit("--spy records the server this starts; with --url, run py-spy on that server yourself")
         py_spy()  # its absence said now, not after the server started
+    if args.pin_engine and args.url is not None:
+        raise SystemExit("--pin-engine pins the server this starts; with --url, pin that server's processes yourself")
     result["client_procs"] = procs
     result["cpus"] = topology()
     every_cpu = os.sched_getaffinity(0)
@@ -634,9 +636,9 @@ def main() -> None:
             server = ServerProcess([*flags, "--log-level", "warning", "--api-server-count", str(count),
                                     *(["--async-scheduling"] if on else ["--no-async-scheduling"])]).start()
             url = server.url
-            if args.pin_engine:
-                result["pinned"] = pin_engine(server.engine_pid, server.api_pids)
         try:
+            if args.pin_engine:  # inside the try: a failure still stops the server and restores this affinity
+                result["pinned"] = pin_engine(server.engine_pid, server.api_pids)
             import httpx
 
             headers = {"Authorization": f"Bearer {args.api_key}"}
@@ -662,9 +664,9 @@ def main() -> None:
                                                             args.timeout, procs, at_start, args.client)
                 finally:
                     profiles = spies[0].stop() if spies else None
+                used = {"server_cores": cpu[0].cores()} if cpu else {}  # before the metrics scrape below
                 after = server_steps(url, args.api_key)
                 steps = after - before[0] if None not in (before[0], after) else None
-                used = {"server_cores": cpu[0].cores(duration)} if cpu else {}
                 return results, duration, {**client, "steps": steps, **used,
                                            **({"spy": profiles} if profiles else {})}
 

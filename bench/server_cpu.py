@@ -9,11 +9,12 @@ slows when the API and the clients share its core's hyperthreads.
 
     cpu = ServerCpu(engine_pid, api_pids)   # at the pass's start
     ... the pass ...
-    cpu.cores(wall_seconds)  # {"engine_thread": 0.97, "engine": 1.31, "api_max": 0.95, "api": 3.8}
+    cpu.cores()  # over the time since: {"engine_thread": 0.97, "engine": 1.31, "api_max": 0.95, "api": 3.8}
 """
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -49,12 +50,14 @@ class ServerCpu:
         self._threads = threads(engine_pid)
         self._engine = process_seconds(engine_pid)
         self._apis = [process_seconds(p) for p in self.api_pids]
+        self._started = time.monotonic()
 
-    def cores(self, wall_s: float) -> dict[str, float]:
+    def cores(self) -> dict[str, float]:
+        """Cores busy on average since creation (CPU seconds over the same window's wall seconds)."""
+        wall = max(time.monotonic() - self._started, 1e-9)
         now = threads(self.engine_pid)
         busiest = max((s - self._threads.get(tid, 0.0) for tid, s in now.items()), default=0.0)
         apis = [process_seconds(p) - s0 for p, s0 in zip(self.api_pids, self._apis)]
-        wall = max(wall_s, 1e-9)
         return {"engine_thread": busiest / wall, "engine": (process_seconds(self.engine_pid) - self._engine) / wall,
                 "api_max": max(apis, default=0.0) / wall, "api": sum(apis) / wall}
 
@@ -79,18 +82,25 @@ def topology() -> str:
     return f"{len(cpus)} CPUs, {len(core_siblings(cpus[-1]))} hardware thread(s) a core"
 
 
+def _pin(tid: int, cpus: set[int]) -> None:
+    try:
+        os.sched_setaffinity(tid, cpus)
+    except ProcessLookupError:  # the thread ended since it was listed
+        pass
+
+
 def pin_engine(engine_pid: int, api_pids: list[int]) -> dict[str, list[int]]:
-    """Every thread of the engine process on the last CPU's physical core, the API processes' threads and this
-    process on every other CPU. Returns the two CPU sets."""
+    """Every thread of the engine process on the last CPU's physical core, the API processes' threads and the
+    calling thread (so the client processes it starts after) on every other CPU. Returns the two CPU sets."""
     cpus = set(os.sched_getaffinity(0))
     engine = core_siblings(max(cpus)) & cpus
     rest = cpus - engine
     if not rest:
         raise RuntimeError(f"one physical core only ({sorted(cpus)}): nothing left beside the engine's")
     for tid in threads(engine_pid):
-        os.sched_setaffinity(tid, engine)
+        _pin(tid, engine)
     for pid in api_pids:
         for tid in threads(pid):
-            os.sched_setaffinity(tid, rest)
+            _pin(tid, rest)
     os.sched_setaffinity(0, rest)  # the client processes started after this inherit it
     return {"engine": sorted(engine), "rest": sorted(rest)}

@@ -91,7 +91,8 @@ def moe_model_folder(name: str, root: Path, max_position_embeddings: int = 40960
 
 
 def shape_folder(name: str, root: Path, max_position_embeddings: int = 131072) -> Path:
-    """The folder of any named shape: a Qwen3-MoE one (MOE_CONFIGS) or a Llama one (CONFIGS)."""
+    """The folder of any named shape: a Qwen3-MoE one (MOE_CONFIGS) or a Llama one (CONFIGS). 131072 positions
+    by default, the Llama shapes' (the benchmarks' contexts are far shorter; the real 30B-A3B has 40960)."""
     make = moe_model_folder if name in MOE_CONFIGS else model_folder
     return make(name, root, max_position_embeddings=max_position_embeddings)
 

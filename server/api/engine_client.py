@@ -417,10 +417,12 @@ class EngineClient:
         finally:
             self._active -= 1
             self._streams.pop(request_id, None)
-            if added and not finished:
-                self.notify("abort", request_id)
-            if tracker is not None:
-                tracker.finish(last)
+            try:
+                if added and not finished:
+                    self.notify("abort", request_id)
+            finally:  # the request's metrics end however the abort went
+                if tracker is not None:
+                    tracker.finish(last)
 
     # -- named commands ------------------------------------------------------------------------------
 

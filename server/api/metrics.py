@@ -107,7 +107,7 @@ class RequestTracker:
             new = steps = len(outs[0].delta_token_ids)
         else:
             counts = [len(o.delta_token_ids) for o in outs]
-            new, steps = sum(counts), max(counts)
+            new, steps = sum(counts), max(counts, default=0)
         if not new:
             return
         self.generated += new

@@ -2,10 +2,11 @@
 
 - GEMMs: one Triton matmul whose order of summation is a function of the weight's shape only (BLOCK_N/K,
   K splits), never of the number of rows: each K split's loop in order, its fp32 partial into a workspace,
-  the splits then added in order by a second kernel (no atomics), or added in each program once the output
-  tiles fill the GPU (SERIAL); 64- or 128-row tiles by the number of rows (matmul_tile: the same sums either
-  way); M itself is not specialised. cuBLAS picks its algorithm (and split-K) from M, and the default path's
-  small-batch kernel (small_gemm.py) serves only a few rows: both made a row's bits follow the batch.
+  the splits then added in order by a second kernel (no atomics), or added in each program in one K loop once
+  the output tiles fill the GPU (SERIAL, FLAT); 64- or 128-row tiles by the number of rows (matmul_tile: the
+  same sums every way); M itself is not specialised. cuBLAS picks its algorithm (and split-K) from M, and the
+  default path's small-batch kernel (small_gemm.py) serves only a few rows: both made a row's bits follow the
+  batch.
 - Attention: every query token, decode or prefill, is one program of the paged decode kernel per KV head
   (decode_kernel.py) over its own context, in fixed tiles of keys folded in order; never split over
   programs (the default path's split count follows the batch size). A prefill token is that kernel's row:
@@ -234,8 +235,9 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
       bits where the 128-row tiles still fill the GPU;
     - the K splits through the workspace and _sum_splits, or, once the output tiles alone fill the GPU
       (FILL), added in each program in one loop over all of K (SERIAL, FLAT). At 256 rows on an H100 the
-      latter took 0.70x (1B qkv, m64) to 0.77x (8B o_proj, m128) of the workspace's time and 0.83x of a loop
-      a split's on the 8B qkv (2026-12-05, binv-gemm; the 1B down 1.05x: one rule for all)."""
+      latter took 0.70-0.87x of the workspace's time (1B qkv, o_proj; 8B qkv, o_proj, down) and 1.05x on the
+      1B down; against a loop a split, 0.89x on the 8B qkv, 1.02x and 1.07x on the 8B o_proj and down, far
+      less on the 1B's (2026-12-05, binv-gemm): one rule for all."""
     sms = _processors(device)
     block_n = 128 if triton.cdiv(N, 128) >= sms else 64
     n_tiles = triton.cdiv(N, block_n)
