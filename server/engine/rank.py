@@ -110,7 +110,7 @@ def build_rank(config: EngineConfig, source: ModelSource, model_config: ModelCon
         runner.enable_routed_experts(max(config.batched_tokens(device), config.max_num_seqs))
     tp.ordered_reduce = bool(config.batch_invariant)
     runner.finish_setup(enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
-                        batch_invariant=bool(config.batch_invariant))
+                        batch_invariant=bool(config.batch_invariant), max_step_tokens=config.batched_tokens(device))
     if config.enable_sleep_mode and config.prepare_backups != "off":
         prepare_backups(pool, config.prepare_backups == "auto")
     return RankParts(pool, model, runner, plan, load_seconds, weight_version)

@@ -117,13 +117,16 @@ class ModelRunner:
         warm_up = 1 + min(2 * self.block_size, self.model.max_positions)  # _warm_up's batch
         self.routed = RoutedExperts(self.model, self.pool, max(max_tokens, warm_up))
 
-    def finish_setup(self, enforce_eager: bool, max_num_seqs: int, batch_invariant: bool = False) -> None:
+    def finish_setup(self, enforce_eager: bool, max_num_seqs: int, batch_invariant: bool = False,
+                     max_step_tokens: int | None = None) -> None:
         """Device-specific speedups, once the cache exists: on CUDA the fused Triton kernels and
         CUDA graphs for decode batches (captured once, their memory in the pool). batch_invariant: the
-        ops whose reductions keep one order whatever the batch (model/batch_invariant.py)."""
+        ops whose reductions keep one order whatever the batch (model/batch_invariant.py). max_step_tokens:
+        the most tokens a step runs (--max-num-batched-tokens), whose matmul variants the mode compiles now."""
         self.batch_invariant = batch_invariant
         self.model.ops = _ops_for(self.device, batch_invariant)
         self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max(max_step_tokens or 0, max_num_seqs)
         self._warm_up()
         if self.device.type != "cuda":
             return
@@ -159,6 +162,10 @@ class ModelRunner:
                 from server.model.fused_moe import warm_up as warm_up_moe
 
                 warm_up_moe(self.model)
+            if self.batch_invariant:  # every tile of the mode's matmul a step can take, per weight shape
+                from server.model.batch_invariant_kernels import warm_up as warm_up_matmuls
+
+                warm_up_matmuls(self.model, self.max_step_tokens)
             torch.cuda.synchronize(self.device)
 
     # -- weights (in place; a tensor-parallel runner does the same on every rank) ----------------

@@ -256,6 +256,57 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
             "num_stages": 3 if fp32 else 4, "SPLIT_K": splits, "SERIAL": serial, "FLAT": serial}
 
 
+def distinct_tiles(N: int, K: int, dtype: torch.dtype, device: torch.device, max_rows: int) -> list[tuple[int, dict]]:
+    """Every tile matmul_tile gives a weight of N x K at 1..max_rows rows, each with the fewest rows that get it."""
+    seen: dict[tuple, tuple[int, dict]] = {}
+    for rows in range(1, max_rows + 1):
+        tile = matmul_tile(N, K, dtype, device, rows)
+        seen.setdefault(tuple(sorted(tile.items())), (rows, tile))
+    return list(seen.values())
+
+
+def mode_weights(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The (weight, bias) pairs the mode's matmul multiplies, one per distinct shape, dtype and bias: each fused
+    group's weight side by side (qkv_weight, gate_up_weight: fused_groups()), every other Linear (o_proj,
+    down_proj, a router, a shared expert's gate), the LM head. Not the Linears of a fused group (their weights
+    are views the matmul never takes alone), nor the experts' 3-D weights (the grouped GEMMs' own)."""
+    found: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def add(weight, bias) -> None:
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            bias = bias if isinstance(bias, torch.Tensor) else None
+            found.setdefault((tuple(weight.shape), weight.dtype, bias is not None), (weight, bias))
+
+    grouped: set[int] = set()
+    for module in model.modules():
+        for group, members in getattr(module, "fused_groups", dict)().items():
+            grouped.update(id(m) for m in members)
+            add(getattr(module, f"{group}_weight", None), getattr(module, f"{group}_bias", None))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module) not in grouped:
+            add(module.weight, module.bias)
+    if hasattr(model, "output_weight"):
+        add(model.output_weight(), None)
+    return list(found.values())
+
+
+@torch.inference_mode()
+def warm_up(model: torch.nn.Module, max_rows: int) -> int:
+    """Compile, at start-up, every variant of the mode's matmul a step of up to max_rows rows can meet (64- and
+    128-row tiles, the workspace and its split sum, the splits in one loop) for each weight shape, on zeros:
+    the decode graphs' capture reaches only the batches up to --max-num-seqs and the memory profile's prefill
+    runs only without --kv-cache-memory, so a variant first met while serving stalled the engine for its
+    compile (~1 s). Returns how many matmuls ran."""
+    ran = 0
+    for weight, bias in mode_weights(model):
+        N, K = weight.shape
+        for rows, tile in distinct_tiles(N, K, weight.dtype, weight.device, max_rows):
+            fixed_tile_matmul(torch.zeros((rows, K), dtype=weight.dtype, device=weight.device), weight, bias,
+                              tile=tile)
+            ran += 1
+    return ran
+
+
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit

@@ -176,6 +176,48 @@ print("ok")
 """
 
 
+# The mode's start-up warm-up: every distinct tile of every weight the mode multiplies, run once, nothing else. In
+# bf16 as on a GPU, sized as for 132 multiprocessors: K split on qkv and o_proj, 64-row tiles through the
+# workspace, then in one loop from 577 rows; the LM head unsplit, 128-row tiles from 128 rows.
+WARM_UP = r"""
+import tempfile
+import torch
+from server import LLM
+from server.model import batch_invariant_kernels as bik
+from testkit.models import model_folder
+llm = LLM(model=str(model_folder("llama-tiny", tempfile.mkdtemp())), device="cpu", load_format="dummy",
+          dtype="bfloat16", batch_invariant=True, kv_cache_memory="64MiB", max_model_len=256)
+bik._processors = lambda device: 132
+model = llm.engine.runner.model
+pairs = bik.mode_weights(model)
+attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+took = {id(w) for w, _ in pairs}
+assert id(attn.qkv_weight) in took and id(mlp.gate_up_weight) in took, [tuple(w.shape) for w, _ in pairs]
+assert id(attn.q_proj.weight) not in took and id(mlp.gate_proj.weight) not in took  # views of a fused group's
+assert id(model.output_weight()) in took
+shapes = sorted(tuple(w.shape) for w, _ in pairs)
+assert len(shapes) == len(set(shapes)) >= 4, shapes
+launched = []
+real = bik.fixed_tile_matmul
+def recording(x, weight, bias=None, out=None, tile=None):
+    launched.append((tuple(weight.shape), x.shape[0], tuple(sorted(tile.items()))))
+    return real(x, weight, bias, out, tile)
+bik.fixed_tile_matmul = recording
+ran = bik.warm_up(model, 700)
+want = {(tuple(w.shape), tuple(sorted(bik.matmul_tile(*w.shape, w.dtype, w.device, r).items())))
+        for w, _ in pairs for r in range(1, 701)}
+assert ran == len(launched) == len(want) == len({(s, t) for s, _, t in launched}), (ran, len(launched), len(want))
+assert {(s, t) for s, _, t in launched} == want
+assert any(dict(t).get("FLAT") for _, _, t in launched) and any(not dict(t).get("SERIAL") for _, _, t in launched)
+print("ok", ran)
+"""
+
+
+@pytest.mark.slow  # ~2.5 min of interpreted matmuls (the LM head at 128 rows, qkv at 577)
+def test_the_modes_warm_up_runs_every_tile_of_every_weight_in_interpreter():
+    assert run_interpreted(WARM_UP, timeout=600).strip().startswith("ok")
+
+
 def test_the_engine_on_the_cuda_ops_in_interpreter():
     assert run_interpreted(ENGINE, timeout=600).strip().endswith("ok")
 
