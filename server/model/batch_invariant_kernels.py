@@ -38,20 +38,25 @@ from server.model.launch import dependent_launch_on, gdc_launch
 
 
 @triton.jit
+def _k_step(x_rows, w_rows, row_ok, col_ok, k, K: tl.constexpr, acc, IEEE: tl.constexpr):
+    """acc + the tile's product over the K columns k (masked past K): one BLOCK_K step, the MMA accumulating in
+    place. Every path of the matmul takes its steps through this one, so a row's sum has one arithmetic."""
+    k_ok = k < K
+    x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
 def _split_partial(x_rows, w_rows, row_ok, col_ok, split, K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, IEEE: tl.constexpr):
     """One K split's fp32 partial of a [BLOCK_M, BLOCK_N] tile: from zero, its K_CHUNK in BLOCK_K steps, in order."""
     ks = split * K_CHUNK + tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K_CHUNK, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = _k_step(x_rows, w_rows, row_ok, col_ok, k0 + ks, K, acc, IEEE)
     return acc
 
 
@@ -73,14 +78,7 @@ def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K: tl.constexpr, BLOCK_M
     part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # never added to: split 0's partial replaces it
     for step in range(0, SPLIT_K * STEPS):
-        k = step * BLOCK_K + ks
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            part = tl.dot(x, tl.trans(w), part, input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w), part)
+        part = _k_step(x_rows, w_rows, row_ok, col_ok, step * BLOCK_K + ks, K, part, IEEE)
         if step % STEPS == STEPS - 1:
             # Split 0's partial itself, not 0.0 + it (+0.0 for a -0.0). A select, not `if ...: total = part`:
             # yielding the MMA's result as a second loop value would make the pipeliner wait for every MMA.
