@@ -311,7 +311,8 @@ def main() -> None:
             routed = decode_rate(llm, batch, args.prompt_len, args.steps, ask=True, repeats=1)
             experts = activated_experts(routed.pop("routed"), args.prompt_len, args.steps)
             if batch == max(batches):  # the capture's cost: not asking and asking in turn, so order is no bias
-                row, asking_tok_s = alternating(llm, batch, args.prompt_len, args.steps, args.repeats)
+                row, asking = alternating(llm, batch, args.prompt_len, args.steps, args.repeats)
+                row["asking_tok_s"] = asking
             else:
                 row = decode_rate(llm, batch, args.prompt_len, args.steps, ask=False, repeats=args.repeats)
             context = args.prompt_len + (args.steps + 1) / 2  # the mean context a decode step reads
@@ -319,8 +320,6 @@ def main() -> None:
             floor = max(nbytes / dev.bandwidth, flops / dev.gemm_flops)
             row.update({"experts_per_layer": experts, "step_bytes": nbytes, "roofline_step_ms": 1e3 * floor,
                         "roofline_tok_s": batch / floor, "fraction_of_roofline": floor / (row["step_ms"] / 1e3)})
-            if batch == max(batches):
-                row["asking_tok_s"] = asking_tok_s
             decode.append(row)
             RESULT["decode"] = decode
     with phases("sleep and wake"):
