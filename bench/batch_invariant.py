@@ -58,15 +58,20 @@ def sweep_tile(block_n: int, splits: int) -> dict:
 
 
 def wide_candidates(mine: dict) -> dict[str, dict]:
-    """Tiles for many rows that keep a row's K order (BLOCK_K, SPLIT_K): split sums added in each program on
-    64-row tiles (enough output tiles to fill the GPU where 128-row ones do not), and wider column tiles."""
+    """Tiles for many rows that keep a row's K order (BLOCK_K, SPLIT_K). Split weights: the splits added in each
+    program a loop a split on 64-row tiles, in one loop on 64 x 128 tiles, and through the workspace on 128-row
+    tiles 128 and 256 columns wide (more programs than the output tiles alone, each an efficient MMA). Unsplit:
+    128 rows on 128 and 256 columns, 3 and 4 stages."""
     out = {}
     if mine.get("SPLIT_K", 1) > 1:
         out["serial m64"] = dict(mine, BLOCK_M=64, num_warps=4, SERIAL=True, FLAT=False)
-    for n, stages in ((128, 3), (256, 3)):
-        if n >= mine["BLOCK_N"]:
-            out[f"m128 n{n} st{stages}"] = dict(mine, BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=stages,
-                                                SERIAL=mine.get("SPLIT_K", 1) > 1, FLAT=False)
+        out["flat m64 n128"] = dict(mine, BLOCK_M=64, BLOCK_N=128, num_warps=4, SERIAL=True, FLAT=True)
+        for n, stages in ((128, 4), (256, 3)):
+            out[f"ws m128 n{n} st{stages}"] = dict(mine, BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=stages,
+                                                   SERIAL=False, FLAT=False)
+        return out
+    for n, stages in ((128, 4), (256, 3), (256, 4)):
+        out[f"m128 n{n} st{stages}"] = dict(mine, BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=stages)
     return out
 
 

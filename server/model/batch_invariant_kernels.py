@@ -1,10 +1,10 @@
 """The batch-invariant mode on CUDA (--batch-invariant; batch_invariant.py is the CPU path and says why).
 
-- GEMMs: one Triton matmul whose order of summation is a function of the weight's shape only (BLOCK_N/K,
+- GEMMs: one Triton matmul whose order of summation is a function of the weight's shape only (BLOCK_K,
   K splits), never of the number of rows: each K split's loop in order, its fp32 partial into a workspace,
   the splits then added in order by a second kernel (no atomics), or added in each program in one K loop once
-  the output tiles fill the GPU (SERIAL, FLAT); 64- or 128-row tiles by the number of rows (matmul_tile: the
-  same sums every way); M itself is not specialised. cuBLAS picks its algorithm (and split-K) from M, and the
+  the output tiles fill the GPU (SERIAL, FLAT); 64- or 128-row tiles by the number of rows, on Hopper 256 columns for an
+  unsplit weight's many rows (matmul_tile: the same sums every way); M itself is not specialised. cuBLAS picks its algorithm (and split-K) from M, and the
   default path's small-batch kernel (small_gemm.py) serves only a few rows: both made a row's bits follow the
   batch.
 - Attention: every query token, decode or prefill, is one program of the paged decode kernel per KV head
@@ -220,17 +220,29 @@ WIDE_ROWS = 128
 # splits itself (one wave of 128 programs on an H100's 132 SMs counts): below it the splits' own programs fill
 # the GPU better, through the workspace.
 FILL = 0.9
+# From WIDE_ROWS rows on Hopper, an unsplit weight's 128-row tiles take this many columns where those still fill
+# the GPU (3 stages: 144 KiB of shared memory a program): on an H200 at 256 rows the 1B's and 8B's gate_up took
+# 0.82x and 0.81x, their LM heads 0.92x and 0.84x of the 128-column tile's time, and row 0 kept the bits the
+# one-row tile gives it on all ten weights (2026-12-05, binv: Hopper's k16 MMA orders an element's sum the same
+# at any N). Other GPUs keep 128 columns: neither their speed nor their bits were measured.
+WIDE_COLUMNS = 256
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int = 1) -> dict:
-    """The tile for a weight of N x K. What orders an element's sum (BLOCK_K, SPLIT_K; BLOCK_N, kept with
-    them) is a function of the weight and the device only. 128 columns where that alone gives every
-    multiprocessor a program (lm_head, the 8B's gate_up), else 64 columns and K split (splits_for) until the
-    programs fill the GPU at one M tile: a decode step's matmul is bound by reading the weight, by as many
-    programs as run at once. Only how rows are spread follows `rows`, and each way gives a row's element the
-    same k16 MMAs and the same additions (tests/gpu/test_batch_invariant_gpu.py checks the bits):
+    """The tile for a weight of N x K. What orders an element's sum (BLOCK_K, SPLIT_K) is a function of the
+    weight and the device only. At one M tile, 128 columns where that alone gives every multiprocessor a
+    program (lm_head, the 8B's gate_up), else 64 columns and K split (splits_for) until the programs fill the
+    GPU: a decode step's matmul is bound by reading the weight, by as many programs as run at once. Only how
+    rows and columns are spread follows `rows`, and each way gives a row's element the same k16 MMAs and the
+    same additions (tests/gpu/test_batch_invariant_gpu.py checks the bits):
     - 64 rows a program (one warpgroup MMA of Hopper's, m64), or 128 on two warpgroups from WIDE_ROWS in 16
-      bits where the 128-row tiles still fill the GPU;
+      bits where the 128-row tiles still fill the GPU; then on Hopper an unsplit weight's 256 columns
+      (WIDE_COLUMNS) where those still fill it;
     - the K splits through the workspace and _sum_splits, or, once the output tiles alone fill the GPU
       (FILL), added in each program in one loop over all of K (SERIAL, FLAT). At 256 rows on an H100 the
       latter took 0.70-0.87x of the workspace's time (1B qkv, o_proj; 8B qkv, o_proj, down) and 1.05x on the
@@ -242,16 +254,19 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
     fp32 = dtype == torch.float32
     block_k = 32 if fp32 else 64
 
-    def fills(block_m: int) -> bool:
-        return triton.cdiv(rows, block_m) * n_tiles >= FILL * sms
+    def fills(block_m: int, columns: int = block_n) -> bool:
+        return triton.cdiv(rows, block_m) * triton.cdiv(N, columns) >= FILL * sms
 
     wide = rows >= WIDE_ROWS and not fp32 and fills(128)
     block_m = 128 if wide else 64
     splits = splits_for(N, K, block_n, block_k, sms)
     # 16 bits only: in fp32 the serial tile needs 255 registers and spills (164 through the workspace).
     serial = splits > 1 and not fp32 and fills(block_m)
+    stages = 3 if fp32 else 4
+    if wide and splits == 1 and _hopper(device) and fills(128, WIDE_COLUMNS):
+        block_n, stages = WIDE_COLUMNS, 3
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
-            "num_stages": 3 if fp32 else 4, "SPLIT_K": splits, "SERIAL": serial, "FLAT": serial}
+            "num_stages": stages, "SPLIT_K": splits, "SERIAL": serial, "FLAT": serial}
 
 
 def distinct_tiles(N: int, K: int, dtype: torch.dtype, device: torch.device, max_rows: int) -> list[tuple[int, dict]]:

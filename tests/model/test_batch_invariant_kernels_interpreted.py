@@ -250,26 +250,33 @@ def test_split_k_follows_the_weight_and_the_device_only():
 def test_how_rows_are_spread_follows_the_rows_and_the_order_does_not(monkeypatch):
     """On 132 multiprocessors (an H100's or H200's): one row and 64 take 64-row tiles and the workspace; 256 rows
     take, on the 1B's split weights, 64-row tiles adding their splits in one loop (their 128-row tiles would
-    leave half the GPU idle), on the 8B's 128-row tiles the same way, on unsplit weights 128-row tiles. What
-    orders a row's sum (BLOCK_N, BLOCK_K, SPLIT_K) is the same at every row count."""
+    leave half the GPU idle), on the 8B's 128-row tiles the same way, on unsplit weights 128-row tiles, on Hopper
+    256 columns wide. What orders a row's sum (BLOCK_K, SPLIT_K) is the same at every row count; the columns
+    follow the rows on Hopper only (WIDE_COLUMNS)."""
     import torch
 
     from server.model import batch_invariant_kernels as bik
 
     monkeypatch.setattr(bik, "_processors", lambda device: 132)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    order = ("BLOCK_N", "BLOCK_K", "SPLIT_K")
-    want_at_256 = {(3072, 2048): (64, True), (2048, 8192): (64, True), (6144, 4096): (128, True),
-                   (4096, 14336): (128, True), (128256, 2048): (128, False), (16384, 2048): (128, False)}
-    for (N, K), (block_m, flat) in want_at_256.items():
-        one, many = bik.matmul_tile(N, K, bf16, cpu, 1), bik.matmul_tile(N, K, bf16, cpu, 256)
-        assert [one[k] for k in order] == [many[k] for k in order] == [bik.matmul_tile(N, K, bf16, cpu, 64)[k]
-                                                                          for k in order]
-        assert (many["BLOCK_M"], many["FLAT"], many["SERIAL"]) == (block_m, flat, flat), (N, K, many)
-        assert (one["BLOCK_M"], one["SERIAL"]) == (64, False), (N, K, one)
-        assert not bik.matmul_tile(N, K, bf16, cpu, 64)["SERIAL"], (N, K)
-        fp32 = bik.matmul_tile(N, K, torch.float32, cpu, 256)
-        assert (fp32["BLOCK_M"], fp32["SERIAL"]) == (64, False), (N, K, fp32)
+    order = ("BLOCK_K", "SPLIT_K")
+    # (N, K): BLOCK_M, FLAT, BLOCK_N at 256 rows on Hopper
+    want_at_256 = {(3072, 2048): (64, True, 64), (2048, 8192): (64, True, 64), (6144, 4096): (128, True, 64),
+                   (4096, 14336): (128, True, 64), (128256, 2048): (128, False, 256),
+                   (16384, 2048): (128, False, 256), (28672, 4096): (128, False, 256)}
+    for hopper in (False, True):
+        monkeypatch.setattr(bik, "_hopper", lambda device: hopper)
+        for (N, K), (block_m, flat, block_n) in want_at_256.items():
+            one, many = bik.matmul_tile(N, K, bf16, cpu, 1), bik.matmul_tile(N, K, bf16, cpu, 256)
+            assert [one[k] for k in order] == [many[k] for k in order] == [bik.matmul_tile(N, K, bf16, cpu, 64)[k]
+                                                                              for k in order]
+            assert (many["BLOCK_M"], many["FLAT"], many["SERIAL"]) == (block_m, flat, flat), (N, K, many)
+            assert many["BLOCK_N"] == (block_n if hopper else one["BLOCK_N"]), (N, K, hopper, many)
+            assert one["BLOCK_N"] == bik.matmul_tile(N, K, bf16, cpu, 64)["BLOCK_N"] < 256, (N, K, one)
+            assert (one["BLOCK_M"], one["SERIAL"]) == (64, False), (N, K, one)
+            assert not bik.matmul_tile(N, K, bf16, cpu, 64)["SERIAL"], (N, K)
+            fp32 = bik.matmul_tile(N, K, torch.float32, cpu, 256)
+            assert (fp32["BLOCK_M"], fp32["SERIAL"], fp32["BLOCK_N"]) == (64, False, one["BLOCK_N"]), (N, K, fp32)
 
 
 def test_per_token_attention_is_the_same_in_decode_and_prefill_in_interpreter():
