@@ -38,3 +38,16 @@ def compile_for_sm90(fn, signature: dict, constexprs: dict, divisible: tuple[str
         raise
     assert kernel.asm["cubin"]
     return kernel
+
+
+def waits_before_memory(ptx: str) -> bool:
+    """A chained kernel's PTX: it lets the next kernel launch and waits for the one before (griddepcontrol)
+    before its first global load, store or asynchronous copy."""
+    import re
+
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    launch = next((i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line), None)
+    memory = re.compile(r"^(@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+    first = next((i for i, line in enumerate(lines) if memory.match(line)), None)
+    return None not in (wait, launch, first) and launch < first and wait < first

@@ -402,8 +402,9 @@ class BatchInvariantTritonOps(InvariantProjections, TritonOps):
         return TritonOps.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, gdc=mode_chained(q))
 
     @staticmethod
-    def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    gdc: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chained at any number of rows (mode_chained), whatever the caller's gdc."""
         return TritonOps.add_rmsnorm(x, residual, weight, eps, gdc=mode_chained(x))
 
     @staticmethod

@@ -11,6 +11,11 @@
     down        one grouped GEMM over w2, each row scaled by its routing weight
     combine     one program per token: the sum of its k rows, in order k = 0..k-1 (deterministic)
 
+At batch 1 on Hopper the layer is one chain by dependent launch (launch.py), as the dense layers' kernels are:
+the norm before it, the router's matmul (small_gemm), the one-program routing, both grouped GEMMs and the
+combine each launch while the kernel before runs and wait for it in-kernel, so the layer's seven launches
+cost no gaps between them.
+
 Integers that change with the batch are not specialized on (do_not_specialize), and the one-program path's
 register width is fixed: the variants a start-up compiles (memory profile, graph capture) are all serving meets.
 Every size is fixed by the number of tokens (T*k assignments, at most T*k + E*(BLOCK_M - 1) padded rows):
@@ -25,6 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from server.model.launch import gdc_launch
+from server.model.small_gemm import chained, small_gemm, small_rows
 
 
 @triton.jit
@@ -56,9 +64,13 @@ def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, K: tl.constexpr, BLOCK_E
 def _route_align_small(logits_ptr, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, padded_ptr, T, E, stride,
                        max_blocks, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_A: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_B: tl.constexpr):
+                       BLOCK_B: tl.constexpr, GDC: tl.constexpr):
     """_route for each of T tokens, then the align step, in one program and registers: each assignment's row in
-    its group is how many earlier ones (in token order) chose the same expert, so no atomics and no re-read."""
+    its group is how many earlier ones (in token order) chose the same expert, so no atomics and no re-read.
+    GDC: chained by dependent launch (launch.py), waiting for the router's logits before anything."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     e = tl.arange(0, BLOCK_E)
     kk = tl.arange(0, BLOCK_K)
     a = tl.arange(0, BLOCK_A)
@@ -149,10 +161,15 @@ def _scatter(ids_ptr, cursor_ptr, sorted_ptr, M, CHUNK: tl.constexpr):
 def _grouped_gemm(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr, padded_ptr,
                   M, N, stride_a, stride_be, stride_bn, stride_c, KDIM: tl.constexpr,
                   A_DIV: tl.constexpr, GATE_UP: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
     """C[row] = A[row // A_DIV] @ B[expert]^T for the rows of one block (one expert's). GATE_UP: B's rows
     [n, n + BLOCK_N) are gate and [N + n, ...) up, and C gets silu(gate) * up. WEIGHTED: scaled by the row's
-    routing weight. Rows are assignment indices (token * k + slot); M marks padding."""
+    routing weight. Rows are assignment indices (token * k + slot); M marks padding. GDC: chained by dependent
+    launch; every program waits before reading the grouping (which expert, hence which weights: nothing to
+    load ahead), so even a grid whose every block is padding ends after the kernel before it."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
@@ -197,7 +214,10 @@ def _grouped_gemm(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr
 
 
 @triton.jit
-def _combine(parts_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine(parts_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr):
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
@@ -315,9 +335,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_rows, block_expert, padded
 
 
-def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool, block_m: int):
+def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool, block_m: int,
+                      gdc: bool = False):
     """route_logits and align in one launch (a decode batch of up to SMALL_TOKENS tokens): (ids, weights,
-    sorted rows, each block's expert, the padded total)."""
+    sorted rows, each block's expert, the padded total). gdc: chained by dependent launch (launch.py)."""
     T, E = logits.shape
     M = T * top_k
     dev = logits.device
@@ -331,26 +352,34 @@ def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round
                              max_blocks, K=top_k, BLOCK_E=triton.next_power_of_2(E),
                              BLOCK_K=triton.next_power_of_2(top_k),
                              BLOCK_A=triton.next_power_of_2(SMALL_TOKENS * top_k),
-                             RENORM=renormalize, ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=64, num_warps=4)
+                             RENORM=renormalize, ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=64, num_warps=4,
+                             **gdc_launch(gdc))
     return ids, weights, sorted_rows, block_expert, padded
 
 
 def moe(x: torch.Tensor, block) -> torch.Tensor:
     """A sparse layer (model/moe.py SparseMoeBlock) on CUDA: the router's matmul, routing and grouping, the
-    routed ids into the capture buffer when the server records them, the experts."""
+    routed ids into the capture buffer when the server records them, the experts. A step of a few rows
+    (small_gemm.chained) is one chain by dependent launch from the norm before to the norm after: the router
+    through small_gemm, then the one-program routing, the grouped GEMMs and the combine, each launched before
+    the one before ends (at batch 1 a layer's launches, not its bytes, are much of what a step waits for)."""
     w13, w2 = block.experts.w13_weight, block.experts.w2_weight
-    logits = torch.nn.functional.linear(x, block.gate.weight)
+    gdc = chained(x)
+    if small_rows(x):
+        logits = small_gemm(x, block.gate.weight, gdc=gdc)[0]
+    else:
+        logits = torch.nn.functional.linear(x, block.gate.weight)
     T, K = x.shape[0], block.top_k
     cfg = tiles(T * K, max(w2.shape[1], w2.shape[2]), w13.shape[0])
     if 0 < T <= SMALL_TOKENS:
         ids, weights, *grouped = route_align_small(logits, K, block.norm_topk_prob, block.round_weights,
-                                                   cfg["BLOCK_M"])
+                                                   cfg["BLOCK_M"], gdc)
     else:
         ids, weights = route_logits(logits, K, block.norm_topk_prob, block.round_weights)
         grouped = list(align(ids, w13.shape[0], cfg["BLOCK_M"])) if T else []
     if block.routed is not None:
         block.routed[:T].copy_(ids)
-    return experts(x, w13, w2, weights, grouped, K, cfg)
+    return experts(x, w13, w2, weights, grouped, K, cfg, gdc)
 
 
 # --batch-invariant's one tile for every number of tokens: tiles() picks BLOCK_K (a row's order of summation)
@@ -384,8 +413,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, grouped: list,
-            K: int, cfg: dict[str, int]) -> torch.Tensor:
-    """The two grouped GEMMs and the combine, over assignments already grouped by expert (align)."""
+            K: int, cfg: dict[str, int], gdc: bool = False) -> torch.Tensor:
+    """The two grouped GEMMs and the combine, over assignments already grouped by expert (align). gdc: the
+    three chained by dependent launch (launch.py)."""
     T, H = x.shape
     I = w2.shape[2]
     out = torch.empty_like(x)
@@ -398,7 +428,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     ieee = x.dtype == torch.float32
     act = torch.empty((M, I), dtype=x.dtype, device=x.device)
     flat_w = weights.reshape(-1)
-    common = dict(IEEE=ieee, num_warps=4)
+    common = dict(IEEE=ieee, num_warps=4, **gdc_launch(gdc))
     _grouped_gemm[(blocks, triton.cdiv(I, cfg["BLOCK_N"]))](
         x, w13, act, flat_w, sorted_rows, block_expert, padded, M, I, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), KDIM=H, A_DIV=K, GATE_UP=True, WEIGHTED=False, **cfg, **common)
@@ -407,7 +437,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         act, w2, parts, flat_w, sorted_rows, block_expert, padded, M, H, act.stride(0), w2.stride(0), w2.stride(1),
         parts.stride(0), KDIM=I, A_DIV=1, GATE_UP=False, WEIGHTED=True, **cfg, **common)
     BLOCK_H = min(1024, triton.next_power_of_2(H))
-    _combine[(T, triton.cdiv(H, BLOCK_H))](parts, out, H, K=K, BLOCK_H=BLOCK_H, num_warps=4)
+    _combine[(T, triton.cdiv(H, BLOCK_H))](parts, out, H, K=K, BLOCK_H=BLOCK_H, num_warps=4, **gdc_launch(gdc))
     return out
 
 

@@ -105,8 +105,10 @@ class TritonOps:
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float, gdc: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """gdc: chained by dependent launch (launch.py; the batch-invariant mode's chain)."""
+                    eps: float, gdc: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """gdc: chained by dependent launch (launch.py; default: as a few rows' chain is, small_gemm.chained)."""
+        if gdc is None:
+            gdc = chained(x)
         x = x.contiguous()
         rows, cols = x.shape
         out = torch.empty_like(x)
@@ -116,6 +118,15 @@ class TritonOps:
                                   HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
                                   num_warps=4 if cols <= 4096 else 8, **gdc_launch(gdc))
         return out, rout
+
+    @classmethod
+    def qk_norm(cls, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """TorchOps.qk_norm's two launches, chained when the step's tokens are (their rows, tokens x heads, are
+        not what chained() reads)."""
+        T, D = q.shape[0], q.shape[2]
+        gdc = chained(q)
+        return (cls.add_rmsnorm(q.reshape(-1, D), None, q_norm.weight, q_norm.eps, gdc)[0].view(T, -1, D),
+                cls.add_rmsnorm(k.reshape(-1, D), None, k_norm.weight, k_norm.eps, gdc)[0].view(T, -1, D))
 
     @staticmethod
     def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

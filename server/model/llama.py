@@ -62,8 +62,7 @@ class Attention(nn.Module):
         T, D = q.shape[0], self.head_dim
         q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
         if self.q_norm is not None:  # Qwen3 normalizes each head before the rotation
-            q = self.q_norm(q.reshape(-1, D), None, ops)[0].view(T, self.num_heads, D)
-            k = self.k_norm(k.reshape(-1, D), None, ops)[0].view(T, self.num_kv_heads, D)
+            q, k = ops.qk_norm(q, k, self.q_norm, self.k_norm)
         q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ops.batch_invariant:  # one per-token path for decodes and prefills alike (batch_invariant.py)
             out = ops.attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

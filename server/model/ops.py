@@ -31,6 +31,13 @@ class TorchOps:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(dtype), x
 
+    @classmethod
+    def qk_norm(cls, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's RMSNorm of each head before the rotation: q [T, H, D], k [T, KVH, D] -> the same shapes."""
+        T, D = q.shape[0], q.shape[2]
+        return (cls.add_rmsnorm(q.reshape(-1, D), None, q_norm.weight, q_norm.eps)[0].view(T, -1, D),
+                cls.add_rmsnorm(k.reshape(-1, D), None, k_norm.weight, k_norm.eps)[0].view(T, -1, D))
+
     @staticmethod
     def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor,

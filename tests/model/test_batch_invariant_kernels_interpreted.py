@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.interpreter import run_interpreted
+from tests.interpreter import run_interpreted, waits_before_memory
 
 pytest.importorskip("triton")
 
@@ -334,19 +334,6 @@ def test_serial_matmul_pipelines_on_sm90_without_a_gpu(flat):
     if flat:
         loop = ttgir[ttgir.index("scf.for"):]
         assert loop.index("scf.if") < loop.index("pendings = 0") < loop.index("arith.addf")
-
-
-def waits_before_memory(ptx: str) -> bool:
-    """A chained kernel's PTX: it lets the next kernel launch and waits for the one before (griddepcontrol)
-    before its first global load, store or asynchronous copy."""
-    import re
-
-    lines = [line.strip() for line in ptx.splitlines()]
-    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
-    launch = next((i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line), None)
-    memory = re.compile(r"^(@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
-    first = next((i for i, line in enumerate(lines) if memory.match(line)), None)
-    return None not in (wait, launch, first) and launch < first and wait < first
 
 
 def test_the_modes_per_row_kernels_chain_on_sm90_without_a_gpu():

@@ -28,17 +28,21 @@ def test_fused_moe_matches_the_reference_in_interpreter():
     print(run_interpreted(CHECK))
 
 
-@pytest.mark.parametrize("gate_up, tile", [(True, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
-                                           (False, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)),
-                                           (True, "INVARIANT_TILE")])
-def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile):
+@pytest.mark.parametrize("gate_up, tile, gdc", [(True, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), True),
+                                                (False, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), True),
+                                                (False, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), False),
+                                                (True, "INVARIANT_TILE", False)])
+def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile, gdc):
     """The interpreter does not run Triton's compiler: the GEMM (the Qwen3-30B-A3B shapes, bf16) goes through its
-    whole pipeline to an sm_90 cubin, as on the H200; so do the routing and align kernels."""
+    whole pipeline to an sm_90 cubin, as on the H200; so do the routing and align kernels and the combine. The
+    decode tile as a batch-1 step chains it (GDC): it, the one-program routing and the combine each let the next
+    kernel launch and wait for the one before before touching memory; unchained, neither instruction."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from server.model.fused_moe import INVARIANT_TILE, _grouped_gemm, _offsets, _route, _route_align_small
+    from server.model.fused_moe import INVARIANT_TILE, _combine, _grouped_gemm, _offsets, _route, _route_align_small
+    from tests.interpreter import waits_before_memory
 
     tile = INVARIANT_TILE if tile == "INVARIANT_TILE" else tile  # the batch-invariant mode's one tile
 
@@ -57,8 +61,9 @@ def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile):
     sig = {**ptr, "weights_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "padded_ptr": "*i32",
            **ints}
     const = dict(KDIM=2048 if gate_up else 768, A_DIV=8 if gate_up else 1, GATE_UP=gate_up, WEIGHTED=not gate_up,
-                 IEEE=False, **tile)
-    assert build(_grouped_gemm, sig, const).asm["cubin"]
+                 IEEE=False, GDC=gdc, **tile)
+    gemm = build(_grouped_gemm, sig, const)
+    assert gemm.asm["cubin"]
     route = build(_route, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32", "E": "i32",
                            "stride": "i32"}, dict(K=8, BLOCK_E=128, BLOCK_K=8, RENORM=True, ROUND=True))
     offsets = build(_offsets, {"counts_ptr": "*i32", "cursor_ptr": "*i32", "block_expert_ptr": "*i32",
@@ -67,8 +72,14 @@ def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile):
     small = build(_route_align_small, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32",
                                        "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "padded_ptr": "*i32",
                                        "T": "i32", "E": "i32", "stride": "i32", "max_blocks": "i32"},
-                  dict(K=8, BLOCK_E=128, BLOCK_K=8, BLOCK_A=64, RENORM=True, ROUND=True, BLOCK_M=16, BLOCK_B=64))
-    assert route.asm["cubin"] and offsets.asm["cubin"] and small.asm["cubin"]
+                  dict(K=8, BLOCK_E=128, BLOCK_K=8, BLOCK_A=64, RENORM=True, ROUND=True, BLOCK_M=16, BLOCK_B=64,
+                       GDC=gdc))
+    combine = build(_combine, {"parts_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32"},
+                    dict(K=8, BLOCK_H=1024, GDC=gdc))
+    assert route.asm["cubin"] and offsets.asm["cubin"] and small.asm["cubin"] and combine.asm["cubin"]
+    for chained in (gemm, small, combine):
+        ptx = chained.asm["ptx"]
+        assert waits_before_memory(ptx) if gdc else "griddepcontrol" not in ptx
 
 
 @pytest.mark.parametrize("block_n", [16, 32])
