@@ -187,6 +187,9 @@ for stage in $stages; do
                   # the rest): does sharing its core's hyperthreads slow the engine thread at 256 streams?
                 run serve-pinned $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
                   --api-server-count auto --pin-engine --out "$RESULTS/serve-pinned" ;;
+    serve-spy)  # serve-default under py-spy (its wheel in .whl): where the engine thread waits at 256 streams
+                run serve-spy $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 256 \
+                  --api-server-count auto --spy "$RESULTS/serve-spy/spy" --out "$RESULTS/serve-spy" ;;
     serve-api6) # serve-default with six API processes (auto caps at four): is the streamed limit the API's cores?
                 run serve-api6 $PY bench/serve.py --device cuda --model llama-1b --rates none --saturation 64,256 \
                   --api-server-count 6 --out "$RESULTS/serve-api6" ;;
