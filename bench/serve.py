@@ -341,6 +341,7 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
     counts: receives "steps", the engine steps that ran tokens (as the server's iteration histogram counts)."""
     from server import SamplingParams
     from server.engine.deltas import encode_delta
+    from server.wire.messages import SHORT_DELTA
     from server.wire.params import RequestOutputKind
 
     kind = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
@@ -350,10 +351,15 @@ def run_engine(core, reqs: list[Req], temperature: float, tag: str,
 
     def record(req) -> None:
         now = time.perf_counter()
-        rid, seqs, finished = encode_delta(req)[:3]
+        delta = encode_delta(req)
+        if len(delta) == SHORT_DELTA:  # a stream's middle step (server/wire/messages.py)
+            rid, new_ids, finished = delta[0], delta[1], False
+        else:
+            rid, seqs, finished = delta[:3]
+            new_ids = seqs[0][1] if seqs else []
         i = index[rid]
         res = results[i]
-        if seqs and seqs[0][1]:  # new token ids
+        if new_ids:
             if i not in last:
                 res.ttft = now - res.sent
             else:

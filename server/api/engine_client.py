@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from server.config import EngineConfig
-from server.wire.messages import (Call, Delta, EngineInfo, Failed, Frame, Ready, Reply, Start, StartFailed, Status,
-                                   SyncChannel, pack, read_message)
+from server.wire.messages import (SHORT_DELTA, Call, Delta, EngineInfo, Failed, Frame, Ready, Reply, Start,
+                                   StartFailed, Status, SyncChannel, pack, read_message)
 from server.wire.stats import EngineStats
 from server.wire.errors import EngineDeadError, EngineUnavailableError
 from server.api.hold import HeldRequests, HoldPolicy
@@ -107,6 +107,16 @@ class OutputStream:
         self._waiter: asyncio.Future | None = None
 
     def apply(self, d: Delta) -> None:
+        if len(d) == SHORT_DELTA:  # one sequence's new tokens mid-stream, nothing else (messages.py)
+            self.request_id, token_ids, text, self.num_cached_tokens = d
+            acc = self.seqs[0]
+            acc.token_ids += token_ids
+            acc.new_ids += token_ids
+            acc.text += text
+            acc.new_text += text
+            self._news = True
+            self._wake()
+            return
         request_id, seq_deltas, finished, num_cached, prompt_ids, prompt_logprobs, metrics = d
         self.request_id, self.finished, self.num_cached_tokens = request_id, finished, num_cached
         if prompt_ids is not None:

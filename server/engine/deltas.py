@@ -12,7 +12,13 @@ if TYPE_CHECKING:
 
 def encode_delta(req: "Request") -> Delta:
     """What is new in a request since its last delta, straight from the engine's Request (on the engine
-    thread; EngineCore.wire_outputs): the API keeps the rest. A sequence whose end was sent is left out."""
+    thread; EngineCore.wire_outputs): the API keeps the rest. A sequence whose end was sent is left out.
+    A plain stream's middle steps take the short form (messages.py)."""
+    if req.started_sent and len(req.seqs) == 1 and not req.finished and req.prompt_logprobs is None:
+        s = req.seqs[0]
+        if s.finish_reason is None and s.logprobs is None:
+            _, new_text, new_ids, _ = s.delta()
+            return (req.request_id, new_ids, new_text, req.num_cached_tokens)
     first = not req.started_sent
     req.started_sent = True
     prompt_logprobs = None

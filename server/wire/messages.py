@@ -112,7 +112,13 @@ class Reply:
 #               routed experts (once, when it finishes, if asked: a numpy array, routed_experts.py; else None))
 #   WireLogprobs: logprob_list.py (plain values: Logprob objects pickle ~10x slower, and a FINAL_ONLY
 #               request's last delta carries all of its log-probs at once).
+#   Or, for what most streamed steps are (one sequence, no log-probs, neither a request's first delta nor its
+#   last, no prompt log-probs to send), the short form (request_id, new token ids, new text, num_cached_tokens):
+#   64 of them pickle in 9 us against 34 us for the long form and unpickle in 16 against 37 (CPU host), on the
+#   engine thread's time once per step for every stream (at 256 streams py-spy put a third of the engine
+#   thread's extra streaming work in building and pickling deltas, H200, 2026-12-05).
 Delta = tuple
+SHORT_DELTA = 4  # the short form's length
 SeqDelta = tuple
 
 
@@ -204,5 +210,5 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(n))
 
 
-__all__ = ["Start", "EngineInfo", "Status", "Ready", "StartFailed", "Call", "Reply", "SeqDelta", "Delta",
+__all__ = ["Start", "EngineInfo", "Status", "Ready", "StartFailed", "Call", "Reply", "SeqDelta", "Delta", "SHORT_DELTA",
            "Failed", "Frame", "WireError", "pack", "SyncChannel", "read_message"]

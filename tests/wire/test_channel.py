@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 
 from server.engine.deltas import encode_delta
-from server.wire.messages import WireError, pack
+from server.wire.messages import SHORT_DELTA, WireError, pack
 from server.api.engine_client import OutputStream
 from server.wire.errors import EngineUnavailableError, InvalidRequestError
 from server.wire.params import RequestOutputKind, SamplingParams
@@ -79,8 +79,11 @@ def _rebuild_every_output(core):
     reference = _run_cases(core, cases, wire=False)
     sent = _run_cases(core, cases, wire=True)
     assert len(sent) == len(reference)
-    assert any(isinstance(sd[3][0], tuple) for step in sent for d in step for sd in d[1]
+    assert any(isinstance(sd[3][0], tuple) for step in sent for d in step if len(d) > SHORT_DELTA for sd in d[1]
                if sd[3])  # log-probs crossed as WireLogprobs tuples
+    # a plain stream's middle steps crossed in the short form, the others never
+    short = {d[0] for step in sent for d in step if len(d) == SHORT_DELTA}
+    assert short == {"plain", "aborted"}, short
     streams = {rid: OutputStream(prompt, None, params.n) for rid, (prompt, params) in cases.items()}
     lagging = OutputStream(cases["n2-stop-logprobs"][0], None, 2)  # a route that takes only every 3rd output
     lagged: list = []
