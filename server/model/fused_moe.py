@@ -19,7 +19,7 @@ cost no gaps between them.
 Integers that change with the batch are not specialized on (do_not_specialize), and the one-program path's
 register width is fixed: the variants a start-up compiles (memory profile, graph capture) are all serving meets.
 Every size is fixed by the number of tokens (T*k assignments, at most T*k + E*(BLOCK_M - 1) padded rows):
-grids cover the worst case and blocks past the padded total (a device scalar) return at once, so nothing
+grids cover the worst case (max_blocks_for) and blocks past the padded total (a device scalar) return at once, so nothing
 waits for the host and a decode CUDA graph captures the whole layer at every batch size. The order of rows
 inside a group depends on the atomics, but each row's arithmetic does not: results are deterministic.
 
@@ -313,13 +313,21 @@ def tiles(M: int, N: int, E: int) -> dict[str, int]:
     return {"BLOCK_M": 64, "BLOCK_N": 128 if N >= 128 else 64, "BLOCK_K": 64}
 
 
+def max_blocks_for(M: int, E: int, block_m: int) -> int:
+    """The most blocks of block_m rows M assignments over E experts can fill once each expert's group is padded:
+    at most min(E, M) groups are not empty and each pads fewer than block_m rows, so
+    ceil((M + min(E, M) * (block_m - 1)) / block_m). The grouped GEMMs' grids are this many blocks: at batch 1
+    (8 assignments, Qwen3-30B-A3B's 128 experts, 16-row blocks) 8 rather than the 121 of counting every expert,
+    so a decode step launches 96 and 256 programs for its two GEMMs, not 1,452 and 3,872 that mostly exit."""
+    return triton.cdiv(M + min(E, M) * (block_m - 1), block_m)
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted rows: assignment indices grouped by expert, each group padded with M to block_m rows;
     each block's expert; the padded total, a device scalar). Shapes depend on M only."""
     M = ids.numel()
     dev = ids.device
-    max_rows = M + num_experts * (block_m - 1)
-    max_blocks = triton.cdiv(max_rows, block_m)
+    max_blocks = max_blocks_for(M, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
@@ -344,7 +352,7 @@ def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round
     dev = logits.device
     ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
-    max_blocks = triton.cdiv(M + E * (block_m - 1), block_m)
+    max_blocks = max_blocks_for(M, E, block_m)
     sorted_rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     padded = torch.empty(1, dtype=torch.int32, device=dev)
@@ -445,8 +453,8 @@ def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
                   block_n: int = 16, block_k: int = 256) -> torch.Tensor:
     """fused_experts for a decode batch of a few tokens without grouping: two launches (_small_gate_up over
     the T*k assignments, _small_down_combine over the tokens), each program a row product, none idle. At
-    batch 1 the grouped path's grids cover the worst case (121 blocks of 16 rows at Qwen3-30B-A3B's 128
-    experts, 8 of them with work); bench/moe.py times both in a CUDA graph to choose between them."""
+    batch 1 the grouped path's grids covered 121 blocks of 16 rows at Qwen3-30B-A3B's 128 experts, 8 of them with
+    work (8 since max_blocks_for); bench/moe.py times both in a CUDA graph to choose between them."""
     T, H = x.shape
     I = w2.shape[2]
     K = ids.shape[1]
