@@ -18,8 +18,8 @@ cost no gaps between them.
 
 Integers that change with the batch are not specialized on (do_not_specialize), and the one-program path's
 register width is fixed: the variants a start-up compiles (memory profile, graph capture) are all serving meets.
-Every size is fixed by the number of tokens (T*k assignments, at most T*k + E*(BLOCK_M - 1) padded rows):
-grids cover the worst case (max_blocks_for) and blocks past the padded total (a device scalar) return at once, so nothing
+Every size is fixed by the number of tokens (T*k assignments, at most T*k + min(E, T*k)*(BLOCK_M - 1) padded
+rows): grids cover that worst case (max_blocks_for), blocks past the padded total (a device scalar) return at once, so nothing
 waits for the host and a decode CUDA graph captures the whole layer at every batch size. The order of rows
 inside a group depends on the atomics, but each row's arithmetic does not: results are deterministic.
 
