@@ -46,6 +46,10 @@ from bench.common import hardware, in_thread, now_iso, server_steps, table, writ
 from bench.server_cpu import ServerCpu, pin_engine, topology  # noqa: E402
 from bench.spy import Spy, py_spy  # noqa: E402
 
+# The engine thread's samples, broken down below its step (bench.spy.below): with async scheduling the step's
+# wait for the device is EngineCore._record;Launched.collect, the rest is host work (py-spy on the H200, 2026-12-05).
+ENGINE_STEP = ("sleepserve-engine", ["EngineCore._step_async", "EngineServer.run"])
+
 SHAPES = ("llama-tiny", "llama-1b", "llama-8b")
 
 
@@ -663,7 +667,8 @@ def main() -> None:
                         name = (f"{next(spy_passes):02d}-{'async' if on else 'sync'}-{len(reqs)}-"
                                 f"{'stream' if stream else 'nostream'}")
                         apis = {f"api{i}" if i else "api": pid for i, pid in enumerate(server.api_pids)}
-                        spies.append(Spy(args.spy, name, {**apis, "engine": server.engine_pid}, idle={"engine"}))
+                        spies.append(Spy(args.spy, name, {**apis, "engine": server.engine_pid}, idle={"engine"},
+                                         under={"engine": ENGINE_STEP}))
 
                 try:
                     results, duration, client = run_clients(url, args.api_key, served, reqs, stream, args.temperature,
@@ -807,6 +812,10 @@ def report(result: dict) -> None:
             for thread, t in prof["threads"].items():
                 print(f"  {thread} ({100 * t['share']:.0f}% of the samples): "
                       + "; ".join(f"{100 * x:.0f}% {frame}" for frame, x in t["top"]))
+            if "below" in prof:  # where the engine thread's busy samples go: waiting for the device is Launched.collect
+                b = prof["below"]
+                print(f"  {b['thread']} below {b['anchor']} ({b['samples']} samples, idle left out): "
+                      + "; ".join(f"{100 * x:.0f}% {frames}" for frames, x in b["top"]))
     busy = [r for r in result["rows"] if "client_cores" in r and r["client_cores"] > 0.8 * r["client_procs"]]
     if busy:
         print(f"WARNING: the benchmark's client processes were >80% busy in {len(busy)} HTTP pass(es): their HTTP "

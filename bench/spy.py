@@ -9,9 +9,15 @@ hottest innermost frames. Non-blocking sampling: the processes are never paused,
     spy = Spy(Path("out/spy"), "stream-64", {"api": api_pid, "engine": engine_pid}, idle={"engine"})
     ... the pass ...
     summary = spy.stop()   # {"api": {"cpu_cores": ..., "samples": ..., "threads": {thread: {"share", "top"}}}, ...}
+
+Where one thread's time goes under one of its frames (how the engine thread's streaming work was found):
+
+    python -m bench.spy results/serve-spy/spy/0[012]-*-engine.txt --thread sleepserve-engine \
+        --below EngineCore._step_async,EngineServer.run --depth 2
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import re
@@ -41,7 +47,10 @@ class Spy:
     for an event loop, whose wait and whose C work (uvloop, socket writes) both sit in one Python frame, that is
     the way to see its work. Either way `cpu_cores` (CPU seconds ÷ wall seconds, every thread) says how busy."""
 
-    def __init__(self, folder: Path, name: str, pids: dict[str, int], idle: Collection[str] = (), rate: int = 250):
+    def __init__(self, folder: Path, name: str, pids: dict[str, int], idle: Collection[str] = (), rate: int = 250,
+                 under: dict[str, tuple[str, list[str]]] | None = None):
+        """under: proc -> (thread, anchors): stop() also breaks that thread's samples down below the anchors (below())."""
+        self.under = under or {}
         folder.mkdir(parents=True, exist_ok=True)
         self.files = {proc: folder / f"{name}-{proc}.txt" for proc in pids}
         self.logs = {proc: folder / f"{name}-{proc}.log" for proc in pids}  # py-spy's own messages
@@ -78,6 +87,11 @@ class Spy:
             cores = round((cpu1[proc] - self._cpu0[proc]) / wall, 2) if proc in cpu1 else None
             if path.exists():
                 out[proc] = {"cpu_cores": cores, **summarize(path)}
+                if proc in self.under:
+                    thread, anchors = self.under[proc]
+                    n, counts = below([path], thread, anchors)
+                    out[proc]["below"] = {"thread": thread, "anchor": anchors[0], "samples": n,
+                                          "top": [[k, round(v / max(n, 1), 3)] for k, v in counts.most_common(6)]}
             else:
                 said = self.logs[proc].read_text(errors="replace").strip().splitlines()
                 out[proc] = {"cpu_cores": cores, "error": " ".join(said[-3:]) or "py-spy wrote no profile"}
@@ -109,3 +123,53 @@ def summarize(path: Path, top: int = 5) -> dict:
         out[f"{key}: {names[key]}" if key in names else key] = {
             "share": round(n / total, 3), "top": [[f, round(k / n, 3)] for f, k in frames.most_common(top)]}
     return {"samples": total, "threads": out}
+
+
+def frame_name(frame: str) -> str:
+    """py-spy's raw frame `function (file:line)` without its place."""
+    return frame.split(" (", 1)[0]
+
+
+def below(paths: list[Path], thread: str, anchors: list[str], depth: int = 2,
+          skip: tuple[str, ...] = ("Event.wait",)) -> tuple[int, collections.Counter]:
+    """The samples of the thread named `thread` in py-spy raw files, each counted under the `depth` frames below
+    the first of `anchors` (in order of preference) its stack holds; stacks holding none, or a frame of `skip`
+    (an idle loop's wait), are left out. Returns (samples counted, Counter of "frame;frame" -> samples)."""
+    counts: collections.Counter = collections.Counter()
+    total = 0
+    for path in paths:
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not (stack and count.isdigit()):
+                continue
+            frames = stack.split(";")
+            m = ROOT.fullmatch(frames[0])
+            if not (m and m.group(2) == thread):
+                continue
+            names = [frame_name(f) for f in frames[1:]]
+            if any(s in names for s in skip):
+                continue
+            at = next((names.index(a) for a in anchors if a in names), None)
+            if at is None:
+                continue
+            total += int(count)
+            counts[";".join(names[at + 1:at + 1 + depth])] += int(count)
+    return total, counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Where a thread's samples go below a frame (py-spy raw files)")
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--thread", required=True, help="the thread's name, as py-spy records it")
+    ap.add_argument("--below", required=True, help="comma-separated frames, the first found in a stack counts")
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args(argv)
+    total, counts = below(args.files, args.thread, args.below.split(","), args.depth)
+    print(f"{total} samples of {args.thread} below {args.below}")
+    for frames, n in counts.most_common(args.top):
+        print(f"{n / max(total, 1):6.1%}  {frames or '(the frame itself)'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -172,6 +172,24 @@ def test_spy_summary_gives_each_threads_share_and_hottest_frames(tmp_path):
     assert s["threads"]["thread (2): reader"] == {"share": 0.4, "top": [["read (d.py:4)", 1.0]]}
 
 
+def test_spy_below_a_frame_counts_one_threads_children_of_the_first_anchor_found(tmp_path):
+    """bench.spy.below: only the named thread; each stack under the first anchor it holds (in preference
+    order), `depth` frames deep; stacks with neither anchor, or idle in a skipped frame, left out."""
+    from bench.spy import below
+
+    raw = tmp_path / "engine.txt"
+    raw.write_text("thread (7): engine;run (s.py:1);step (c.py:2);record (c.py:3);collect (r.py:4) 50\n"
+                   "thread (7): engine;run (s.py:1);step (c.py:2);record (c.py:3);update (u.py:5) 30\n"
+                   "thread (7): engine;run (s.py:1);flush (s.py:6);send (m.py:7) 15\n"
+                   "thread (7): engine;run (s.py:1);Event.wait (t.py:8) 99\n"
+                   "thread (7): engine;other (o.py:1) 5\n"
+                   "thread (8): reader;run (s.py:1);read (m.py:9) 40\n")
+    total, counts = below([raw], "engine", ["step", "run"], depth=2)
+    assert total == 95
+    assert counts == {"record;collect": 50, "record;update": 30, "flush;send": 15}
+    assert below([raw], "engine", ["step"], depth=1) == (80, {"record": 80})
+
+
 def test_sse_floor_counts_the_same_chunks_through_the_server_and_the_bare_app():
     r = sse_floor("cpu", "llama-micro", 2, 4, 1)
     ours, floor = r["server"], r["floor"]
