@@ -177,7 +177,7 @@ def python_cost(llm, batch: int, kind: str, n: int, steps: int, logprobs: int | 
     from server import SamplingParams
     from server.engine import deltas as channel
     from server.wire.messages import Frame, Status, pack
-    from server.engine.detokenizer import _whole_pieces
+    from server.wire.detokenizer import _whole_pieces
     from server.wire.params import RequestOutputKind
     from server.engine.step_types import ScheduledBatch, StepResult
 

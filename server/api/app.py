@@ -76,6 +76,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, others: OtherApiS
     info = engine.info
     app.state.metrics = ServerMetrics(engine, info.served_model_name, shared=metrics_dir is not None)
     app.state.tokens = Tokens(Path(info.model_path), info.max_model_len, preload)
+    engine.set_stream_tokenizer(app.state.tokens.stream_tokenizer)
     app.state.served_model_name = info.served_model_name
     app.state.started_at = int(time.time())
     app.state.shut_down = False

@@ -32,9 +32,10 @@ from server.wire.messages import (SHORT_DELTA, Call, Delta, EngineInfo, Failed, 
 from server.wire.stats import EngineStats
 from server.wire.errors import EngineDeadError, EngineUnavailableError
 from server.api.hold import HeldRequests, HoldPolicy
+from server.wire.detokenizer import IncrementalDetokenizer, detokenize_ids, prefix_stable
 from server.wire.logprob_list import LogprobList
 from server.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from server.wire.params import SamplingParams, StructuredOutputs
+from server.wire.params import RequestOutputKind, SamplingParams, StructuredOutputs
 from server.wire.sleep_state import SleepReport, SleepState
 from server.api.spawn import SpawnedEngine, spawn_engine
 
@@ -83,17 +84,51 @@ class _Seq:
         self.routed_experts = None  # a numpy array, with the end, when the request asked
 
 
+def text_tokenizer(stream_tokenizer: Any, params: SamplingParams) -> Any:
+    """The tokenizer this process makes the request's text with (then it is a text_by_api request), or None:
+    the engine makes it. Only a streamed request without stop strings: a FINAL_ONLY one has its text decoded
+    once at its end anyway, and stop strings are checked on the text as it grows, on the engine thread."""
+    if stream_tokenizer is None or params.output_kind is RequestOutputKind.FINAL_ONLY or params.stop:
+        return None
+    return stream_tokenizer
+
+
+def rest_of(final: str, shown: str) -> str:
+    """The new text that ends a sequence whose text so far was `shown`, given the engine's whole text: the
+    part of `final` after `shown`. With a prefix_stable tokenizer `shown` is always a prefix of `final`; were it
+    not, the chunks already sent cannot be taken back, and the rest after their common prefix is the best end
+    (tests/wire/test_channel.py checks that it never comes to this)."""
+    if final.startswith(shown):
+        return final[len(shown):]
+    common = 0
+    for a, b in zip(final, shown):
+        if a != b:
+            break
+        common += 1
+    return final[common:]
+
+
 class OutputStream:
     """One request's outputs, rebuilt from the engine's deltas (channel.py documents the tuple).
 
     `apply` (the frame's callback) only records; the route's task `take`s an output when it runs. If
     it is behind (a slow client, a loaded event loop), the deltas of several steps become one output:
-    one SSE chunk instead of one per step, and no RequestOutput built for nobody."""
+    one SSE chunk instead of one per step, and no RequestOutput built for nobody.
 
-    def __init__(self, prompt: str | None, prompt_token_ids: list[int] | None, n: int):
+    With a tokenizer (a text_by_api request: SamplingParams), the engine sends no text until a sequence ends,
+    and this makes it: one IncrementalDetokenizer per sequence, with the prompt's last ids as context (from
+    the request's first delta), turns each delta's new ids into what the engine's would have given, token by
+    token. A sequence's end carries the engine's whole text, which becomes the text; the streamed text is its
+    prefix (prefix_stable), so the last chunk is the rest of it."""
+
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int] | None, n: int, tokenizer=None,
+                 skip_special_tokens: bool = True):
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids or [])
         self.seqs = [_Seq() for _ in range(n)]
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._detoks: list[IncrementalDetokenizer | None] = [None] * n if tokenizer is not None else []
         self.prompt_logprobs: list | None = None
         self.request_id = ""
         self.finished = False
@@ -110,6 +145,8 @@ class OutputStream:
         if len(d) == SHORT_DELTA:  # one sequence's new tokens mid-stream, nothing else (messages.py)
             self.request_id, token_ids, text, self.num_cached_tokens = d
             acc = self.seqs[0]
+            if self.tokenizer is not None:
+                text = self._detokenize(0, token_ids)
             acc.token_ids += token_ids
             acc.new_ids += token_ids
             acc.text += text
@@ -129,7 +166,14 @@ class OutputStream:
             acc = self.seqs[index]
             acc.token_ids += token_ids
             acc.new_ids += token_ids
-            acc.text = final_text if final_text is not None else acc.text + text
+            if final_text is not None:
+                if self.tokenizer is not None:  # what the engine's text adds to what was streamed
+                    text = rest_of(final_text, acc.text)
+                acc.text = final_text
+            else:
+                if self.tokenizer is not None:
+                    text = self._detokenize(index, token_ids)
+                acc.text += text
             acc.new_text += text
             if logprobs is not None:
                 if acc.logprobs is None:
@@ -142,6 +186,15 @@ class OutputStream:
                 acc.routed_experts = routed
         self._news = True
         self._wake()
+
+    def _detokenize(self, index: int, token_ids: list[int]) -> str:
+        """The text of sequence `index`'s new ids, as the engine would have streamed it. Its detokenizer is
+        made on first use: after the request's first delta, which brings the prompt ids the engine used."""
+        d = self._detoks[index]
+        if d is None:
+            d = self._detoks[index] = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids,
+                                                             self.skip_special_tokens)
+        return detokenize_ids(d, token_ids)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -212,6 +265,16 @@ class EngineClient:
         self.on_step: list[Callable[[int], None]] = []
         # Called once, on the event loop, if the engine process dies (the server exits).
         self.on_death: Callable[[BaseException], None] | None = None
+        # The tokenizer this process makes streamed text with (text_by_api), on the event loop; None: the engine
+        # makes it (set_stream_tokenizer).
+        self.stream_tokenizer: Any = None
+
+    def set_stream_tokenizer(self, tokenizer: Any) -> None:
+        """Make the text of streamed requests without stop strings here, with `tokenizer` (used on the event
+        loop only), rather than on the engine thread, where it costs every streamed sequence ~1 us a step at
+        256 streams (docs/architecture.md, Deliver). Only a prefix_stable tokenizer: the engine's lazy text
+        decodes the whole output at the end, and the streamed text must be its prefix."""
+        self.stream_tokenizer = tokenizer if prefix_stable(tokenizer) else None
 
     # -- start-up (before the event loop) ----------------------------------------------------------
 
@@ -396,9 +459,11 @@ class EngineClient:
         One generator (not a wrapper around another): a streamed output passes every layer once per step."""
         deadline = None
         last: RequestOutput | None = None
-        stream = OutputStream(prompt, prompt_token_ids, params.n)
-        if params.grammar is not None:  # compiled objects stay in the engine process (compile_grammar)
-            params = _without_grammar(params)
+        tokenizer = text_tokenizer(self.stream_tokenizer, params)
+        stream = OutputStream(prompt, prompt_token_ids, params.n, tokenizer, params.skip_special_tokens)
+        if params.grammar is not None or tokenizer is not None:
+            # compiled objects stay in the engine process (compile_grammar); the text of a stream is made here
+            params = replace(params, grammar=None, text_by_api=tokenizer is not None)
         added = False
         finished = False
         self._active += 1
@@ -552,10 +617,6 @@ def _with_channel(report: SleepReport, sent: float, got: float) -> SleepReport:
     timings["channel"] = {"to_engine_ms": (stamps["called_s"] - sent) * 1e3,
                           "to_api_ms": (got - stamps["done_s"]) * 1e3}
     return replace(report, timings=timings)
-
-
-def _without_grammar(params: SamplingParams) -> SamplingParams:
-    return replace(params, grammar=None)
 
 
 def _stop_process(proc: subprocess.Popen) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from allocator import MemoryPool
 from server.config import PROFILER_DIR_ENV, EngineConfig, profiler_dir
-from server.engine.detokenizer import prefix_stable
+from server.wire.detokenizer import prefix_stable
 from server.wire.errors import EngineUnavailableError, InvalidRequestError, NonFiniteWeightsError
 from server.engine.kv_cache import BlockManager, usable_blocks
 from server.wire.stats import EngineStats, KVPlan
@@ -129,8 +129,9 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         ids, params = self.check_prompt(prompt, prompt_token_ids, params or SamplingParams())
         req = Request(request_id, prompt, ids, params, on_output=on_output)
-        # Text only at the end when nothing reads it before (no output per step) and no stop string needs it.
-        lazy = (params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop
+        # Text only at the end when nothing reads it before (no output per step, or the API process makes the
+        # streamed text itself: text_by_api) and no stop string needs it.
+        lazy = ((params.output_kind is RequestOutputKind.FINAL_ONLY or params.text_by_api) and not params.stop
                 and prefix_stable(self.tokenizer))
         for i in range(params.n):
             gen = None

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from server.engine.detokenizer import decode_many, decodes_in_one_call
+from server.wire.detokenizer import decode_many, decodes_in_one_call
 from server.wire.outputs import LOGPROB_FLOOR, Logprob, TokenLogprobs
 from server.engine.sequence import Sequence
 

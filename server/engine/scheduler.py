@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.engine.detokenizer import detokenize_step
+from server.wire.detokenizer import detokenize_step
 from server.engine.kv_cache import BlockManager
 from server.engine.routed_experts import store as store_routed
 from server.engine.sequence import Request, Sequence, SeqStatus, settle_texts

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from server.engine.detokenizer import IncrementalDetokenizer, detokenize_many, find_stop
+from server.wire.detokenizer import IncrementalDetokenizer, detokenize_many, find_stop
 from server.wire.logprob_list import LogprobList, WireLogprobs
 from server.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from server.wire.params import SamplingParams

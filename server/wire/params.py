@@ -91,6 +91,12 @@ class SamplingParams:
     # engine's default, which is yes when it records them (--enable-return-routed-experts; vLLM returns them
     # to every request then); the HTTP routes say yes or no per request.
     return_routed_experts: bool | None = None
+    # Internal (no request field): the API process makes this request's text from the token ids of its deltas
+    # (server/api/engine_client.py), so the engine produces none per step: it treats the sequences as
+    # FINAL_ONLY ones without stop strings (lazy text, decoded once at the end: the final text every delta's
+    # last SeqDelta carries). The API sets it for a streamed request without stop strings when its tokenizer is
+    # prefix_stable (detokenizer.py): detokenizing a streamed step costs the engine thread ~1 us per sequence.
+    text_by_api: bool = False
 
     MAX_LOGPROBS = 20          # OpenAI's and vLLM's default limit for sampled tokens
     MAX_PROMPT_LOGPROBS = 100  # teacher scoring asks for more (TRL's get_sequence_logprobs: 100)

@@ -11,7 +11,11 @@ def test_the_preloaded_tokenizer_serves_the_engines_folder_only(default_model_fo
     assert cached_model_folder(None) == resolve_model(None).folder == default_model_folder
     preload = TokenizerPreload(None)
     tokens = Tokens(default_model_folder, 64, preload)
-    assert tokens.tokenizer is not None and preload.take(default_model_folder) is tokens.tokenizer
+    assert tokens.tokenizer is not None and preload.take(default_model_folder) == (tokens.tokenizer,
+                                                                                  tokens.stream_tokenizer)
+    # the streams' copy (decoded on the event loop) is another object that decodes alike
+    assert tokens.stream_tokenizer is not tokens.tokenizer
+    assert tokens.stream_tokenizer.decode([100, 200, 300]) == tokens.tokenizer.decode([100, 200, 300])
     assert preload.take(tmp_path) is None  # another folder: Tokens loads its own
     assert tokens.tokenizer("hello").input_ids == Tokens(default_model_folder, 64).tokenizer("hello").input_ids
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.detokenizer import IncrementalDetokenizer, find_stop
+from server.wire.detokenizer import IncrementalDetokenizer, find_stop
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_find_stop_only_looks_at_new_text():
 def test_a_step_of_many_sequences_detokenizes_as_one_at_a_time(tokenizer):
     """core.postprocess decodes a step's windows in one call; each sequence's text must be what its
     own incremental decode gives, special tokens skipped or not."""
-    from server.engine.detokenizer import decode_many, detokenize_step
+    from server.wire.detokenizer import decode_many, detokenize_step
 
     texts = ["Émojis 🙂🚀 and CJK 漢字かな", "def f(x):\n    return x", "naïve café, 1 2 3"]
     streams = [tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts]
@@ -66,7 +66,7 @@ def test_text_decoded_at_the_end_equals_incremental(tokenizer):
     (byte tokens that start or continue a character without ending it) and special tokens."""
     import random
 
-    from server.engine.detokenizer import detokenize_many, prefix_stable
+    from server.wire.detokenizer import detokenize_many, prefix_stable
 
     assert prefix_stable(tokenizer)
     rng = random.Random(0)
@@ -113,7 +113,7 @@ def test_a_steps_windows_decode_as_the_tokenizer_decodes_them(tokenizer):
     every text must be the tokenizer's own decode, special tokens skipped or not."""
     import random
 
-    from server.engine.detokenizer import _whole_pieces, decode_many
+    from server.wire.detokenizer import _whole_pieces, decode_many
 
     assert _whole_pieces(tokenizer) is not None  # the embedded model's decoder is byte-level
     rng = random.Random(1)
@@ -135,7 +135,7 @@ def test_the_steps_fast_path_gives_what_the_tokenizer_gives(tokenizer):
     tokenizer's decode of both windows, every time) gives, special tokens skipped or not."""
     import random
 
-    from server.engine.detokenizer import decode_many, detokenize_step
+    from server.wire.detokenizer import decode_many, detokenize_step
 
     rng = random.Random(2)
     vocab = len(tokenizer)

@@ -121,6 +121,82 @@ def _rebuild_every_output(core):
                for seq in final["final-rollout"])
 
 
+def test_streamed_text_made_by_the_api_equals_the_engines(llm):
+    _in_thread(_rebuild_api_text, llm.engine)
+
+
+def _rebuild_api_text(core):
+    """text_by_api (SamplingParams): for a streamed request without stop strings the engine sends token ids
+    only and the API's OutputStream detokenizes them. Every rebuilt output, text and delta_text chunk by chunk
+    included, equals what the engine in process gives the same request without the flag."""
+    from dataclasses import replace
+
+    from server.api.engine_client import text_tokenizer
+
+    tokenizer = copy_of(core.tokenizer)  # the API process's own, as Tokens.stream_tokenizer
+    # a chat turn that the model ends (<|im_end|>, EOS, ignored) and goes on with <|im_start|>: special tokens
+    # mid-output, shown or skipped
+    chat = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    cases = {
+        "plain": ("The capital of France is", SamplingParams(temperature=0, max_tokens=12)),
+        "n2-logprobs": ("Once upon a time", SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=16, logprobs=2,
+                                                           prompt_logprobs=1)),
+        "stop": ("Once upon a time", SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=16, stop=[" the", "."])),
+        "aborted": ("List three primary colors:", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
+        "specials-skipped": (chat, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
+        "specials-shown": (chat, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                skip_special_tokens=False)),
+        "bytes": ("\u4f60\u597d\uff0c\u4e16\u754c", SamplingParams(temperature=1.0, seed=11, max_tokens=24)),
+        "final": ("Once upon a time", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8,
+                                                     output_kind=RequestOutputKind.FINAL_ONLY)),
+    }
+    by_api = {rid: text_tokenizer(tokenizer, params) is not None for rid, (_, params) in cases.items()}
+    assert [rid for rid, yes in by_api.items() if not yes] == ["stop", "final"]  # stop strings; nothing streamed
+    flagged = {rid: (prompt, replace(params, text_by_api=by_api[rid])) for rid, (prompt, params) in cases.items()}
+    reference = _run_cases(core, cases, wire=False)
+    sent = _run_cases(core, flagged, wire=True)
+    assert len(sent) == len(reference)
+    streams = {rid: OutputStream(prompt, None, params.n, text_tokenizer(tokenizer, params), params.skip_special_tokens)
+               for rid, (prompt, params) in cases.items()}
+    engine_text = {rid: "" for rid in cases}  # what the engine itself sent as text before the ends
+    for deltas, outs in zip(sent, reference):
+        assert [d[0] for d in deltas] == [o.request_id for o in outs]
+        for d, out in zip(deltas, outs):
+            delta = _wire(d)
+            if len(delta) == SHORT_DELTA:
+                engine_text[d[0]] += delta[2]
+            else:
+                engine_text[d[0]] += "".join(sd[2] for sd in delta[1] if sd[7] is None)
+            shown = [acc.text for acc in streams[out.request_id].seqs]
+            streams[out.request_id].apply(delta)
+            rebuilt = streams[out.request_id].take()
+            for before, mine, theirs in zip(shown, rebuilt.outputs, out.outputs, strict=True):
+                assert asdict(mine) == asdict(theirs), (out.request_id, mine, theirs)
+                assert mine.text.startswith(before)  # rest_of never had to cut what was streamed
+    # the engine made no text for the API's requests before their ends, and did for the others
+    assert {rid for rid, text in engine_text.items() if text} == {"stop"}, engine_text
+    final = {rid: s.seqs for rid, s in streams.items()}
+    assert all(seq.finish_reason == "abort" and seq.text for seq in final["aborted"])
+    assert all(seq.logprobs and len(seq.logprobs) == len(seq.token_ids) for seq in final["n2-logprobs"])
+    shown, skipped = final["specials-shown"][0], final["specials-skipped"][0]
+    assert shown.token_ids == skipped.token_ids and {1, 2} <= set(shown.token_ids)
+    assert "<|im_end|>\n<|im_start|>" in shown.text and "<|im_" not in skipped.text
+    assert any(len(t.encode()) > 1 for t in final["bytes"][0].text)  # multi-byte characters went through
+
+
+def copy_of(tokenizer):
+    from server.api.tokens import stream_copy
+    return stream_copy(tokenizer)
+
+
+def test_the_end_of_a_text_the_api_streamed():
+    from server.api.engine_client import rest_of
+    assert rest_of("Hello world", "Hello w") == "orld"
+    assert rest_of("Hello world", "") == "Hello world"
+    # not a prefix (a tokenizer that is not prefix_stable never gets here): what follows the common part
+    assert rest_of("Hello world", "Hello x") == "world"
+
+
 def test_engine_errors_keep_their_attributes_across_the_channel():
     e = _wire(WireError.of(InvalidRequestError("bad", "max_tokens", "context_length_exceeded"))).rebuild()
     assert type(e) is InvalidRequestError and (str(e), e.param, e.code) == ("bad", "max_tokens",

@@ -1,4 +1,8 @@
-"""Incremental detokenization that never splits a multi-byte character, and stop-string matching."""
+"""Incremental detokenization that never splits a multi-byte character, and stop-string matching.
+
+Both processes use it: the engine for the text its stop strings need (and for in-process callers), the API
+process for the text of a streamed request without stop strings (SamplingParams.text_by_api), which the
+engine sends as token ids only. So it lives in server.wire and imports neither torch nor the engine."""
 from __future__ import annotations
 
 import functools
@@ -192,6 +196,17 @@ def detokenize_step(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str
     for i in slow:
         out[i] = pairs[i][0].take(*texts[i])
     return out
+
+
+def detokenize_ids(d: IncrementalDetokenizer, token_ids: list[int]) -> str:
+    """IncrementalDetokenizer.add for each of one sequence's new ids in turn, joined: what the engine's
+    detokenize_step gives that sequence over the same tokens (the API's side of text_by_api; a delta carries
+    a step's token, or a few with --stream-interval). The cached fast path first, as detokenize_step."""
+    text = ""
+    for t in token_ids:
+        piece = d.add_whole(t) if d.clean else None
+        text += d.add(t) if piece is None else piece
+    return text
 
 
 def prefix_stable(tokenizer) -> bool:
