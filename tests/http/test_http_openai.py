@@ -137,6 +137,47 @@ def test_openai_client_completion_chat_and_stream(oai):
     assert [m.id for m in models.data] == ["smol"]
 
 
+STREAM_PROMPTS = ["The capital of France is", "\u4f60\u597d\uff0c\u4e16\u754c", "def add(a, b):\n",
+                  "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_text_equals_the_whole_text(oai, skip_special_tokens):
+    """A stream without stop strings has its text made in the API process (SamplingParams.text_by_api), from
+    the token ids the engine sends: streamed, it equals the whole answer the engine decodes, for completions
+    and chat, with special tokens skipped or shown (the model ends its turn, ignore_eos goes on past it)."""
+    extra = {"ignore_eos": True, "skip_special_tokens": skip_special_tokens}
+    for prompt in STREAM_PROMPTS:
+        whole = oai.completions.create(model="smol", prompt=prompt, max_tokens=32, temperature=0,
+                                       extra_body=extra).choices[0].text
+        chunks = list(oai.completions.create(model="smol", prompt=prompt, max_tokens=32, temperature=0, stream=True,
+                                             extra_body=extra))
+        assert "".join(c.choices[0].text for c in chunks) == whole, prompt
+        assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 5
+        messages = [{"role": "user", "content": prompt}]
+        whole = oai.chat.completions.create(model="smol", messages=messages, max_tokens=32, temperature=0,
+                                            extra_body=extra).choices[0].message.content
+        chunks = list(oai.chat.completions.create(model="smol", messages=messages, max_tokens=32, temperature=0,
+                                                  stream=True, extra_body=extra))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole, prompt
+    if not skip_special_tokens:  # the chat prompt's answer went past its <|im_end|>, which shows
+        assert "<|im_end|>" in whole
+
+
+def test_a_streamed_stop_string_still_stops(oai):
+    """With a stop string the engine makes the text as it goes (it checks the string on it): streamed and
+    whole end alike, before the stop string."""
+    whole = oai.completions.create(model="smol", prompt=PROMPT, max_tokens=32, temperature=0, extra_body={
+        "ignore_eos": True}).choices[0].text
+    stop = whole.split()[2]  # a word the answer reaches
+    stopped = oai.completions.create(model="smol", prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop])
+    chunks = list(oai.completions.create(model="smol", prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop],
+                                         stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == stopped.choices[0].text == whole[:whole.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == stopped.choices[0].finish_reason == "stop"
+
+
 def test_stream_chunks_arrive_before_the_end(client):
     reference = complete(client, prompt=PROMPT, max_tokens=20, ignore_eos=True)["choices"][0]["text"]
     start = time.monotonic()
