@@ -10,7 +10,8 @@ RL-rollout-like load (temperature 1, top-p, logprobs=0, n sequences per prompt) 
 - frame: the pickled frame of the step's deltas (the engine process encodes them from the requests inside
   the step, as here);
 - api: the API process's side: unpickle the frame, apply each delta to its request's OutputStream and
-  take the merged output, as a streaming route's consumer does every step.
+  take the merged output, as a streaming route's consumer does every step (the text of a stream without
+  stop strings included: the API makes it, SamplingParams.text_by_api).
 
 Then the engine's Python alone (python_cost): the same decode bookkeeping with no model and no sampler, on
 tokens that decode to whole characters, per sequence: the host work the forward has to cover.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import io
 import math
@@ -65,6 +67,10 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
     from server.engine import deltas as channel
     from server.wire.messages import Frame, Status, pack
     from server.api.engine_client import OutputStream
+    try:
+        from server.api.engine_client import make_texts
+    except ImportError:  # a tree from before text_by_api (a before/after comparison)
+        make_texts = None
 
     core, runner = llm.engine, llm.engine.runner
     dev = core.device
@@ -79,13 +85,14 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
         encode = None
     else:  # a tree from before (a before/after comparison): RequestOutputs, then a DeltaEncoder
         encode = channel.DeltaEncoder().encode
+    params, tokenizer = _as_served(params, core.tokenizer)
     streams: dict[str, OutputStream] = {}
     prompt_len = 32
     for i in range(batch // n):
         rid = f"b{batch}-{i}"
         ids = [(100 + 7 * i + j) % 1000 + 16 for j in range(prompt_len)]
         core.add_request(rid, prompt_token_ids=ids, params=params, on_output=outs.append)
-        streams[rid] = OutputStream(None, ids, n)
+        streams[rid] = OutputStream(None, ids, n, tokenizer) if tokenizer is not None else OutputStream(None, ids, n)
     while any(r.first_token_time is None for r in core.requests.values()):
         core.step()
     outs.clear()
@@ -130,9 +137,12 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
             t2 = clock()
             outs.clear()
             frame = pickle.loads(memoryview(data)[8:])
-            for item in frame.items:
-                s = streams[item[0]]
+            applied = [streams[item[0]] for item in frame.items]
+            for s, item in zip(applied, frame.items):
                 s.apply(item)
+            if make_texts is not None:  # as EngineClient._on_frame: the frame's streamed texts made together
+                make_texts([s for s in applied if s.owed])
+            for s in applied:
                 s.take()
             t3 = clock()
             frame_bytes += len(data)
@@ -161,6 +171,26 @@ def measure(llm, batch: int, kind: str, n: int, steps: int, temperature: float, 
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
         row["profile"] = s.getvalue()
     return row
+
+
+@functools.lru_cache(maxsize=2)
+def _stream_copy(tokenizer, stream_copy):
+    """One copy for every measurement, as the server makes one: its cache of token texts stays warm."""
+    return stream_copy(tokenizer)
+
+
+def _as_served(params, tokenizer):
+    """The params as the server's EngineClient.generate sends them, and the tokenizer its OutputStream makes
+    the text with (a stream without stop strings: text_by_api), or None (the engine makes it; a tree from
+    before text_by_api, for a before/after comparison)."""
+    from dataclasses import replace
+    try:
+        from server.api.engine_client import text_tokenizer
+        from server.api.tokens import stream_copy
+    except ImportError:
+        return params, None
+    tokenizer = text_tokenizer(_stream_copy(tokenizer, stream_copy), params)
+    return (replace(params, text_by_api=True), tokenizer) if tokenizer is not None else (params, None)
 
 
 def python_cost(llm, batch: int, kind: str, n: int, steps: int, logprobs: int | None, stop: list[str] | None,
@@ -193,6 +223,8 @@ def python_cost(llm, batch: int, kind: str, n: int, steps: int, logprobs: int | 
     params = SamplingParams(n=n, temperature=1.0, max_tokens=repeats * steps + 64, ignore_eos=True,
                             logprobs=logprobs, stop=stop,
                             output_kind=RequestOutputKind.FINAL_ONLY if kind == "final" else RequestOutputKind.CUMULATIVE)
+    if wire:  # what the server sends (in process, LLM's requests never have the API make their text)
+        params = _as_served(params, core.tokenizer)[0]
     best = math.inf
     try:
         for i in range(batch // n):

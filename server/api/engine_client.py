@@ -32,7 +32,7 @@ from server.wire.messages import (SHORT_DELTA, Call, Delta, EngineInfo, Failed, 
 from server.wire.stats import EngineStats
 from server.wire.errors import EngineDeadError, EngineUnavailableError
 from server.api.hold import HeldRequests, HoldPolicy
-from server.wire.detokenizer import IncrementalDetokenizer, detokenize_ids, prefix_stable
+from server.wire.detokenizer import IncrementalDetokenizer, detokenize_step, prefix_stable
 from server.wire.logprob_list import LogprobList
 from server.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.wire.params import RequestOutputKind, SamplingParams, StructuredOutputs
@@ -116,9 +116,10 @@ class OutputStream:
     one SSE chunk instead of one per step, and no RequestOutput built for nobody.
 
     With a tokenizer (a text_by_api request: SamplingParams), the engine sends no text until a sequence ends,
-    and this makes it: one IncrementalDetokenizer per sequence, with the prompt's last ids as context (from
-    the request's first delta), turns each delta's new ids into what the engine's would have given, token by
-    token. A sequence's end carries the engine's whole text, which becomes the text; the streamed text is its
+    and this makes it: `apply` keeps each sequence's new ids in `owed`, and make_texts (for every stream of a
+    frame at once, or take) turns them into what the engine would have given, token by token, with one
+    IncrementalDetokenizer per sequence whose context is the prompt's last ids (from the request's first
+    delta). A sequence's end carries the engine's whole text, which becomes the text; the streamed text is its
     prefix (prefix_stable), so the last chunk is the rest of it."""
 
     def __init__(self, prompt: str | None, prompt_token_ids: list[int] | None, n: int, tokenizer=None,
@@ -129,6 +130,7 @@ class OutputStream:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._detoks: list[IncrementalDetokenizer | None] = [None] * n if tokenizer is not None else []
+        self.owed: dict[int, list[int]] = {}  # sequence index -> new ids whose text make_texts has not made yet
         self.prompt_logprobs: list | None = None
         self.request_id = ""
         self.finished = False
@@ -145,12 +147,13 @@ class OutputStream:
         if len(d) == SHORT_DELTA:  # one sequence's new tokens mid-stream, nothing else (messages.py)
             self.request_id, token_ids, text, self.num_cached_tokens = d
             acc = self.seqs[0]
-            if self.tokenizer is not None:
-                text = self._detokenize(0, token_ids)
             acc.token_ids += token_ids
             acc.new_ids += token_ids
-            acc.text += text
-            acc.new_text += text
+            if self.tokenizer is not None:
+                self._owe(0, token_ids)
+            else:
+                acc.text += text
+                acc.new_text += text
             self._news = True
             self._wake()
             return
@@ -166,15 +169,15 @@ class OutputStream:
             acc = self.seqs[index]
             acc.token_ids += token_ids
             acc.new_ids += token_ids
-            if final_text is not None:
-                if self.tokenizer is not None:  # what the engine's text adds to what was streamed
-                    text = rest_of(final_text, acc.text)
+            if self.tokenizer is None:
+                acc.text = final_text if final_text is not None else acc.text + text
+                acc.new_text += text
+            elif final_text is None:
+                self._owe(index, token_ids)
+            else:  # its end: the whole text, whose rest after what was streamed includes any ids still owed
+                self.owed.pop(index, None)
+                acc.new_text += rest_of(final_text, acc.text)
                 acc.text = final_text
-            else:
-                if self.tokenizer is not None:
-                    text = self._detokenize(index, token_ids)
-                acc.text += text
-            acc.new_text += text
             if logprobs is not None:
                 if acc.logprobs is None:
                     acc.logprobs, acc.new_logprobs = [], []
@@ -187,14 +190,21 @@ class OutputStream:
         self._news = True
         self._wake()
 
-    def _detokenize(self, index: int, token_ids: list[int]) -> str:
-        """The text of sequence `index`'s new ids, as the engine would have streamed it. Its detokenizer is
-        made on first use: after the request's first delta, which brings the prompt ids the engine used."""
+    def _owe(self, index: int, token_ids: list[int]) -> None:
+        owed = self.owed.get(index)
+        if owed is None:
+            self.owed[index] = token_ids  # the unpickled delta's own list: nothing else keeps it
+        else:  # two deltas of one frame (or of frames not yet taken: tests, benches)
+            owed += token_ids
+
+    def detokenizer(self, index: int) -> IncrementalDetokenizer:
+        """Sequence `index`'s detokenizer, made on first use: after the request's first delta, which brings
+        the prompt ids the engine used."""
         d = self._detoks[index]
         if d is None:
             d = self._detoks[index] = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids,
                                                              self.skip_special_tokens)
-        return detokenize_ids(d, token_ids)
+        return d
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -210,6 +220,8 @@ class OutputStream:
         if not self._news:
             return None
         self._news = False
+        if self.owed:  # applied outside a frame's make_texts
+            make_texts([self])
         outputs = []
         for i, acc in enumerate(self.seqs):
             # token_ids and logprobs are the request's own growing lists: consumers read them, and
@@ -235,6 +247,26 @@ class OutputStream:
                 return out
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
+
+
+def make_texts(streams: list[OutputStream]) -> None:
+    """The text of the ids each stream owes (OutputStream.owed), made together: detokenize_step over one token
+    of each sequence at a time, so that the tokens of a frame that the tokenizer must decode (bytes of a
+    character, special tokens) share one decode call, as they do on the engine thread; the others are their
+    cached texts. A stream listed twice is done once."""
+    work = []  # (the sequence, its detokenizer, its owed ids)
+    for s in streams:
+        if s.owed:
+            work += [(s.seqs[i], s.detokenizer(i), ids) for i, ids in s.owed.items()]
+            s.owed = {}
+    k = 0
+    while work:
+        for (acc, _, _), text in zip(work, detokenize_step([(d, ids[k]) for _, d, ids in work])):
+            if text:
+                acc.text += text
+                acc.new_text += text
+        k += 1
+        work = [w for w in work if len(w[2]) > k]  # several tokens a delta (--stream-interval): the next ones
 
 
 class EngineClient:
@@ -349,11 +381,14 @@ class EngineClient:
 
     def _on_frame(self, frame: Frame) -> None:
         self._apply_status(frame.status)
+        owing: list[OutputStream] = []  # streams whose text this process makes (text_by_api), all at once
         for item in frame.items:
             if type(item) is tuple:  # a Delta, the common case
                 stream = self._streams.get(item[0])
                 if stream is not None:
                     stream.apply(item)
+                    if stream.owed:
+                        owing.append(stream)
             elif isinstance(item, Reply):
                 fut = self._calls.pop(item.call_id, None)
                 if fut is not None and not fut.done():
@@ -365,6 +400,8 @@ class EngineClient:
                 stream = self._streams.get(item.request_id)
                 if stream is not None:
                     stream.fail(item.error.rebuild())
+        if owing:
+            make_texts(owing)
         for fn in self.on_step:
             for n in frame.step_tokens:
                 fn(n)

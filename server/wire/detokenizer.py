@@ -198,17 +198,6 @@ def detokenize_step(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str
     return out
 
 
-def detokenize_ids(d: IncrementalDetokenizer, token_ids: list[int]) -> str:
-    """IncrementalDetokenizer.add for each of one sequence's new ids in turn, joined: what the engine's
-    detokenize_step gives that sequence over the same tokens (the API's side of text_by_api; a delta carries
-    a step's token, or a few with --stream-interval). The cached fast path first, as detokenize_step."""
-    text = ""
-    for t in token_ids:
-        piece = d.add_whole(t) if d.clean else None
-        text += d.add(t) if piece is None else piece
-    return text
-
-
 def prefix_stable(tokenizer) -> bool:
     """Whether decoding the tokens of a text in one go gives what IncrementalDetokenizer gives token by
     token (concatenated, with its flush): true of a fast tokenizer that cleans up no spaces (the decode of

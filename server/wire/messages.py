@@ -110,6 +110,10 @@ class Reply:
 #   SeqDelta = (index, new token ids, new text, new log-probs (WireLogprobs each) or None, cumulative_logprob,
 #               finish_reason, stop_reason, the whole text (once, when the sequence finishes, else None),
 #               routed experts (once, when it finishes, if asked: a numpy array, routed_experts.py; else None))
+#   New text is "" until a sequence ends for a FINAL_ONLY request without stop strings and for a text_by_api one
+#   (params.py): the engine decodes its text once, at the end (the whole text, also as new text). For a
+#   text_by_api request (a stream without stop strings) the API process makes the text as it goes from the new
+#   token ids (engine_client.OutputStream), in either form, and its end from the whole text.
 #   WireLogprobs: logprob_list.py (plain values: Logprob objects pickle ~10x slower, and a FINAL_ONLY
 #               request's last delta carries all of its log-probs at once).
 #   Or, for what most streamed steps are (one sequence, no log-probs, neither a request's first delta nor its

@@ -131,7 +131,7 @@ def _rebuild_api_text(core):
     included, equals what the engine in process gives the same request without the flag."""
     from dataclasses import replace
 
-    from server.api.engine_client import text_tokenizer
+    from server.api.engine_client import make_texts, text_tokenizer
 
     tokenizer = copy_of(core.tokenizer)  # the API process's own, as Tokens.stream_tokenizer
     # a chat turn that the model ends (<|im_end|>, EOS, ignored) and goes on with <|im_start|>: special tokens
@@ -158,21 +158,44 @@ def _rebuild_api_text(core):
     assert len(sent) == len(reference)
     streams = {rid: OutputStream(prompt, None, params.n, text_tokenizer(tokenizer, params), params.skip_special_tokens)
                for rid, (prompt, params) in cases.items()}
+    # a route that takes only every 4th output: its text is made at its take, several steps' ids at once
+    lagging = OutputStream(cases["n2-logprobs"][0], None, 2, tokenizer)
+    lagged: list = []
     engine_text = {rid: "" for rid in cases}  # what the engine itself sent as text before the ends
+    frames = []  # each step's deltas, cut where a request comes again (the abort's after the step's own)
     for deltas, outs in zip(sent, reference):
         assert [d[0] for d in deltas] == [o.request_id for o in outs]
+        frames.append(([], []))
         for d, out in zip(deltas, outs):
-            delta = _wire(d)
-            if len(delta) == SHORT_DELTA:
-                engine_text[d[0]] += delta[2]
+            if d[0] in {x[0] for x in frames[-1][0]}:
+                frames.append(([], []))
+            frames[-1][0].append(d)
+            frames[-1][1].append(out)
+    for steps, (deltas, outs) in enumerate(frames, start=1):
+        shown = {}
+        for d in map(_wire, deltas):  # as EngineClient._on_frame: apply the frame's deltas, make their texts
+            if len(d) == SHORT_DELTA:
+                engine_text[d[0]] += d[2]
             else:
-                engine_text[d[0]] += "".join(sd[2] for sd in delta[1] if sd[7] is None)
-            shown = [acc.text for acc in streams[out.request_id].seqs]
-            streams[out.request_id].apply(delta)
+                engine_text[d[0]] += "".join(sd[2] for sd in d[1] if sd[7] is None)
+            shown[d[0]] = [acc.text for acc in streams[d[0]].seqs]
+            streams[d[0]].apply(d)
+            if d[0] == "n2-logprobs":
+                lagging.apply(d)
+        make_texts([streams[d[0]] for d in deltas])
+        for out in outs:
             rebuilt = streams[out.request_id].take()
-            for before, mine, theirs in zip(shown, rebuilt.outputs, out.outputs, strict=True):
+            for before, mine, theirs in zip(shown[out.request_id], rebuilt.outputs, out.outputs, strict=True):
                 assert asdict(mine) == asdict(theirs), (out.request_id, mine, theirs)
                 assert mine.text.startswith(before)  # rest_of never had to cut what was streamed
+            if out.request_id == "n2-logprobs":
+                lagged.append(out)
+                if steps % 4 == 0 or out.finished:
+                    merged = lagging.take()
+                    for i, o in enumerate(merged.outputs):
+                        assert o.delta_text == "".join(x.outputs[i].delta_text for x in lagged)
+                        assert (o.text, o.token_ids) == (out.outputs[i].text, out.outputs[i].token_ids)
+                    lagged.clear()
     # the engine made no text for the API's requests before their ends, and did for the others
     assert {rid for rid, text in engine_text.items() if text} == {"stop"}, engine_text
     final = {rid: s.seqs for rid, s in streams.items()}
