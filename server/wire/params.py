@@ -31,7 +31,8 @@ class RequestOutputKind(enum.IntEnum):
     so far and the delta since the previous one, so CUMULATIVE and DELTA are the same here: an output at
     every step. FINAL_ONLY: one output when the first tokens are sampled (time to first token; admission
     is confirmed) and one when the request finishes; nothing in between, and a sequence without stop
-    strings is detokenized once, at its end. The in-process LLM.generate and non-streaming HTTP requests
+    strings is detokenized once, at its end (as is a stream's whose text the API process makes as it goes:
+    text_by_api). The in-process LLM.generate and non-streaming HTTP requests
     use it: nobody reads the steps in between, and building, sending and waking for them cost host
     time on every step for every sequence."""
     CUMULATIVE = 0
