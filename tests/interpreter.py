@@ -51,3 +51,24 @@ def waits_before_memory(ptx: str) -> bool:
     memory = re.compile(r"^(@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
     first = next((i for i, line in enumerate(lines) if memory.match(line)), None)
     return None not in (wait, launch, first) and launch < first and wait < first
+
+
+def ptxas_usage(kernel) -> tuple[int, int]:
+    """(registers a thread, spill store bytes) of a compile_for_sm90 kernel, from `ptxas -v` (Triton's own
+    ptxas) on its PTX: register pressure and spills are decided there, so this reads them without a GPU."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia.compiler as nvidia
+
+    found = nvidia.get_ptxas(90)
+    ptxas = getattr(found, "path", found[0] if isinstance(found, tuple) else found)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                              text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", said).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", said).group(1))
+    return registers, spills

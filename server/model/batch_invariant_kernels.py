@@ -13,7 +13,8 @@
   its block table is its span's, its context its position + 1, so a prompt's tokens, its chunks and a
   prefix-cache hit compute what a decode computes.
 - RMSNorm (one program per row), rotary + cache write (one per token), SiLU × up (elementwise) are the
-  default path's kernels, which are per-row already. On Hopper these, the matmul and its split sum, rotary
+  default path's kernels, which are per-row already; where gate|up's K is not split, SiLU × up runs in the
+  matmul's epilogue instead (fixed_tile_gate_up: the same roundings, one launch and no [M, 2I] round trip). On Hopper these, the matmul and its split sum, rotary
   and attention chain to the kernel before by dependent launch (mode_chained(), launch.py): each starts
   while its predecessor ends and waits for it in-kernel, so a dense layer's extra, unfused kernels cost no
   launch gaps; the arithmetic is the same. A sparse layer's routing and grouped GEMMs launch the ordinary way.
@@ -161,6 +162,64 @@ def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, B
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """The gate and the up partials of a tile over all of K, in BLOCK_K steps, in order: for each, the loads and
+    MMAs of _split_partial over all of K (an unsplit weight's one split), x's tile loaded once a step for both."""
+    ks = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        wu = tl.load(u_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
+            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(x, tl.trans(wg), acc_g)
+            acc_u = tl.dot(x, tl.trans(wu), acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fixed_tile_gate_up(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w, stride_o, K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        IEEE: tl.constexpr, GDC: tl.constexpr):
+    """out[M, I] = silu(x @ gate.T (+ b)) * (x @ up.T (+ b)) for w = gate | up [2I, K], the loader's packed gate_up,
+    K not split: program (column tile, M tile) computes BLOCK_N gate columns and the same up columns as
+    _fixed_tile_matmul computes each (from zero, all of K in BLOCK_K steps; the column tile does not order an
+    element's sum: matmul_tile), rounds both, then SiLU and the product as _silu_mul_packed rounds them. The
+    same bits as the matmul and _silu_mul_packed, without the [M, 2I] round trip and one launch fewer."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < I
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    g_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    u_rows = w_ptr + (cols + I).to(tl.int64)[:, None] * stride_w
+    acc_g, acc_u = _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    g = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(out, silu * up, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def mode_chained(x: torch.Tensor) -> bool:
@@ -313,13 +372,23 @@ def warm_up(model: torch.nn.Module, max_rows: int) -> int:
     runs only without --kv-cache-memory, so a variant first met while serving stalled the engine for its
     compile (~1 s). Returns how many matmuls ran."""
     ran = 0
+    packed = {id(w) for w in gate_up_weights(model)}
     for weight, bias in mode_weights(model):
         N, K = weight.shape
         for rows, tile in distinct_tiles(N, K, weight.dtype, weight.device, max_rows):
-            fixed_tile_matmul(torch.zeros((rows, K), dtype=weight.dtype, device=weight.device), weight, bias,
-                              tile=tile)
+            x = torch.zeros((rows, K), dtype=weight.dtype, device=weight.device)
+            fixed_tile_matmul(x, weight, bias, tile=tile)
             ran += 1
+            if id(weight) in packed and tile.get("SPLIT_K", 1) == 1:  # its SiLU x up kernel (fixed_tile_gate_up)
+                fixed_tile_gate_up(x, weight, bias, tile=tile)
+                ran += 1
     return ran
+
+
+def gate_up_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The packed gate | up weights (fused_groups()' gate_up) that fixed_tile_gate_up multiplies."""
+    return [w for m in model.modules() if "gate_up" in getattr(m, "fused_groups", dict)()
+            if isinstance(w := getattr(m, "gate_up_weight", None), torch.Tensor)]
 
 
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -379,6 +448,37 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out
 
 
+def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       tile: dict | None = None) -> torch.Tensor:
+    """silu(gate) * up of x [M, K] @ weight [2I, K].T (+ bias), weight the packed gate | up -> [M, I]: row i's bits
+    depend on row i only, and are those of fixed_tile_matmul then SiLU x up. Where the weight's tile (matmul_tile)
+    splits K the two stay two launches; else one (_fixed_tile_gate_up), each program half the tile's columns of
+    gate and the same of up (as many programs as the matmul alone) where those are 64 or more wide, else the tile's
+    64 of each (the widths whose bits were compared: 64, 128 and 256), and no [M, 2I] activation written and
+    read back (at 256 rows, 8.4 MB a 1B layer, 14.7 MB an 8B one)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    I = weight.shape[0] // 2
+    tile = dict(tile or matmul_tile(2 * I, K, x.dtype, x.device, M))
+    chain = mode_chained(x)
+    if tile.get("SPLIT_K", 1) > 1:
+        return TritonOps.silu_mul_packed(fixed_tile_matmul(x, weight, bias, tile=tile), gdc=chain)
+    if weight.stride(-1) != 1:
+        raise ValueError("the weight's rows must be contiguous (K innermost)")
+    out = torch.empty((M, I), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    for key in ("SPLIT_K", "SERIAL", "FLAT"):
+        tile.pop(key, None)
+    if tile["BLOCK_N"] >= 128:
+        tile["BLOCK_N"] //= 2
+    grid = (triton.cdiv(I, tile["BLOCK_N"]) * triton.cdiv(M, tile["BLOCK_M"]),)
+    _fixed_tile_gate_up[grid](x, weight, bias if bias is not None else weight, out, M, I, x.stride(0),
+                              weight.stride(0), out.stride(0), K=K, HAS_BIAS=bias is not None,
+                              IEEE=x.dtype == torch.float32, **gdc_launch(chain), **tile)
+    return out
+
 
 def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, ctx, scale: float) -> torch.Tensor:
@@ -412,6 +512,10 @@ class BatchInvariantTritonOps(InvariantProjections, TritonOps):
         return TritonOps.silu_mul_packed(gate_up, gdc=mode_chained(gate_up))
 
     attend = staticmethod(attend_per_token)
+
+    @staticmethod
+    def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
+        return fixed_tile_gate_up(x, mlp.gate_up_weight, mlp.gate_up_bias)
 
     @classmethod
     def moe(cls, x: torch.Tensor, block) -> torch.Tensor:

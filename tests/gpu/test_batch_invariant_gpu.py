@@ -108,6 +108,28 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
             assert torch.equal(fixed_tile_matmul(batch, w, tile=tile)[at], alone), (tile, rows, at)
 
 
+@pytest.mark.parametrize("I, K", [(8192, 2048), (14336, 4096)])
+def test_fixed_tile_gate_up_is_the_matmul_then_silu_times_up_bitwise_on_the_gpu(I, K):
+    """The mode's gate|up with SiLU x up in one kernel (fixed_tile_gate_up; the 1B's and 8B's shapes, unsplit on an
+    H100 or H200) against its two launches (the fixed-tile matmul, then SiLU x up): the same bits for every row,
+    and a row alone = among 255 / 300 others, across the 64- and 128-row tiles and their halved column tiles."""
+    from server.model.batch_invariant_kernels import fixed_tile_gate_up, fixed_tile_matmul, matmul_tile
+    from server.model.fused_ops import TritonOps
+
+    cuda = torch.device("cuda")
+    assert matmul_tile(2 * I, K, torch.bfloat16, cuda)["SPLIT_K"] == 1  # else the one kernel is not what runs
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(2 * I, K, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    x = torch.randn(K, device="cuda", generator=g).to(torch.bfloat16)
+    alone = fixed_tile_gate_up(x[None], w)[0]
+    for rows in (1, 63, 64, 65, 255, 300):
+        batch = torch.randn(rows, K, device="cuda", generator=g).to(torch.bfloat16)
+        batch[rows // 2] = x
+        fused = fixed_tile_gate_up(batch, w)
+        assert torch.equal(fused, TritonOps.silu_mul_packed(fixed_tile_matmul(batch, w))), rows
+        assert torch.equal(fused[rows // 2], alone), rows
+
+
 def test_the_plain_path_does_follow_the_batch():
     """cuBLAS (and the small-batch kernel) give one row other bits at other batch sizes on this device: what
     the fixed-tile matmul removes. If this ever passes bitwise, the default mode became invariant by itself."""

@@ -187,7 +187,7 @@ from server.model import batch_invariant_kernels as bik
 from testkit.models import model_folder
 llm = LLM(model=str(model_folder("llama-tiny", tempfile.mkdtemp())), device="cpu", load_format="dummy",
           dtype="bfloat16", batch_invariant=True, kv_cache_memory="64MiB", max_model_len=256)
-bik._processors = lambda device: 132
+bik._processors = lambda device: 48  # llama-tiny's gate|up (48 column tiles) unsplit, its other weights split
 model = llm.engine.runner.model
 pairs = bik.mode_weights(model)
 attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -203,11 +203,20 @@ def recording(x, weight, bias=None, out=None, tile=None):
     launched.append((tuple(weight.shape), x.shape[0], tuple(sorted(tile.items()))))
     return real(x, weight, bias, out, tile)
 bik.fixed_tile_matmul = recording
+fused = []  # the packed gate|up weight's SiLU x up kernel, at each of its tiles that does not split K
+real_gate_up = bik.fixed_tile_gate_up
+def recording_gate_up(x, weight, bias=None, tile=None):
+    fused.append((tuple(weight.shape), tuple(sorted(tile.items()))))
+    return real_gate_up(x, weight, bias, tile)
+bik.fixed_tile_gate_up = recording_gate_up
 ran = bik.warm_up(model, 700)
 want = {(tuple(w.shape), tuple(sorted(bik.matmul_tile(*w.shape, w.dtype, w.device, r).items())))
         for w, _ in pairs for r in range(1, 701)}
-assert ran == len(launched) == len(want) == len({(s, t) for s, _, t in launched}), (ran, len(launched), len(want))
+assert ran == len(launched) + len(fused) and len(launched) == len(want) == len({(s, t) for s, _, t in launched}), (
+    ran, len(launched), len(fused), len(want))
 assert {(s, t) for s, _, t in launched} == want
+assert set(fused) == {(s, t) for s, t in want if s == tuple(mlp.gate_up_weight.shape) and dict(t)["SPLIT_K"] == 1}
+assert fused, "llama-tiny's gate|up has no unsplit tile on 132 multiprocessors: the fused kernel went unchecked"
 assert any(dict(t).get("FLAT") for _, _, t in launched) and any(not dict(t).get("SERIAL") for _, _, t in launched)
 print("ok", ran)
 """
@@ -220,6 +229,40 @@ def test_the_modes_warm_up_runs_every_tile_of_every_weight_in_interpreter():
 
 def test_the_engine_on_the_cuda_ops_in_interpreter():
     assert run_interpreted(ENGINE, timeout=600).strip().endswith("ok")
+
+GATE_UP = ROWWISE_DOT + r"""
+import torch
+import torch.nn.functional as F
+from server.model.batch_invariant_kernels import fixed_tile_gate_up, fixed_tile_matmul
+from server.model.fused_ops import TritonOps
+g = torch.Generator().manual_seed(1)
+I, K = 40, 80  # 40 columns of gate and of up: the last column tile masked
+unsplit = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3, SPLIT_K=1)
+for bias in (False, True):
+    w = torch.randn(2 * I, K, generator=g)
+    b = torch.randn(2 * I, generator=g) if bias else None
+    x = torch.randn(K, generator=g)
+    # one launch: the matmul's bits, then SiLU x up's (the two launches it replaces), a row alone or among others
+    alone = fixed_tile_gate_up(x[None], w, b, tile=unsplit)[0]
+    gu = fixed_tile_matmul(x[None], w, b, tile=unsplit)
+    assert torch.equal(alone, TritonOps.silu_mul_packed(gu)[0]), bias
+    ref = x @ w.t() + (b if bias else 0)
+    torch.testing.assert_close(alone, F.silu(ref[:I]) * ref[I:], rtol=1e-5, atol=1e-5)
+    for rows in (3, 70):
+        for at in sorted({0, rows // 2, rows - 1}):
+            batch = torch.randn(rows, K, generator=g)
+            batch[at] = x
+            assert torch.equal(fixed_tile_gate_up(batch, w, b, tile=unsplit)[at], alone), (bias, rows, at)
+    # a split K stays the matmul and SiLU x up, two launches, with the same bits
+    split = dict(unsplit, SPLIT_K=2)
+    assert torch.equal(fixed_tile_gate_up(x[None], w, b, tile=split)[0],
+                       TritonOps.silu_mul_packed(fixed_tile_matmul(x[None], w, b, tile=split))[0])
+print("ok")
+"""
+
+
+def test_fixed_tile_gate_up_is_the_matmul_then_silu_times_up_in_interpreter():
+    assert run_interpreted(GATE_UP).strip().endswith("ok")
 
 
 def test_fixed_tile_matmul_rows_are_invariant_in_interpreter():
@@ -334,6 +377,26 @@ def test_serial_matmul_pipelines_on_sm90_without_a_gpu(flat):
     if flat:
         loop = ttgir[ttgir.index("scf.for"):]
         assert loop.index("scf.if") < loop.index("pendings = 0") < loop.index("arith.addf")
+
+
+@pytest.mark.parametrize("block_m, block_n, warps, stages", [(64, 64, 4, 4), (128, 128, 8, 3)])
+def test_gate_up_kernel_compiles_for_sm90_without_spills(block_m, block_n, warps, stages):
+    """_fixed_tile_gate_up at the 8B's K as the mode launches it on Hopper: the 1B's one-row tile (64 x 64) and the
+    8B's halved (64 x 64), and the 256-row tile halved (128 x 128 of gate and of up: two accumulators where the matmul
+    alone has one of 128 x 256, on 8 warps, 3 stages); ptxas keeps both in registers (207 a thread against the
+    matmul's 184 on 2026-12-05), and the kernel waits for the one before it before touching memory."""
+    from server.model.batch_invariant_kernels import _fixed_tile_gate_up
+    from tests.interpreter import compile_for_sm90, ptxas_usage
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+           **{p: "i32" for p in ("M", "I", "stride_x", "stride_w", "stride_o")}}
+    kernel = compile_for_sm90(_fixed_tile_gate_up, sig, dict(K=4096, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+                                                            HAS_BIAS=False, IEEE=False, GDC=True),
+                              divisible=("x_ptr", "w_ptr", "b_ptr", "out_ptr", "I", "stride_x", "stride_w", "stride_o"),
+                              num_warps=warps, num_stages=stages)
+    registers, spills = ptxas_usage(kernel)
+    assert spills == 0 and registers <= 255, (registers, spills)
+    assert waits_before_memory(kernel.asm["ptx"])
 
 
 def test_the_modes_per_row_kernels_chain_on_sm90_without_a_gpu():
