@@ -39,15 +39,35 @@ from server.model.launch import dependent_launch_on, gdc_launch
 
 
 @triton.jit
-def _k_step(x_rows, w_rows, row_ok, col_ok, k, K: tl.constexpr, acc, IEEE: tl.constexpr):
-    """acc + the tile's product over the K columns k (masked past K): one BLOCK_K step, the MMA accumulating in
-    place. Every path of the matmul takes its steps through this one, so a row's sum has one arithmetic."""
-    k_ok = k < K
-    x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+def _tile(x_ptr, w_ptr, pid_m, pid_n, M, N, stride_x, stride_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (pid_m, pid_n)'s rows and columns, which of them exist, and the pointers to their x rows and weight
+    rows: (rows, cols, row_ok, col_ok, x_rows, w_rows)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (rows, cols, rows < M, cols < N, x_ptr + rows.to(tl.int64)[:, None] * stride_x,
+            w_ptr + cols.to(tl.int64)[:, None] * stride_w)
+
+
+@triton.jit
+def _k_tile(rows, ok, k, k_ok):
+    """An operand's [rows, BLOCK_K] tile at the K columns k, zero past K and in the rows not `ok`."""
+    return tl.load(rows + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _mma(x, w, acc, IEEE: tl.constexpr):
+    """acc + x @ w.T, the MMA accumulating in place: every path of the matmul (and of gate|up's, _gate_up_steps)
+    multiplies through this one, so a row's sum has one arithmetic."""
     if IEEE:
         return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
+def _k_step(x_rows, w_rows, row_ok, col_ok, k, K: tl.constexpr, acc, IEEE: tl.constexpr):
+    """acc + the tile's product over the K columns k (masked past K): one BLOCK_K step."""
+    k_ok = k < K
+    return _mma(_k_tile(x_rows, row_ok, k, k_ok), _k_tile(w_rows, col_ok, k, k_ok), acc, IEEE)
 
 
 @triton.jit
@@ -116,12 +136,8 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
     else:
         pid_s = rest % SPLIT_K
         pid_n = rest // SPLIT_K
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    rows, cols, row_ok, col_ok, x_rows, w_rows = _tile(x_ptr, w_ptr, pid_m, pid_n, M, N, stride_x, stride_w,
+                                                       BLOCK_M, BLOCK_N)
     if SERIAL and FLAT:
         acc = _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_CHUNK,
                                   IEEE)
@@ -175,15 +191,9 @@ def _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K: tl.constexpr, BLOC
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(g_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        wu = tl.load(u_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
-            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(x, tl.trans(wg), acc_g)
-            acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        x = _k_tile(x_rows, row_ok, k, k_ok)
+        acc_g = _mma(x, _k_tile(g_rows, col_ok, k, k_ok), acc_g, IEEE)
+        acc_u = _mma(x, _k_tile(u_rows, col_ok, k, k_ok), acc_u, IEEE)
     return acc_g, acc_u
 
 
@@ -203,13 +213,9 @@ def _fixed_tile_gate_up(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w, 
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
     pid_n = pid // m_tiles
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < I
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-    g_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    u_rows = w_ptr + (cols + I).to(tl.int64)[:, None] * stride_w
+    rows, cols, row_ok, col_ok, x_rows, g_rows = _tile(x_ptr, w_ptr, pid_m, pid_n, M, I, stride_x, stride_w,
+                                                       BLOCK_M, BLOCK_N)
+    u_rows = w_ptr + (cols + I).to(tl.int64)[:, None] * stride_w  # the up rows: I rows past the gate rows
     acc_g, acc_u = _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
