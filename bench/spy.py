@@ -101,21 +101,27 @@ class Spy:
 ROOT = re.compile(r"(thread \(\d+\))(?::\s*(.*))?")
 
 
+def stacks(path: Path):
+    """py-spy's raw file as (stack's frames, root first: with --threads `thread (id): name`; samples), one a
+    distinct stack; lines that are not a stack are skipped."""
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            yield stack.split(";"), int(count)
+
+
 def summarize(path: Path, top: int = 5) -> dict:
     """Per thread (py-spy's root frame: `thread (id): name`, or the id alone before the name is known): its
     share of the samples and its `top` innermost frames, each as a share of that thread's samples (with idle
     sampling, a thread's wait is one of them)."""
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     names: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            parts = stack.split(";")
-            m = ROOT.fullmatch(parts[0])
-            key = m.group(1) if m else parts[0]
-            if m and m.group(2):
-                names[key] = m.group(2)
-            threads[key][parts[-1]] += int(count)
+    for parts, count in stacks(path):
+        m = ROOT.fullmatch(parts[0])
+        key = m.group(1) if m else parts[0]
+        if m and m.group(2):
+            names[key] = m.group(2)
+        threads[key][parts[-1]] += count
     total = sum(sum(c.values()) for c in threads.values())
     out = {}
     for key, frames in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
@@ -138,11 +144,7 @@ def below(paths: list[Path], thread: str, anchors: list[str], depth: int = 2,
     counts: collections.Counter = collections.Counter()
     total = 0
     for path in paths:
-        for line in path.read_text().splitlines():
-            stack, _, count = line.rpartition(" ")
-            if not (stack and count.isdigit()):
-                continue
-            frames = stack.split(";")
+        for frames, count in stacks(path):
             m = ROOT.fullmatch(frames[0])
             if not (m and m.group(2) == thread):
                 continue
@@ -152,8 +154,8 @@ def below(paths: list[Path], thread: str, anchors: list[str], depth: int = 2,
             at = next((names.index(a) for a in anchors if a in names), None)
             if at is None:
                 continue
-            total += int(count)
-            counts[";".join(names[at + 1:at + 1 + depth])] += int(count)
+            total += count
+            counts[";".join(names[at + 1:at + 1 + depth])] += count
     return total, counts
 
 

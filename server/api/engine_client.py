@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -100,12 +101,7 @@ def rest_of(final: str, shown: str) -> str:
     (tests/wire/test_channel.py checks that it never comes to this)."""
     if final.startswith(shown):
         return final[len(shown):]
-    common = 0
-    for a, b in zip(final, shown):
-        if a != b:
-            break
-        common += 1
-    return final[common:]
+    return final[len(os.path.commonprefix([final, shown])):]
 
 
 class OutputStream:
