@@ -35,7 +35,7 @@ from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
 from server.model.fused_moe import moe_invariant
 from server.model.fused_ops import TritonOps
-from server.model.launch import dependent_launch_on, gdc_launch
+from server.model.launch import chain_in, dependent_launch_on, gdc_launch
 
 
 @triton.jit
@@ -123,9 +123,7 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
     out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it. GDC: chained by dependent launch
     (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets the next
     (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
@@ -164,9 +162,7 @@ def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, B
     """out[row, cols] = (((part 0 + part 1) + ...) + part S-1) (+ b), one rounding: program (row, column block),
     an element's sum in split order whatever M. GDC: launched before the split matmul ended; waits for it (its
     partials complete and visible) before reading anything, and lets the next kernel launch."""
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(N, BLOCK)
     row = pid // col_blocks
@@ -206,9 +202,7 @@ def _fixed_tile_gate_up(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w, 
     _fixed_tile_matmul computes each (from zero, all of K in BLOCK_K steps; the column tile does not order an
     element's sum: matmul_tile), rounds both, then SiLU and the product as _silu_mul_packed rounds them. The
     same bits as the matmul and _silu_mul_packed, without the [M, 2I] round trip and one launch fewer."""
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles

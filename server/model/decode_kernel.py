@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.model.launch import INTERPRETED, gdc_launch
+from server.model.launch import INTERPRETED, chain_in, gdc_launch
 from server.model.online_softmax import online_softmax_step
 
 
@@ -49,9 +49,7 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, parts_ptr,
     the last to finish (an atomic count per (sequence, KV head), left at 0 again) combines them.
     GDC: launched before the kernel before it ends (a small batch's chain, small_gemm.py; the batch-invariant
     mode's at any batch): waits for it first."""
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.model.launch import gdc_launch
+from server.model.launch import chain_in, gdc_launch
 from server.model.small_gemm import chained, small_gemm, small_rows
 
 
@@ -68,9 +68,7 @@ def _route_align_small(logits_ptr, ids_ptr, weights_ptr, sorted_ptr, block_exper
     """_route for each of T tokens, then the align step, in one program and registers: each assignment's row in
     its group is how many earlier ones (in token order) chose the same expert, so no atomics and no re-read.
     GDC: chained by dependent launch (launch.py), waiting for the router's logits before anything."""
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     e = tl.arange(0, BLOCK_E)
     kk = tl.arange(0, BLOCK_K)
     a = tl.arange(0, BLOCK_A)
@@ -167,9 +165,7 @@ def _grouped_gemm(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr
     routing weight. Rows are assignment indices (token * k + slot); M marks padding. GDC: chained by dependent
     launch; every program waits before reading the grouping (which expert, hence which weights: nothing to
     load ahead), so even a grid whose every block is padding ends after the kernel before it."""
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
@@ -215,9 +211,7 @@ def _grouped_gemm(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr
 
 @triton.jit
 def _combine(parts_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr):
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
-from server.model.launch import gdc_launch
+from server.model.launch import chain_in, gdc_launch
 from server.model.fused_moe import moe as fused_moe
 from server.model.ops import norm_then_gate_up_act, norm_then_qkv
 from server.model.small_gemm import chained, small_gemm, small_rows
@@ -25,9 +25,7 @@ from server.model.small_gemm import chained, small_gemm, small_rows
 @triton.jit
 def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n_cols, eps,
                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    if GDC:  # chained by dependent launch (launch.py): let the next kernel launch, wait for the one before
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -47,9 +45,7 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
                     n_heads, n_kv_heads, stride_qt, stride_kt, stride_vt, stride_ct,
                     stride_cb, stride_cs, stride_ch,
                     HALF: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, GDC: tl.constexpr):
-    if GDC:  # launched before the q|k|v matmul ends (a chain, launch.py): wait for it, let the attention launch
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     t = tl.program_id(0)
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_P2)
@@ -86,9 +82,7 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
 
 @triton.jit
 def _silu_mul_packed(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    if GDC:  # chained, as _add_rmsnorm
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < inter

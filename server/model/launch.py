@@ -14,6 +14,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 
 def _interpreted() -> bool:
@@ -34,6 +35,16 @@ def dependent_launch_on(device: torch.device) -> bool:
     not ROCm, whose devices torch also calls "cuda")."""
     return (device.type == "cuda" and not INTERPRETED and torch.version.hip is None
             and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+@triton.jit
+def chain_in(GDC: tl.constexpr):
+    """A chained kernel's prologue (GDC: launched with gdc_launch(True)): let the next kernel in the stream launch
+    now, then wait until the one before has completed and its writes are visible. Called before the first load
+    of anything a kernel before may write (small_gemm.py loads its weights first), and before any store."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 def gdc_launch(on: bool) -> dict:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.model.launch import dependent_launch_on, gdc_launch
+from server.model.launch import chain_in, dependent_launch_on, gdc_launch
 
 
 @triton.jit
@@ -74,9 +74,7 @@ def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps
     if SILU:
         u_rows = w_rows + N.to(tl.int64) * K
         u0 = tl.load(u_rows, mask=w_ok, other=0.0, eviction_policy="evict_first")
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    chain_in(GDC)
     rows = tl.arange(0, ROWS)
     if NORM:  # each row's 1 / rms, from the whole row (x + residual, as the matmul will read it)
         inv = tl.zeros([ROWS], tl.float32)
