@@ -9,6 +9,8 @@ as in Hugging Face's layers.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -18,7 +20,7 @@ from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
 from server.model.launch import chain_in, gdc_launch
 from server.model.fused_moe import moe as fused_moe
-from server.model.ops import norm_then_gate_up_act, norm_then_qkv
+from server.model.ops import heads_rmsnorm, norm_then_gate_up_act, norm_then_qkv
 from server.model.small_gemm import chained, small_gemm, small_rows
 
 
@@ -115,12 +117,8 @@ class TritonOps:
 
     @classmethod
     def qk_norm(cls, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """TorchOps.qk_norm's two launches, chained when the step's tokens are (their rows, tokens x heads, are
-        not what chained() reads)."""
-        T, D = q.shape[0], q.shape[2]
-        gdc = chained(q)
-        return (cls.add_rmsnorm(q.reshape(-1, D), None, q_norm.weight, q_norm.eps, gdc)[0].view(T, -1, D),
-                cls.add_rmsnorm(k.reshape(-1, D), None, k_norm.weight, k_norm.eps, gdc)[0].view(T, -1, D))
+        """Chained when the step's tokens are (the norms' rows, tokens x heads, are not what chained() reads)."""
+        return heads_rmsnorm(functools.partial(cls.add_rmsnorm, gdc=chained(q)), q, k, q_norm, k_norm)
 
     @staticmethod
     def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

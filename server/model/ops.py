@@ -33,10 +33,7 @@ class TorchOps:
 
     @classmethod
     def qk_norm(cls, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3's RMSNorm of each head before the rotation: q [T, H, D], k [T, KVH, D] -> the same shapes."""
-        T, D = q.shape[0], q.shape[2]
-        return (cls.add_rmsnorm(q.reshape(-1, D), None, q_norm.weight, q_norm.eps)[0].view(T, -1, D),
-                cls.add_rmsnorm(k.reshape(-1, D), None, k_norm.weight, k_norm.eps)[0].view(T, -1, D))
+        return heads_rmsnorm(cls.add_rmsnorm, q, k, q_norm, k_norm)
 
     @staticmethod
     def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -104,3 +101,10 @@ def norm_then_gate_up_act(ops, mlp, norm, x: torch.Tensor, residual: torch.Tenso
     h, residual = norm(x, residual, ops)
     return ops.gate_up_act(mlp, h), residual
 
+
+def heads_rmsnorm(add_rmsnorm, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's RMSNorm of each head before the rotation, through an ops set's add_rmsnorm(x, None, weight, eps)
+    (each head a row): q [T, H, D], k [T, KVH, D] -> the same shapes."""
+    T, D = q.shape[0], q.shape[2]
+    return (add_rmsnorm(q.reshape(-1, D), None, q_norm.weight, q_norm.eps)[0].view(T, -1, D),
+            add_rmsnorm(k.reshape(-1, D), None, k_norm.weight, k_norm.eps)[0].view(T, -1, D))

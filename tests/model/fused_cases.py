@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from server.model.kv_layout import layer_views
+from server.model.llama import RMSNorm
 from server.model.ops import TorchOps
 
 
@@ -39,6 +40,13 @@ def check_all(fused, dtype: torch.dtype, device: str, tol: float, seed: int = 0)
     assert torch.equal(torch_kv[blocks, 1, 0, offsets], k2) and torch.equal(torch_kv[blocks, 1, 1, offsets], v)
     assert torch.count_nonzero(fused_kv[:, ::2]) == 0 and torch.count_nonzero(torch_kv[:, ::2]) == 0
     errs["rope_and_cache"] = max(rel(q1, q2), rel(k1, k2), rel(fused_kv, torch_kv))
+
+    q_norm, k_norm = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)  # Qwen3's per-head norms
+    for norm in (q_norm, k_norm):
+        norm.weight.data = rnd(D)
+    got, want = fused.qk_norm(q, k, q_norm, k_norm), TorchOps.qk_norm(q, k, q_norm, k_norm)
+    assert [t.shape for t in got] == [q.shape, k.shape]
+    errs["qk_norm"] = max(rel(a, b) for a, b in zip(got, want))
 
     gate_up = rnd(5, 2 * 1536)
     errs["silu_mul_packed"] = rel(fused.silu_mul_packed(gate_up), TorchOps.silu_mul_packed(gate_up))
