@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from server.model.attention import AttentionContext, write_kv
+from server.model.attention import AttentionContext
 from server.model.moe import moe_torch
 from server.model.ops import TorchOps, norm_then_gate_up_act, norm_then_qkv
-from server.model.rope import apply_rotary
 
 # Rows of every GEMM call: 16 rows cost the CPU about what 1 row does (the weights' reads dominate) and
 # keep a 512-token prefill to 32 calls per matmul.
@@ -190,12 +189,6 @@ class BatchInvariantTorchOps(InvariantProjections, TorchOps):
     """TorchOps with every reduction's order fixed independently of the batch (the CPU path of the mode)."""
 
     name = "torch-batch-invariant"
-
-    @staticmethod
-    def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        write_kv(k_cache, v_cache, k, v, slots)
-        return q, k
 
     @staticmethod
     def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:

@@ -498,8 +498,8 @@ class BatchInvariantTritonOps(InvariantProjections, TritonOps):
     matmul = staticmethod(fixed_tile_matmul)
 
     @staticmethod
-    def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
-        return TritonOps.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, gdc=mode_chained(q))
+    def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, norms=None):
+        return TritonOps.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, norms, gdc=mode_chained(q))
 
     @staticmethod
     def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,

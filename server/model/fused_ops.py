@@ -9,8 +9,6 @@ as in Hugging Face's layers.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -20,7 +18,7 @@ from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
 from server.model.launch import chain_in, gdc_launch
 from server.model.fused_moe import moe as fused_moe
-from server.model.ops import heads_rmsnorm, norm_then_gate_up_act, norm_then_qkv
+from server.model.ops import norm_then_gate_up_act, norm_then_qkv
 from server.model.small_gemm import chained, small_gemm, small_rows
 
 
@@ -43,10 +41,24 @@ def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n_cols, eps,
 
 
 @triton.jit
-def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+def _head_rmsnorm(a, b, w_ptr, d, eps, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Qwen3's RMSNorm of each head, a row of a | b (its two halves, fp32 from the model's dtype), rounded as
+    _add_rmsnorm rounds a row: the normed value in the model's dtype, times the weight in it; back in fp32."""
+    inv = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
+    wa = tl.load(w_ptr + d)[None, :]
+    wb = tl.load(w_ptr + HALF + d)[None, :]
+    return ((wa * (a * inv[:, None]).to(dtype)).to(tl.float32),
+            (wb * (b * inv[:, None]).to(dtype)).to(tl.float32))
+
+
+@triton.jit
+def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr, kw_ptr, q_eps, k_eps,
                     n_heads, n_kv_heads, stride_qt, stride_kt, stride_vt, stride_ct,
                     stride_cb, stride_cs, stride_ch,
-                    HALF: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, GDC: tl.constexpr):
+                    HALF: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr,
+                    GDC: tl.constexpr):
+    """Program t: token t's q and k heads rotated in place (QK_NORM: each head RMS-normed first, Qwen3's
+    q_norm and k_norm, weights qw and kw), its rotated k and its v written to the cache at its slot."""
     chain_in(GDC)
     t = tl.program_id(0)
     d = tl.arange(0, HALF)
@@ -60,6 +72,8 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
     qa_ptr = q_ptr + t * stride_qt + h[:, None] * (2 * HALF) + d[None, :]
     qa = tl.load(qa_ptr, mask=qm, other=0.0).to(tl.float32)
     qb = tl.load(qa_ptr + HALF, mask=qm, other=0.0).to(tl.float32)
+    if QK_NORM:
+        qa, qb = _head_rmsnorm(qa, qb, qw_ptr, d, q_eps, HALF, q_ptr.dtype.element_ty)
     tl.store(qa_ptr, (qa * c1[None, :] - qb * s1[None, :]).to(q_ptr.dtype.element_ty), mask=qm)
     tl.store(qa_ptr + HALF, (qb * c2[None, :] + qa * s2[None, :]).to(q_ptr.dtype.element_ty), mask=qm)
     # k: rotated in place and written to the cache with v.
@@ -67,6 +81,8 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
     ka_ptr = k_ptr + t * stride_kt + h[:, None] * (2 * HALF) + d[None, :]
     ka = tl.load(ka_ptr, mask=km, other=0.0).to(tl.float32)
     kb = tl.load(ka_ptr + HALF, mask=km, other=0.0).to(tl.float32)
+    if QK_NORM:
+        ka, kb = _head_rmsnorm(ka, kb, kw_ptr, d, k_eps, HALF, k_ptr.dtype.element_ty)
     ra = (ka * c1[None, :] - kb * s1[None, :]).to(k_ptr.dtype.element_ty)
     rb = (kb * c2[None, :] + ka * s2[None, :]).to(k_ptr.dtype.element_ty)
     tl.store(ka_ptr, ra, mask=km)
@@ -115,27 +131,26 @@ class TritonOps:
                                   num_warps=4 if cols <= 4096 else 8, **gdc_launch(gdc))
         return out, rout
 
-    @classmethod
-    def qk_norm(cls, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chained when the step's tokens are (the norms' rows, tokens x heads, are not what chained() reads)."""
-        return heads_rmsnorm(functools.partial(cls.add_rmsnorm, gdc=chained(q)), q, k, q_norm, k_norm)
-
     @staticmethod
     def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, norms=None,
                        gdc: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """gdc: chained by dependent launch (default: as a few rows' chain is, small_gemm.chained)."""
+        """One launch: Qwen3's per-head norms (norms: q_norm, k_norm) in it too, where a separate norm launch
+        each cost a step two more of a layer's chained kernels. gdc: chained by dependent launch (default: as a
+        few rows' chain is, small_gemm.chained)."""
         T, H, D = q.shape
         KVH = k.shape[1]
         if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
             raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
                              f"{k_cache.stride()} and {v_cache.stride()}")
         if T:
-            _rope_and_cache[(T,)](q, k, v, cos, sin, k_cache, v_cache, slots, H, KVH,
+            qw, kw, q_eps, k_eps = ((norms[0].weight, norms[1].weight, norms[0].eps, norms[1].eps)
+                                    if norms is not None else (cos, cos, 0.0, 0.0))
+            _rope_and_cache[(T,)](q, k, v, cos, sin, k_cache, v_cache, slots, qw, kw, q_eps, k_eps, H, KVH,
                                   q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
                                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                   HALF=D // 2, HEADS_P2=triton.next_power_of_2(max(H, KVH)),
-                                  BLOCK_SIZE=k_cache.shape[1], num_warps=4,
+                                  BLOCK_SIZE=k_cache.shape[1], QK_NORM=norms is not None, num_warps=4,
                                   **gdc_launch(chained(q) if gdc is None else gdc))
         return q, k
 

@@ -61,9 +61,8 @@ class Attention(nn.Module):
         """q, k, v: the q|k|v matmul's views (ops.norm_qkv) -> o_proj's output."""
         T, D = q.shape[0], self.head_dim
         q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
-        if self.q_norm is not None:  # Qwen3 normalizes each head before the rotation
-            q, k = ops.qk_norm(q, k, self.q_norm, self.k_norm)
-        q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping)
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)  # Qwen3's, before the rotation
+        q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping, norms)
         if ops.batch_invariant:  # one per-token path for decodes and prefills alike (batch_invariant.py)
             out = ops.attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
         else:

@@ -32,14 +32,15 @@ class TorchOps:
         return weight * h.to(dtype), x
 
     @classmethod
-    def qk_norm(cls, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> tuple[torch.Tensor, torch.Tensor]:
-        return heads_rmsnorm(cls.add_rmsnorm, q, k, q_norm, k_norm)
-
-    @staticmethod
-    def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k by position; write k and v into the cache at their slots."""
+    def rope_and_cache(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       norms=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, KVH, D] by position; write k and v into the cache at their slots.
+        norms: (q_norm, k_norm), Qwen3's RMSNorm of each head, applied first (each head a row of add_rmsnorm)."""
+        if norms is not None:
+            T, D = q.shape[0], q.shape[2]
+            q, k = ((cls.add_rmsnorm(t.reshape(-1, D), None, norm.weight, norm.eps)[0].view(T, -1, D))
+                    for t, norm in zip((q, k), norms))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, slots)
         return q, k
@@ -101,10 +102,3 @@ def norm_then_gate_up_act(ops, mlp, norm, x: torch.Tensor, residual: torch.Tenso
     h, residual = norm(x, residual, ops)
     return ops.gate_up_act(mlp, h), residual
 
-
-def heads_rmsnorm(add_rmsnorm, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's RMSNorm of each head before the rotation, through an ops set's add_rmsnorm(x, None, weight, eps)
-    (each head a row): q [T, H, D], k [T, KVH, D] -> the same shapes."""
-    T, D = q.shape[0], q.shape[2]
-    return (add_rmsnorm(q.reshape(-1, D), None, q_norm.weight, q_norm.eps)[0].view(T, -1, D),
-            add_rmsnorm(k.reshape(-1, D), None, k_norm.weight, k_norm.eps)[0].view(T, -1, D))

@@ -41,12 +41,15 @@ def check_all(fused, dtype: torch.dtype, device: str, tol: float, seed: int = 0)
     assert torch.count_nonzero(fused_kv[:, ::2]) == 0 and torch.count_nonzero(torch_kv[:, ::2]) == 0
     errs["rope_and_cache"] = max(rel(q1, q2), rel(k1, k2), rel(fused_kv, torch_kv))
 
-    q_norm, k_norm = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)  # Qwen3's per-head norms
-    for norm in (q_norm, k_norm):
+    # Qwen3: each head RMS-normed before the rotation, in the same launch (norms).
+    norms = RMSNorm(D, 1e-6), RMSNorm(D, 1e-5)
+    for norm in norms:
         norm.weight = torch.nn.Parameter(rnd(D), requires_grad=False)
-    got, want = fused.qk_norm(q, k, q_norm, k_norm), TorchOps.qk_norm(q, k, q_norm, k_norm)
-    assert [t.shape for t in got] == [q.shape, k.shape]
-    errs["qk_norm"] = max(rel(a, b) for a, b in zip(got, want))
+    fused_kv, torch_kv = (torch.zeros(NB, 3, 2, BS, KVH, D, dtype=dtype, device=device) for _ in range(2))
+    q1, k1 = fused.rope_and_cache(q.clone(), k.clone(), v, cos, sin, *layer_views(fused_kv, 1), slots, norms)
+    q2, k2 = TorchOps.rope_and_cache(q.clone(), k.clone(), v, cos, sin, *layer_views(torch_kv, 1), slots, norms)
+    assert torch.equal(torch_kv[blocks, 1, 0, offsets], k2)
+    errs["qk_norm_rope_and_cache"] = max(rel(q1, q2), rel(k1, k2), rel(fused_kv, torch_kv))
 
     gate_up = rnd(5, 2 * 1536)
     errs["silu_mul_packed"] = rel(fused.silu_mul_packed(gate_up), TorchOps.silu_mul_packed(gate_up))
