@@ -123,6 +123,7 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
     def cublas(x, w):
         return torch.mm(x, w.t())
 
+    counts = torch.zeros(256, dtype=torch.int32, device=device)  # the runner's split counts (LAST_SUMS), as the engine
     rows = []
     for label, (N, K) in shapes.items():
         copies = max(1, min(REPS, -(-(256 << 20) // (N * K * 2))))
@@ -132,16 +133,19 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
             # The mode's tile at these rows, and the 64-row one it takes at one row (what it took at any M before).
             mine, narrow = matmul_tile(N, K, torch.bfloat16, device, b), matmul_tile(N, K, torch.bfloat16, device)
             x = torch.randn(b, K, device=device, dtype=torch.bfloat16)
-            ours, old, cub = (median_ms(fixed_tile_matmul, x, ws, None, None, mine),
+            ours, old, cub = (median_ms(fixed_tile_matmul, x, ws, None, None, mine, counts),
                               median_ms(fixed_tile_matmul, x, ws, None, None, before), median_ms(cublas, x, ws))
             row = {"model": name, "gemm": label, "N": N, "K": K, "rows": b, "fixed_tile_ms": ours,
                    "unsplit_ms": old, "cublas_ms": cub, "x_cublas": cub / ours, "tile": mine, "unsplit_tile": before}
             if mine != narrow:
                 row["narrow_ms"] = median_ms(fixed_tile_matmul, x, ws, None, None, narrow)
             if mine.get("SPLIT_K", 1) > 1:  # the splits through the workspace and added in each program
+                # (workspace_ms: added by a second launch, _sum_splits; the mode adds them in the tile's last split)
                 row["workspace_ms"], row["serial_ms"] = (
                     median_ms(fixed_tile_matmul, x, ws, None, None, dict(mine, SERIAL=serial, FLAT=False))
                     for serial in (False, True))
+                row["last_sums_same_bits"] = torch.equal(fixed_tile_matmul(x, ws[0], tile=mine, counts=counts),
+                                                         fixed_tile_matmul(x, ws[0], tile=mine))
                 # and added in each program in one K loop, not a loop a split: their times and their bits
                 flat = flat_candidates(mine)
                 row["flat_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t) for k, t in flat.items()}
@@ -175,7 +179,7 @@ def flat_table(gemms: list[dict]) -> str:
     rows = []
     for g in gemms:
         t, cub = g["tile"], g["cublas_ms"]
-        how = ("flat" if t.get("FLAT") else "serial") if t.get("SERIAL") else "workspace"
+        how = ("flat" if t.get("FLAT") else "serial") if t.get("SERIAL") else "workspace, last split sums"
         (same, same_ms), (other, other_ms) = g["flat_ms"].items()
         wrong = [k for k, ok in g["flat_same_bits"].items() if not ok]
         rows.append([g["model"], g["gemm"], g["rows"], f"m{t['BLOCK_M']} {tile_name(t)} {how}",
@@ -235,9 +239,10 @@ def main(argv: list[str] | None = None) -> dict:
     if gemms:
         print(table([[g["model"], g["gemm"], f"{g['N']}x{g['K']}", g["rows"], f"{g['unsplit_ms']:.4f}",
                       f"{g['fixed_tile_ms']:.4f}", f"{g['cublas_ms']:.4f}", f"{g['x_cublas']:.2f}",
-                      f"{g['workspace_ms']:.4f} / {g['serial_ms']:.4f}" if "serial_ms" in g else "-"] for g in gemms],
+                      f"{g['workspace_ms']:.4f} / {g['serial_ms']:.4f}" if "serial_ms" in g else "-",
+                      {True: "yes", False: "NO", None: "-"}[g.get("last_sums_same_bits")]] for g in gemms],
                     ["model", "gemm", "N x K", "rows", "unsplit ms", "mode's tile ms", "cuBLAS ms",
-                     "mode vs cuBLAS", "K splits via workspace / serial ms"]))
+                     "mode vs cuBLAS", "K splits summed by a 2nd launch / serial ms", "last-split sums = 2nd launch's"]))
         wide = [g for g in gemms if "wide_ms" in g]
         if wide:  # the mode's tile at many rows against the candidates that keep its K order
             print(table([[g["model"], g["gemm"], g["rows"], f"{g['fixed_tile_ms']:.4f}",
