@@ -146,6 +146,10 @@ for stage in $stages; do
     moe-profile) # where a decode step of the Qwen3-30B-A3B shape goes at batch 1 and 64: the kernels, us a step
                 run moe-profile $PY bench/step_profile.py --model qwen3-30b-a3b --batches 1,64 --steps 40 --kernels 10 \
                   --top 40 --out "$RESULTS" ;;
+    moe-profile-serial) # the same at batch 1 with dependent launch off: each kernel's own time (chained, a kernel's
+                # span includes its predecessor's), and the step's time without the chains
+                run moe-profile-serial env SLEEPSERVE_DEPENDENT_LAUNCH=0 $PY bench/step_profile.py --model qwen3-30b-a3b \
+                  --batches 1 --steps 40 --kernels 10 --top 40 --out "$RESULTS/serial" ;;
     moe-test)   run moe-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider ;;
     moe)        # the Qwen3-30B-A3B shape, dummy weights: decode vs the roofline of the bytes a step reads, level-1/2
                 # sleep and wake vs raw pinned bandwidth, routed-expert capture at batch 256 (bench/moe.py)

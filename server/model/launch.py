@@ -6,6 +6,10 @@ waits in-kernel for it (griddepcontrol.wait, Triton's gdc_wait) before reading i
 Each chained kernel also lets its successor launch at once (gdc_launch_dependents). The order of the stream is
 kept: every chained kernel waits for the one before it to complete, so each waits, transitively, for all before.
 A kernel launched the ordinary way (cuBLAS, torch) still waits for the whole of the one before.
+
+SLEEPSERVE_DEPENDENT_LAUNCH=0 turns it off (read at the first launch): every kernel then starts after the one before
+has ended, so a profile's kernel durations are each kernel's own (with it on, a chained kernel's span includes the
+wait for its predecessor, which runs meanwhile), and the step's time with and without it shows what the chains save.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ def dependent_launch_on(device: torch.device) -> bool:
     """Programmatic dependent launch needs NVIDIA's Hopper or newer, and a real GPU (not Triton's interpreter;
     not ROCm, whose devices torch also calls "cuda")."""
     return (device.type == "cuda" and not INTERPRETED and torch.version.hip is None
+            and os.environ.get("SLEEPSERVE_DEPENDENT_LAUNCH", "1") != "0"
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
