@@ -310,16 +310,23 @@ class EngineCore:
                                                  for r in update.first)
         outputs = []
         interval = self.config.stream_interval
+        sink = self._wire_sink
+        done, first = update.done, update.first
         for rid, req in update.touched.items():
-            if rid in update.done and req.finished:
+            if rid in done and req.finished:
                 self.requests.pop(rid, None)
-            elif rid not in update.first:
+            elif rid not in first:
                 if req.params.output_kind is RequestOutputKind.FINAL_ONLY:
                     continue
-                req.steps_unsent += 1
-                if req.steps_unsent < interval:
-                    continue  # the next output carries this step's tokens too
+                if interval > 1:
+                    req.steps_unsent += 1
+                    if req.steps_unsent < interval:
+                        continue  # the next output carries this step's tokens too
             req.steps_unsent = 0
+            if sink is not None:  # the engine process: the request itself to the wire (_emit, inlined: per sequence)
+                if req.on_output is not None:
+                    sink(req)
+                continue
             out = self._emit(req)
             if out is not None:
                 outputs.append(out)

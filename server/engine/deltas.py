@@ -17,6 +17,8 @@ def encode_delta(req: "Request") -> Delta:
     if req.started_sent and len(req.seqs) == 1 and not req.finished and req.prompt_logprobs is None:
         s = req.seqs[0]
         if s.finish_reason is None and s.logprobs is None:
+            if s.lazy_text_tokenizer is not None:  # the API makes its text: the ids are all that is new
+                return (req.request_id, s.new_ids(), "", req.num_cached_tokens)
             _, new_text, new_ids, _ = s.delta()
             return (req.request_id, new_ids, new_text, req.num_cached_tokens)
     first = not req.started_sent

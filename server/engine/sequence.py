@@ -178,6 +178,15 @@ class Sequence:
         self._emitted_text, self._emitted_tokens = len(text), emitted + len(new_ids)
         return text, new_text, new_ids, new_logprobs
 
+    def new_ids(self) -> list[int]:
+        """delta()'s new token ids alone, marked handed out: all delta() says of a sequence still generating whose
+        text the API makes (lazy text: none here) and that samples no log-probs. The streamed middle steps' path
+        (encode_delta's short form), without delta()'s text and stop-string bookkeeping."""
+        start = self.num_prompt_tokens + self._emitted_tokens
+        ids = self.token_ids[start:]
+        self._emitted_tokens += len(ids)
+        return ids
+
     def output(self) -> CompletionOutput:
         """A snapshot: the whole so far, and the delta since the last snapshot (built every step for every
         request an in-process caller reads along: positional arguments, one copy of the token ids)."""
