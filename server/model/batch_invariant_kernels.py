@@ -121,10 +121,11 @@ def _add_splits(ws_ptr, b_ptr, rows, cols, mask, M, N, SPLIT_K: tl.constexpr, HA
     else:
         acc = tl.load(at, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
+        part = at + (s * M).to(tl.int64) * N
         if CG:
-            acc += tl.load(at + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
         else:
-            acc += tl.load(at + s * M * N, mask=mask, other=0.0)
+            acc += tl.load(part, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     return acc
@@ -409,6 +410,11 @@ def warm_up(model: torch.nn.Module, max_rows: int) -> int:
             x = torch.zeros((rows, K), dtype=weight.dtype, device=weight.device)
             fixed_tile_matmul(x, weight, bias, tile=tile, counts=counts)
             ran += 1
+            if counts is not None and tile.get("SPLIT_K", 1) > 1 and not tile.get("SERIAL"):
+                # and its sums by a second launch, which a launch of more tiles than the counts hold takes (in
+                # fp32, whose split tiles are never serial, a long prefill's)
+                fixed_tile_matmul(x, weight, bias, tile=tile)
+                ran += 1
             if id(weight) in packed and tile.get("SPLIT_K", 1) == 1:  # its SiLU x up kernel (fixed_tile_gate_up)
                 fixed_tile_gate_up(x, weight, bias, tile=tile)
                 ran += 1

@@ -456,3 +456,30 @@ def test_the_modes_per_row_kernels_chain_on_sm90_without_a_gpu():
                                 dict(BLOCK=1024, GDC=gdc))
         for k in (norm, silu):
             assert waits_before_memory(k.asm["ptx"]) == gdc
+
+
+def test_the_warm_up_compiles_both_split_sums_where_counts_are_given(monkeypatch, tmp_path):
+    """With split counts (the runner's, on CUDA) a split tile that is not serial runs both ways at start-up: its
+    sums by the tile's last split, and by the second launch that a launch of more tiles than the counts hold takes
+    (fp32's split tiles are never serial: a long prefill's launches have many tiles). Recorded, not run."""
+    import torch
+
+    from server import LLM
+    from server.model import batch_invariant_kernels as bik
+    from testkit.models import model_folder
+
+    llm = LLM(model=str(model_folder("llama-micro", tmp_path)), device="cpu", load_format="dummy",
+              kv_cache_memory="16MiB", max_model_len=256)
+    model = llm.engine.runner.model
+    monkeypatch.setattr(bik, "MIN_SPLIT_STEPS", 1)  # llama-micro's K of 64 in 2 splits
+    monkeypatch.setattr(model, "ops", bik.BatchInvariantTritonOps.with_split_counts(torch.zeros(8, dtype=torch.int32)))
+    calls = []
+    monkeypatch.setattr(bik, "fixed_tile_matmul", lambda x, w, b=None, out=None, tile=None, counts=None:
+                        calls.append((tuple(w.shape), tuple(sorted(tile.items())), counts is not None)))
+    fused = []
+    monkeypatch.setattr(bik, "fixed_tile_gate_up", lambda *a, **k: fused.append(a))
+    assert bik.warm_up(model, 8) == len(calls) + len(fused)
+    split = {(s, t) for s, t, _ in calls if dict(t)["SPLIT_K"] > 1 and not dict(t)["SERIAL"]}
+    assert split, "no split tile: the test checks nothing"
+    assert {(s, t, c) for s, t, c in calls if (s, t) in split} == {(s, t, c) for s, t in split for c in (True, False)}
+    assert all(c for s, t, c in calls if (s, t) not in split)  # the others once, as the ops launch them
