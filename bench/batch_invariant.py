@@ -85,18 +85,44 @@ def flat_candidates(mine: dict) -> dict[str, dict]:
     return {f"flat m{flat['BLOCK_M']}": flat, f"flat m{other['BLOCK_M']}": other}
 
 
+# --split-schedules: split counts below the mode's for its split weights. The count is the one thing a row's bits
+# follow (with BLOCK_K); the mode takes it from one row's decode, which wants ~2 programs an SM. At one row a
+# narrower column tile keeps that many programs with fewer splits; from WIDE_ROWS rows 128-row tiles through the
+# workspace then hold fewer partials (at 256 rows the split weights' one-loop tiles ran at ~2x cuBLAS, 12-05).
+SCHEDULE_SPLITS = (2, 3, 4)
+
+
+def schedule_candidates(mine: dict, rows: int, splits: int) -> dict[str, dict]:
+    """Tiles with `splits` K splits (the same K order at every row count): at fewer than WIDE_ROWS rows 64-row
+    tiles 32 columns wide (6 stages: the bytes in flight of a 64-wide tile's 4) and 64 wide, through the
+    workspace; from WIDE_ROWS rows 128 x 128 tiles through the workspace, and 64 x 64 tiles adding the splits in
+    one loop (FLAT)."""
+    from server.model.batch_invariant_kernels import WIDE_ROWS
+
+    base = dict(mine, SPLIT_K=splits, SERIAL=False, FLAT=False)
+    if rows < WIDE_ROWS:
+        return {f"s{splits} n{n}": dict(base, BLOCK_M=64, BLOCK_N=n, num_warps=4, num_stages=st)
+                for n, st in ((32, 6), (64, 4))}
+    return {f"s{splits} ws m128 n128": dict(base, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
+            f"s{splits} flat m64 n64": dict(base, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, SERIAL=True,
+                                            FLAT=True)}
+
+
 def tile_name(t: dict) -> str:
     return f"n{t['BLOCK_N']}/k{t['BLOCK_K']}/s{t.get('SPLIT_K', 1)}"
 
 
-def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool = False) -> list[dict]:
+def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool = False,
+              schedules: bool = False) -> list[dict]:
     """Where the mode's time goes: the fixed-tile matmul against cuBLAS (torch.mm) on the model's five weight
     shapes at each batch's rows, the mode's tile (matmul_tile) beside the one before split-K (unsplit_tile);
     with sweep, also each tile of SWEEP. Timed as a decode step runs them: REPS calls captured in one CUDA
     graph (no launch gaps from Python), each on another copy of the weight, the median of 10 replays per
     call. A tile is one choice for every row count: per shape, the fastest over the batches is the one to keep.
     Where K is split, also flat_candidates, with whether each gave the mode's tile's bits on these rows; from
-    WIDE_ROWS rows, wide_candidates, with whether each gave row 0 the bits the one-row tile gives it."""
+    WIDE_ROWS rows, wide_candidates, with whether each gave row 0 the bits the one-row tile gives it. With
+    schedules, fewer splits (schedule_candidates, with the split sums as the engine adds them), each with
+    whether row 0 got the bits the same split count's one-row tile gives it."""
     from server.model.batch_invariant_kernels import (
         WIDE_ROWS,
         fixed_tile_matmul,
@@ -160,6 +186,15 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                 alone = fixed_tile_matmul(x[:1], ws[0], tile=narrow)[0]
                 row["wide_same_bits"] = {k: torch.equal(fixed_tile_matmul(x, ws[0], tile=t)[0], alone)
                                          for k, t in wide.items()}
+            if schedules and mine.get("SPLIT_K", 1) > 1:
+                row["schedules_ms"], row["schedules_same_bits"] = {}, {}
+                for s in (s for s in SCHEDULE_SPLITS if s < mine["SPLIT_K"]):
+                    one_row = schedule_candidates(mine, 1, s)[f"s{s} n64"]
+                    alone = fixed_tile_matmul(x[:1], ws[0], tile=one_row, counts=counts)[0]
+                    for k, t in schedule_candidates(mine, b, s).items():
+                        row["schedules_ms"][k] = median_ms(fixed_tile_matmul, x, ws, None, None, t, counts)
+                        row["schedules_same_bits"][k] = torch.equal(
+                            fixed_tile_matmul(x, ws[0], tile=t, counts=counts)[0], alone)
             if sweep:
                 row["sweep_ms"] = {tile_name(sweep_tile(*t)): median_ms(fixed_tile_matmul, x, ws, None, None,
                                                                          sweep_tile(*t)) for t in SWEEP}
@@ -215,6 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=None, help="runs per batch, the median kept (default 3; 1 --small)")
     ap.add_argument("--sweep-tiles", action="store_true", help="CUDA: also time the matmul with each tile of SWEEP")
     ap.add_argument("--gemm-only", action="store_true", help="CUDA: only the matmul timings, no engines")
+    ap.add_argument("--split-schedules", action="store_true",
+                    help="CUDA: also the split weights with fewer K splits (SCHEDULE_SPLITS), at every batch")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.small else "cuda")
@@ -231,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         for b in batches:
             rows.append({"model": name, "batch": b, "default_tok_s": default[b], "batch_invariant_tok_s": invariant[b],
                          "ratio": invariant[b] / default[b]})
-    gemms = ([g for name in models for g in gemm_rows(name, device, batches, args.sweep_tiles)]
+    gemms = ([g for name in models for g in gemm_rows(name, device, batches, args.sweep_tiles, args.split_schedules)]
              if device.type == "cuda" else [])
     result = {"date": now_iso(), "hardware": hardware(device), "new_tokens": new_tokens, "prompt_tokens": 32,
               "repeat": repeat, "rows": rows, "min_ratio": min((r["ratio"] for r in rows), default=None),
@@ -250,6 +287,13 @@ def main(argv: list[str] | None = None) -> dict:
                                     + ("" if g.get("wide_same_bits", {}).get(k, True) else " (other bits)")
                                     for k, v in g["wide_ms"].items()), f"{g['cublas_ms']:.4f}"]
                          for g in wide], ["model", "gemm", "rows", "mode's tile ms", "candidates ms", "cuBLAS ms"]))
+        sched = [g for g in gemms if g.get("schedules_ms")]
+        if sched:  # fewer splits: the weight's time at each batch, the mode's against each candidate
+            print(table([[g["model"], g["gemm"], g["rows"], f"s{g['tile']['SPLIT_K']} {g['fixed_tile_ms']:.4f}",
+                          ", ".join(f"{k} {v:.4f}" + ("" if g["schedules_same_bits"][k] else " (row 0 NOT its 1-row bits)")
+                                    for k, v in g["schedules_ms"].items()), f"{g['cublas_ms']:.4f}"]
+                         for g in sched], ["model", "gemm", "rows", "mode's splits, ms", "fewer splits, ms",
+                                           "cuBLAS ms"]))
         flat = [g for g in gemms if "flat_ms" in g]
         if flat:  # the split weights' K splits in one loop a program against the mode's tile and a loop a split
             print(flat_table(flat))

@@ -31,7 +31,7 @@
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
 # two: bench/tp_release.py's keep / release / suspend).
-# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-fidelity (--batch-invariant:
+# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-splits, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -160,6 +160,8 @@ for stage in $stages; do
                 run binv $PY bench/batch_invariant.py --out "$RESULTS" ;;
     binv-gemm)  # the mode's matmul alone per weight shape: its tile, the one before split-K, a sweep, cuBLAS
                 run binv-gemm $PY bench/batch_invariant.py --gemm-only --sweep-tiles --out "$RESULTS" ;;
+    binv-splits) # the split weights with fewer K splits than the mode's, at 1, 64 and 256 rows, beside its tile
+                run binv-splits $PY bench/batch_invariant.py --gemm-only --split-schedules --out "$RESULTS/splits" ;;
     binv-fidelity) run binv-fidelity $PY bench/batch_invariant_fidelity.py --out "$RESULTS" ;;
     nonfinite)  # NaN/Inf refused on every CUDA update path; the IPC receive paths the check rides on
                 run nonfinite-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_nonfinite_gpu.py \
