@@ -121,7 +121,7 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
     call. A tile is one choice for every row count: per shape, the fastest over the batches is the one to keep.
     Where K is split, also flat_candidates, with whether each gave the mode's tile's bits on these rows; from
     WIDE_ROWS rows, wide_candidates, with whether each gave row 0 the bits the one-row tile gives it. With
-    schedules, fewer splits (schedule_candidates, with the split sums as the engine adds them), each with
+    schedules, fewer splits (schedule_candidates), each with
     whether row 0 got the bits the same split count's one-row tile gives it."""
     from server.model.batch_invariant_kernels import (
         WIDE_ROWS,
@@ -149,7 +149,6 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
     def cublas(x, w):
         return torch.mm(x, w.t())
 
-    counts = torch.zeros(256, dtype=torch.int32, device=device)  # the runner's split counts (LAST_SUMS), as the engine
     rows = []
     for label, (N, K) in shapes.items():
         copies = max(1, min(REPS, -(-(256 << 20) // (N * K * 2))))
@@ -159,19 +158,16 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
             # The mode's tile at these rows, and the 64-row one it takes at one row (what it took at any M before).
             mine, narrow = matmul_tile(N, K, torch.bfloat16, device, b), matmul_tile(N, K, torch.bfloat16, device)
             x = torch.randn(b, K, device=device, dtype=torch.bfloat16)
-            ours, old, cub = (median_ms(fixed_tile_matmul, x, ws, None, None, mine, counts),
+            ours, old, cub = (median_ms(fixed_tile_matmul, x, ws, None, None, mine),
                               median_ms(fixed_tile_matmul, x, ws, None, None, before), median_ms(cublas, x, ws))
             row = {"model": name, "gemm": label, "N": N, "K": K, "rows": b, "fixed_tile_ms": ours,
                    "unsplit_ms": old, "cublas_ms": cub, "x_cublas": cub / ours, "tile": mine, "unsplit_tile": before}
             if mine != narrow:
                 row["narrow_ms"] = median_ms(fixed_tile_matmul, x, ws, None, None, narrow)
             if mine.get("SPLIT_K", 1) > 1:  # the splits through the workspace and added in each program
-                # (workspace_ms: added by a second launch, _sum_splits; the mode adds them in the tile's last split)
                 row["workspace_ms"], row["serial_ms"] = (
                     median_ms(fixed_tile_matmul, x, ws, None, None, dict(mine, SERIAL=serial, FLAT=False))
                     for serial in (False, True))
-                row["last_sums_same_bits"] = torch.equal(fixed_tile_matmul(x, ws[0], tile=mine, counts=counts),
-                                                         fixed_tile_matmul(x, ws[0], tile=mine))
                 # and added in each program in one K loop, not a loop a split: their times and their bits
                 flat = flat_candidates(mine)
                 row["flat_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t) for k, t in flat.items()}
@@ -190,11 +186,11 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                 row["schedules_ms"], row["schedules_same_bits"] = {}, {}
                 for s in (s for s in SCHEDULE_SPLITS if s < mine["SPLIT_K"]):
                     one_row = schedule_candidates(mine, 1, s)[f"s{s} n64"]
-                    alone = fixed_tile_matmul(x[:1], ws[0], tile=one_row, counts=counts)[0]
+                    alone = fixed_tile_matmul(x[:1], ws[0], tile=one_row)[0]
                     for k, t in schedule_candidates(mine, b, s).items():
-                        row["schedules_ms"][k] = median_ms(fixed_tile_matmul, x, ws, None, None, t, counts)
+                        row["schedules_ms"][k] = median_ms(fixed_tile_matmul, x, ws, None, None, t)
                         row["schedules_same_bits"][k] = torch.equal(
-                            fixed_tile_matmul(x, ws[0], tile=t, counts=counts)[0], alone)
+                            fixed_tile_matmul(x, ws[0], tile=t)[0], alone)
             if sweep:
                 row["sweep_ms"] = {tile_name(sweep_tile(*t)): median_ms(fixed_tile_matmul, x, ws, None, None,
                                                                          sweep_tile(*t)) for t in SWEEP}
@@ -214,7 +210,7 @@ def flat_table(gemms: list[dict]) -> str:
     rows = []
     for g in gemms:
         t, cub = g["tile"], g["cublas_ms"]
-        how = ("flat" if t.get("FLAT") else "serial") if t.get("SERIAL") else "workspace, last split sums"
+        how = ("flat" if t.get("FLAT") else "serial") if t.get("SERIAL") else "workspace"
         (same, same_ms), (other, other_ms) = g["flat_ms"].items()
         wrong = [k for k, ok in g["flat_same_bits"].items() if not ok]
         rows.append([g["model"], g["gemm"], g["rows"], f"m{t['BLOCK_M']} {tile_name(t)} {how}",
@@ -276,10 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
     if gemms:
         print(table([[g["model"], g["gemm"], f"{g['N']}x{g['K']}", g["rows"], f"{g['unsplit_ms']:.4f}",
                       f"{g['fixed_tile_ms']:.4f}", f"{g['cublas_ms']:.4f}", f"{g['x_cublas']:.2f}",
-                      f"{g['workspace_ms']:.4f} / {g['serial_ms']:.4f}" if "serial_ms" in g else "-",
-                      {True: "yes", False: "NO", None: "-"}[g.get("last_sums_same_bits")]] for g in gemms],
+                      f"{g['workspace_ms']:.4f} / {g['serial_ms']:.4f}" if "serial_ms" in g else "-"] for g in gemms],
                     ["model", "gemm", "N x K", "rows", "unsplit ms", "mode's tile ms", "cuBLAS ms",
-                     "mode vs cuBLAS", "K splits summed by a 2nd launch / serial ms", "last-split sums = 2nd launch's"]))
+                     "mode vs cuBLAS", "K splits via workspace / serial ms"]))
         wide = [g for g in gemms if "wide_ms" in g]
         if wide:  # the mode's tile at many rows against the candidates that keep its K order
             print(table([[g["model"], g["gemm"], g["rows"], f"{g['fixed_tile_ms']:.4f}",

@@ -96,9 +96,7 @@ class ModelRunner:
         # Structured outputs: grammar token masks, computed while the forward runs (grammar_masks.py).
         # On CUDA its 8-byte table of bit values lives in the pool (restored by every wake, as the graphs').
         bits = None
-        # The split counts of the decode kernel (decode_kernel.py) and of the batch-invariant mode's split matmul
-        # (batch_invariant_kernels.py): in the pool too, zeros between launches (each launch's last program of a
-        # split sets its count back to zero), and never two of those kernels at once (one stream).
+        # The decode kernel's split counts (decode_kernel.py), in the pool too: zeros between launches.
         self.split_counts: torch.Tensor | None = None
         if self.device.type == "cuda":
             from server.model.decode_kernel import SPLIT_COUNTS  # Triton: imported where CUDA runs
@@ -127,8 +125,6 @@ class ModelRunner:
         the most tokens a step runs (--max-num-batched-tokens), whose matmul variants the mode compiles now."""
         self.batch_invariant = batch_invariant
         self.model.ops = _ops_for(self.device, batch_invariant)
-        if batch_invariant and self.split_counts is not None:  # the mode's split matmuls count their splits there too
-            self.model.ops = self.model.ops.with_split_counts(self.split_counts)
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max(max_step_tokens or 0, max_num_seqs)
         self._warm_up()

@@ -2,9 +2,8 @@
 
 - GEMMs: one Triton matmul whose order of summation is a function of the weight's shape only (BLOCK_K,
   K splits), never of the number of rows: each K split's loop in order, its fp32 partial into a workspace,
-  the splits then added in order by the last of a tile's splits to finish (an atomic count in the runner's
-  split counts decides which program adds, never the order) or by a second kernel, or added in each program
-  in one K loop once the output tiles fill the GPU (SERIAL, FLAT); 64- or 128-row tiles by the number of rows, on Hopper 256 columns for an
+  the splits then added in order by a second kernel (no atomics), or added in each program in one K loop once
+  the output tiles fill the GPU (SERIAL, FLAT); 64- or 128-row tiles by the number of rows, on Hopper 256 columns for an
   unsplit weight's many rows (matmul_tile: the same sums every way); M itself is not specialised. cuBLAS picks its algorithm (and split-K) from M, and the
   default path's small-batch kernel (small_gemm.py) serves only a few rows: both made a row's bits follow the
   batch.
@@ -15,7 +14,7 @@
   prefix-cache hit compute what a decode computes.
 - RMSNorm (one program per row), rotary + cache write (one per token), SiLU × up (elementwise) are the
   default path's kernels, which are per-row already; where gate|up's K is not split, SiLU × up runs in the
-  matmul's epilogue instead (fixed_tile_gate_up: the same roundings, one launch and no [M, 2I] round trip). On Hopper these, the matmul (and its split sum where a second kernel adds it), rotary
+  matmul's epilogue instead (fixed_tile_gate_up: the same roundings, one launch and no [M, 2I] round trip). On Hopper these, the matmul and its split sum, rotary
   and attention chain to the kernel before by dependent launch (mode_chained(), launch.py): each starts
   while its predecessor ends and waits for it in-kernel, so a dense layer's extra, unfused kernels cost no
   launch gaps; the arithmetic is the same. A sparse layer's routing and grouped GEMMs launch the ordinary way.
@@ -109,44 +108,19 @@ def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K: tl.constexpr, BLOCK_M
     return total
 
 
-@triton.jit
-def _add_splits(ws_ptr, b_ptr, rows, cols, mask, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                CG: tl.constexpr):
-    """(((part 0 + part 1) + ...) + part S-1) (+ b) in fp32 of the workspace [SPLIT_K, M, N] at rows x cols: every
-    sum of a split K is added so, wherever it is added (_sum_splits, _fixed_tile_matmul's last split). CG: read
-    past L1 (lines other multiprocessors wrote during this launch)."""
-    at = ws_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-    if CG:
-        acc = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        acc = tl.load(at, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        part = at + (s * M).to(tl.int64) * N
-        if CG:
-            acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            acc += tl.load(part, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
-def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, counts_ptr, M, N, stride_x, stride_w, stride_o,
+def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       SERIAL: tl.constexpr, FLAT: tl.constexpr, LAST_SUMS: tl.constexpr, GDC: tl.constexpr):
+                       SERIAL: tl.constexpr, FLAT: tl.constexpr, GDC: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
     next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
     the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype. SERIAL
     (SPLIT_K > 1): program (N tile, M tile) computes the splits one after the other, each from zero, and adds
     them in split order, then rounds once: bit for bit what the split programs and _sum_splits compute, with
     no workspace and no second launch (for many rows, whose M tiles fill the GPU without splitting); FLAT:
-    the same in one K loop over all the splits (_splits_in_one_loop), not one loop a split. Else each
-    split's partial goes to the fp32 workspace ws [SPLIT_K, M, N], and either _sum_splits folds it, or
-    (LAST_SUMS) the tile's last split to finish does: each program counts itself in counts[tile] (int32, zero
-    between launches), and the one that counts last adds the tile's partials in split order (_add_splits, the
-    same sums) and sets the count back to zero: one launch fewer in the chain. GDC: chained by dependent launch
+    the same in one K loop over all the splits (_splits_in_one_loop), not one loop a split. Else
+    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it. GDC: chained by dependent launch
     (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets the next
     (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
     chain_in(GDC)
@@ -172,21 +146,14 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, counts_ptr, M, N, s
                 acc += _split_partial(x_rows, w_rows, row_ok, col_ok, split, K, BLOCK_M, BLOCK_N, BLOCK_K,
                                       K_CHUNK, IEEE)
     mask = row_ok[:, None] & col_ok[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     if SPLIT_K == 1 or SERIAL:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part = ws_ptr + (pid_s * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
+        part = out_ptr + (pid_s * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(part, acc, mask=mask)
-        if LAST_SUMS:
-            tl.debug_barrier()  # every thread's stores before the count that publishes them
-            count = counts_ptr + pid_n * m_tiles + pid_m
-            if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:  # the others' partials are written
-                total = _add_splits(ws_ptr, b_ptr, rows, cols, mask, M, N, SPLIT_K, HAS_BIAS, True)
-                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(count, 0)  # ready for the next launch (another weight's, or a graph's replay)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -198,12 +165,15 @@ def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, B
     chain_in(GDC)
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(N, BLOCK)
-    rows = pid // col_blocks + tl.arange(0, 1)
+    row = pid // col_blocks
     cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
-    ok = (cols < N)[None, :]
-    acc = _add_splits(ws_ptr, b_ptr, rows, cols, ok, M, N, SPLIT_K, HAS_BIAS, False)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=ok)
+    ok = cols < N
+    acc = tl.load(ws_ptr + row.to(tl.int64) * N + cols, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + (s * M + row).to(tl.int64) * N + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -403,18 +373,12 @@ def warm_up(model: torch.nn.Module, max_rows: int) -> int:
     compile (~1 s). Returns how many matmuls ran."""
     ran = 0
     packed = {id(w) for w in gate_up_weights(model)}
-    counts = getattr(model.ops, "split_counts", None)  # the split sums' variant the model's ops launch
     for weight, bias in mode_weights(model):
         N, K = weight.shape
         for rows, tile in distinct_tiles(N, K, weight.dtype, weight.device, max_rows):
             x = torch.zeros((rows, K), dtype=weight.dtype, device=weight.device)
-            fixed_tile_matmul(x, weight, bias, tile=tile, counts=counts)
+            fixed_tile_matmul(x, weight, bias, tile=tile)
             ran += 1
-            if counts is not None and tile.get("SPLIT_K", 1) > 1 and not tile.get("SERIAL"):
-                # and its sums by a second launch, which a launch of more tiles than the counts hold takes (in
-                # fp32, whose split tiles are never serial, a long prefill's)
-                fixed_tile_matmul(x, weight, bias, tile=tile)
-                ran += 1
             if id(weight) in packed and tile.get("SPLIT_K", 1) == 1:  # its SiLU x up kernel (fixed_tile_gate_up)
                 fixed_tile_gate_up(x, weight, bias, tile=tile)
                 ran += 1
@@ -428,17 +392,14 @@ def gate_up_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, tile: dict | None = None,
-                      counts: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit
     column stride): row i's bits depend on row i's values only. tile: another tile than matmul_tile's
     (bench/batch_invariant.py --sweep-tiles compares some; SPLIT_K defaults to 1, SERIAL and FLAT to False).
 
     With SPLIT_K > 1 each split writes an fp32 partial into a [SPLIT_K, rows, N] workspace, allocated here
     like any activation (inside a decode graph's capture it is the graph pool's, so the pool owns it), and
-    splits 0..S-1 are added in order, the same sums at any number of rows and no host sync: by each tile's last
-    split where `counts` (int32 zeros between launches that no kernel running at the same time uses: the model
-    runner's split counts) hold the launch's tiles, else by _sum_splits, a second launch."""
+    _sum_splits adds splits 0..S-1 in order: no atomics, no host sync, the same sums at any number of rows."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -468,38 +429,33 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     chain = mode_chained(x)
     if splits == 1 or serial:
         grid = (n_tiles * triton.cdiv(M, block_m),)
-        _fixed_tile_matmul[grid](x, weight, b, out, out, out, M, N, x.stride(0), weight.stride(0), out.stride(0),
-                                 K=K, SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
-                                 SERIAL=splits > 1, FLAT=flat and splits > 1, LAST_SUMS=False, **gdc_launch(chain),
-                                 **tile)
+        _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
+                                 SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
+                                 SERIAL=splits > 1, FLAT=flat and splits > 1, **gdc_launch(chain), **tile)
         return out
     step = max(block_m, WORKSPACE_BYTES // (splits * N * 4) // block_m * block_m)  # rows a launch
     ws = torch.empty((splits * min(M, step) * N,), dtype=torch.float32, device=x.device)
     for r0 in range(0, M, step):  # a row's sums do not depend on its launch or its place in one
         xs, outs = x[r0:r0 + step], out[r0:r0 + step]
         rows = xs.shape[0]
-        tiles = n_tiles * triton.cdiv(rows, block_m)
-        last_sums = counts is not None and tiles <= counts.numel()
-        _fixed_tile_matmul[(tiles * splits,)](xs, weight, b, outs, ws, counts if last_sums else ws, rows, N,
-                                              xs.stride(0), weight.stride(0), outs.stride(0), K=K, SPLIT_K=splits,
-                                              K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False, FLAT=False,
-                                              LAST_SUMS=last_sums, **gdc_launch(chain), **tile)
-        if not last_sums:
-            _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=splits,
-                                                             BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4,
-                                                             **gdc_launch(chain))
+        grid = (n_tiles * splits * triton.cdiv(rows, block_m),)
+        _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
+                                 SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
+                                 FLAT=False, **gdc_launch(chain), **tile)
+        _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=splits,
+                                                         BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4,
+                                                         **gdc_launch(chain))
     return out
 
 
-
 def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       tile: dict | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+                       tile: dict | None = None) -> torch.Tensor:
     """silu(gate) * up of x [M, K] @ weight [2I, K].T (+ bias), weight the packed gate | up -> [M, I]: row i's bits
     depend on row i only, and are those of fixed_tile_matmul then SiLU x up. Where the weight's tile (matmul_tile)
     splits K the two stay two launches; else one (_fixed_tile_gate_up), each program half the tile's columns of
     gate and the same of up (as many programs as the matmul alone) where those are 64 or more wide, else the tile's
     64 of each (the widths whose bits were compared: 64, 128 and 256), and no [M, 2I] activation written and
-    read back (at 256 rows, 8.4 MB a 1B layer, 14.7 MB an 8B one). counts: fixed_tile_matmul's, for a split K."""
+    read back (at 256 rows, 8.4 MB a 1B layer, 14.7 MB an 8B one)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -507,7 +463,7 @@ def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     tile = dict(tile or matmul_tile(2 * I, K, x.dtype, x.device, M))
     chain = mode_chained(x)
     if tile.get("SPLIT_K", 1) > 1:
-        return TritonOps.silu_mul_packed(fixed_tile_matmul(x, weight, bias, tile=tile, counts=counts), gdc=chain)
+        return TritonOps.silu_mul_packed(fixed_tile_matmul(x, weight, bias, tile=tile), gdc=chain)
     if weight.stride(-1) != 1:
         raise ValueError("the weight's rows must be contiguous (K innermost)")
     out = torch.empty((M, I), dtype=x.dtype, device=x.device)
@@ -539,21 +495,7 @@ class BatchInvariantTritonOps(InvariantProjections, TritonOps):
     """TritonOps with the matmuls and attention above; the per-row kernels as they are, chained (mode_chained())."""
 
     name = "triton-batch-invariant"
-    split_counts: torch.Tensor | None = None  # with_split_counts()
-
-    @classmethod
-    def with_split_counts(cls, counts: torch.Tensor) -> type:
-        """This ops set with its split matmuls adding their K splits in their own launch (fixed_tile_matmul's
-        LAST_SUMS), counting in `counts`: int32 zeros, kept zero between launches, that no kernel running at the
-        same time uses (the model runner's split counts, in the pool: restored by every wake)."""
-        if counts.dtype != torch.int32 or bool(counts.any()):
-            raise ValueError("split counts are int32 zeros")
-        return type(cls.__name__, (cls,), {"split_counts": counts})
-
-    @classmethod
-    def matmul(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        return fixed_tile_matmul(x, weight, bias, out, counts=cls.split_counts)
+    matmul = staticmethod(fixed_tile_matmul)
 
     @staticmethod
     def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, norms=None):
@@ -571,9 +513,9 @@ class BatchInvariantTritonOps(InvariantProjections, TritonOps):
 
     attend = staticmethod(attend_per_token)
 
-    @classmethod
-    def gate_up_act(cls, mlp, x: torch.Tensor) -> torch.Tensor:
-        return fixed_tile_gate_up(x, mlp.gate_up_weight, mlp.gate_up_bias, counts=cls.split_counts)
+    @staticmethod
+    def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
+        return fixed_tile_gate_up(x, mlp.gate_up_weight, mlp.gate_up_bias)
 
     @classmethod
     def moe(cls, x: torch.Tensor, block) -> torch.Tensor:

@@ -71,7 +71,7 @@ def test_graphs_replayed_in_the_mode(inv):
     assert_decode_replays(inv)
 
 
-@pytest.mark.parametrize("which", ["mode", "unsplit", "serial", "flat", "last sums"])
+@pytest.mark.parametrize("which", ["mode", "unsplit", "serial", "flat"])
 @pytest.mark.parametrize("N, K", [(960, 576), (576, 1536), (49152, 576), (6144, 4096), (4096, 14336)])
 def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     """A row among 1..300 rows (1 to 5 tiles of 64), in any place: the same bits; and close to cuBLAS. With
@@ -79,8 +79,7 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     they fill the GPU, and the splits added in each program in one K loop once the output tiles fill it, so on
     the three larger weights a row alone and among 255 or 300 crosses those switches), the one before split-K, and the mode's splits always added in each program
     (SERIAL: the same bits as through the workspace, checked against the mode's row alone), also in one K loop
-    over all the splits (FLAT: the same again), and the mode's tile with each tile's last split adding the splits
-    (split counts given, as the engine gives them: the same bits as the second launch's sum, the counts zero after)."""
+    over all the splits (FLAT: the same again)."""
     from server.model.batch_invariant_kernels import (
         fixed_tile_matmul,
         matmul_tile,
@@ -89,8 +88,7 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
 
     # The mode: fixed_tile_matmul's own choice at each number of rows.
     cuda = torch.device("cuda")
-    counts = torch.zeros(256, dtype=torch.int32, device=cuda) if which == "last sums" else None
-    tile = {"mode": None, "last sums": None, "unsplit": unsplit_tile(N, K, torch.bfloat16, cuda),
+    tile = {"mode": None, "unsplit": unsplit_tile(N, K, torch.bfloat16, cuda),
             "serial": dict(matmul_tile(N, K, torch.bfloat16, cuda), SERIAL=True),
             "flat": dict(matmul_tile(N, K, torch.bfloat16, cuda), SERIAL=True, FLAT=True)}[which]
     if N * K >= 4096 * 4096:  # the mode's tile follows the rows here: a row alone and among 255 or 300 crosses it
@@ -99,16 +97,15 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16) * 0.02
     x = torch.randn(K, device="cuda", generator=g).to(torch.bfloat16)
-    alone = fixed_tile_matmul(x[None], w, tile=tile, counts=counts)[0]
+    alone = fixed_tile_matmul(x[None], w, tile=tile)[0]
     torch.testing.assert_close(alone.float(), (x[None] @ w.t())[0].float(), rtol=2e-2, atol=2e-2)
-    if which in ("serial", "flat", "last sums"):
-        assert torch.equal(alone, fixed_tile_matmul(x[None], w)[0]), f"the {which} sum is not the workspace's"
+    if which in ("serial", "flat"):
+        assert torch.equal(alone, fixed_tile_matmul(x[None], w)[0]), "the serial sum is not the workspace's"
     for rows in (2, 63, 64, 65, 255, 300):
         for at in sorted({0, 17, rows // 2, rows - 1} & set(range(rows))):
             batch = torch.randn(rows, K, device="cuda", generator=g).to(torch.bfloat16)
             batch[at] = x
-            assert torch.equal(fixed_tile_matmul(batch, w, tile=tile, counts=counts)[at], alone), (which, rows, at)
-    assert counts is None or not counts.any()
+            assert torch.equal(fixed_tile_matmul(batch, w, tile=tile)[at], alone), (tile, rows, at)
 
 
 @pytest.mark.parametrize("I, K", [(8192, 2048), (14336, 4096)])

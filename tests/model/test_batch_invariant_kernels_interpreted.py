@@ -49,9 +49,6 @@ for tile in (None, dict(split, SPLIT_K=2), dict(split, SPLIT_K=3)):
             if tile is not None:
                 serial = fixed_tile_matmul(batch, w, b, tile=dict(tile, SERIAL=True))
                 assert torch.equal(serial, out), (tile, rows, "serial")
-                counts = torch.zeros(16, dtype=torch.int32)  # each launch's tiles counted in, then zero again
-                assert torch.equal(fixed_tile_matmul(batch, w, b, tile=tile, counts=counts), out), (tile, rows)
-                assert not counts.any()
     if tile is not None:
         assert torch.equal(fixed_tile_matmul(x[None], w, b, tile=dict(tile, SERIAL=True))[0], alone), tile
 print("ok")
@@ -92,12 +89,6 @@ for dtype in (torch.float32, torch.bfloat16):
                 workspace, serial, flat = run(t), run(dict(t, SERIAL=True)), run(dict(t, SERIAL=True, FLAT=True))
                 assert torch.equal(serial, workspace), (case, out_dtype, "serial")
                 assert torch.equal(flat, workspace), (case, out_dtype, "flat")
-                # each tile's last split adds them (split counts kept), and where they hold too few tiles, the
-                # second launch again: the same bits, and the counts zero again
-                for counts in (torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)):
-                    last = fixed_tile_matmul(x, w, b, out=torch.empty(M, N, dtype=out_dtype), tile=t, counts=counts)
-                    assert torch.equal(last, workspace), (case, out_dtype, "last split", counts.numel())
-                    assert not counts.any(), (case, counts)
                 if out_dtype == torch.float32:
                     assert not torch.equal(flat, run(dict(t, SPLIT_K=1))), (case, "the splits leave no trace")
             want = x.float() @ w.float().t() + (0 if b is None else b.float())
@@ -106,9 +97,9 @@ for dtype in (torch.float32, torch.bfloat16):
         chunk = triton.cdiv(triton.cdiv(K, 16), splits) * 16
         parts = torch.empty(triton.cdiv(K, chunk), M, N)
         grid = (triton.cdiv(N, 32) * parts.shape[0] * triton.cdiv(M, 32),)
-        _fixed_tile_matmul[grid](x, w, w, parts, parts, parts, M, N, x.stride(0), w.stride(0), N, K=K,
-                                 SPLIT_K=parts.shape[0], K_CHUNK=chunk, HAS_BIAS=False, IEEE=dtype == torch.float32,
-                                 SERIAL=False, FLAT=False, LAST_SUMS=False, GDC=False, **tile)
+        _fixed_tile_matmul[grid](x, w, w, parts, M, N, x.stride(0), w.stride(0), N, K=K, SPLIT_K=parts.shape[0],
+                                 K_CHUNK=chunk, HAS_BIAS=False, IEEE=dtype == torch.float32, SERIAL=False,
+                                 FLAT=False, GDC=False, **tile)
         in_order, reverse = parts[0].clone(), parts[-1].clone()
         for p in parts[1:]:
             in_order += p
@@ -174,20 +165,13 @@ from testkit.batch_invariance import GREEDY, SEEDED, alone_and_among, explain, r
 from testkit.models import model_folder
 llm = LLM(model=str(model_folder("llama-micro", tempfile.mkdtemp())), device="cpu", load_format="dummy",
           batch_invariant=True, max_num_batched_tokens=16, kv_cache_memory="16MiB", max_model_len=256)
-import torch
-import server.model.batch_invariant_kernels as bik
-bik.MIN_SPLIT_STEPS = 1  # llama-micro's K of 64 and 128 split too (2 steps of 32), each tile's last split adding them,
-counts = torch.zeros(256, dtype=torch.int32)  # counting in these, as the runner's on CUDA
-llm.engine.runner.model.ops = BatchInvariantTritonOps.with_split_counts(counts)
-o_proj = llm.engine.runner.model.model.layers[0].self_attn.o_proj.weight
-assert bik.matmul_tile(*o_proj.shape, o_proj.dtype, o_proj.device)["SPLIT_K"] == 2
+llm.engine.runner.model.ops = BatchInvariantTritonOps
 prompt = [5 + (7 * i) % 1000 for i in range(28)]
 targets = [(prompt, replace(GREEDY, max_tokens=3)), (prompt, replace(SEEDED, max_tokens=3))]
 for alone, among in alone_and_among(llm, 2, targets=targets):
     assert alone == among, explain(alone, among)
 gen, scored = rescored(llm, prompt, replace(GREEDY, max_tokens=3))
 assert gen[1] == scored, explain(gen, (gen[0], scored))
-assert not counts.any()
 print("ok")
 """
 
@@ -215,9 +199,9 @@ shapes = sorted(tuple(w.shape) for w, _ in pairs)
 assert len(shapes) == len(set(shapes)) >= 4, shapes
 launched = []
 real = bik.fixed_tile_matmul
-def recording(x, weight, bias=None, out=None, tile=None, counts=None):
+def recording(x, weight, bias=None, out=None, tile=None):
     launched.append((tuple(weight.shape), x.shape[0], tuple(sorted(tile.items()))))
-    return real(x, weight, bias, out, tile, counts)
+    return real(x, weight, bias, out, tile)
 bik.fixed_tile_matmul = recording
 fused = []  # the packed gate|up weight's SiLU x up kernel, at each of its tiles that does not split K
 real_gate_up = bik.fixed_tile_gate_up
@@ -352,11 +336,11 @@ def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
     from server.model.batch_invariant_kernels import _fixed_tile_matmul, _sum_splits
     from tests.interpreter import compile_for_sm90
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-           "counts_ptr": "*i32", **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32" if not serial else "*bf16",
+           **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
     kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
                                                             K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=serial,
-                                                            LAST_SUMS=False, GDC=True),
+                                                            GDC=True),
                               num_warps=8, num_stages=4)
     chained = [kernel]
     if serial:  # the partials added as _sum_splits adds them: 3 adds, none folded into an MMA's accumulator
@@ -369,33 +353,6 @@ def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
         assert waits_before_memory(k.asm["ptx"])
 
 
-def test_split_matmul_adds_its_splits_in_its_last_program_on_sm90_without_a_gpu():
-    """The 1B down's one-row tile (64 x 64, K split 9 ways) with LAST_SUMS, compiled for sm_90 as the mode launches
-    it on Hopper: every thread's partial stored before one thread counts the program in (bar.sync, then an
-    acquire-release atomic at GPU scope), the tile's partials read past L1 (ld.global.cg) and added 8 times (as
-    _sum_splits adds them), the count set back to zero by an atomic exchange; chained; no spills."""
-    import re
-
-    from server.model.batch_invariant_kernels import _fixed_tile_matmul
-    from tests.interpreter import compile_for_sm90, ptxas_usage
-
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-           "counts_ptr": "*i32", **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
-    kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=8192, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=9,
-                                                            K_CHUNK=960, HAS_BIAS=False, IEEE=False, SERIAL=False,
-                                                            FLAT=False, LAST_SUMS=True, GDC=True),
-                              divisible=("x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "counts_ptr", "N", "stride_x",
-                                         "stride_w", "stride_o"), num_warps=4, num_stages=4)
-    ptx = kernel.asm["ptx"]
-    lines = [line.strip() for line in ptx.splitlines()]
-    count = next(i for i, line in enumerate(lines) if re.search(r"atom\.global\.gpu\.acq_rel\.add", line))
-    partial = max(i for i, line in enumerate(lines[:count]) if line.startswith(("st.global", "@")) and "st.global" in line)
-    assert any(line.startswith("bar.sync") for line in lines[partial:count])
-    assert any(re.search(r"atom\.global\.gpu\.acq_rel\.exch", line) for line in lines[count:])
-    assert "ld.global.cg" in ptx and kernel.asm["ttgir"].count("arith.addf") == 8
-    assert waits_before_memory(ptx) and ptxas_usage(kernel)[1] == 0
-
-
 @pytest.mark.parametrize("flat", [False, True])
 def test_serial_matmul_pipelines_on_sm90_without_a_gpu(flat):
     """The 8B qkv's tile at 256 rows (K split 4 ways, added in each program), compiled as the JIT compiles it for
@@ -406,11 +363,11 @@ def test_serial_matmul_pipelines_on_sm90_without_a_gpu(flat):
     from server.model.batch_invariant_kernels import _fixed_tile_matmul
     from tests.interpreter import compile_for_sm90
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*bf16",
-           "counts_ptr": "*bf16", **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+           **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
     kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
                                                             K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=True,
-                                                            FLAT=flat, LAST_SUMS=False, GDC=True),
+                                                            FLAT=flat, GDC=True),
                               divisible=("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "stride_x", "stride_w", "stride_o"),
                               num_warps=8, num_stages=4)
     ttgir = kernel.asm["ttgir"]
@@ -456,30 +413,3 @@ def test_the_modes_per_row_kernels_chain_on_sm90_without_a_gpu():
                                 dict(BLOCK=1024, GDC=gdc))
         for k in (norm, silu):
             assert waits_before_memory(k.asm["ptx"]) == gdc
-
-
-def test_the_warm_up_compiles_both_split_sums_where_counts_are_given(monkeypatch, tmp_path):
-    """With split counts (the runner's, on CUDA) a split tile that is not serial runs both ways at start-up: its
-    sums by the tile's last split, and by the second launch that a launch of more tiles than the counts hold takes
-    (fp32's split tiles are never serial: a long prefill's launches have many tiles). Recorded, not run."""
-    import torch
-
-    from server import LLM
-    from server.model import batch_invariant_kernels as bik
-    from testkit.models import model_folder
-
-    llm = LLM(model=str(model_folder("llama-micro", tmp_path)), device="cpu", load_format="dummy",
-              kv_cache_memory="16MiB", max_model_len=256)
-    model = llm.engine.runner.model
-    monkeypatch.setattr(bik, "MIN_SPLIT_STEPS", 1)  # llama-micro's K of 64 in 2 splits
-    monkeypatch.setattr(model, "ops", bik.BatchInvariantTritonOps.with_split_counts(torch.zeros(8, dtype=torch.int32)))
-    calls = []
-    monkeypatch.setattr(bik, "fixed_tile_matmul", lambda x, w, b=None, out=None, tile=None, counts=None:
-                        calls.append((tuple(w.shape), tuple(sorted(tile.items())), counts is not None)))
-    fused = []
-    monkeypatch.setattr(bik, "fixed_tile_gate_up", lambda *a, **k: fused.append(a))
-    assert bik.warm_up(model, 8) == len(calls) + len(fused)
-    split = {(s, t) for s, t, _ in calls if dict(t)["SPLIT_K"] > 1 and not dict(t)["SERIAL"]}
-    assert split, "no split tile: the test checks nothing"
-    assert {(s, t, c) for s, t, c in calls if (s, t) in split} == {(s, t, c) for s, t in split for c in (True, False)}
-    assert all(c for s, t, c in calls if (s, t) not in split)  # the others once, as the ops launch them
