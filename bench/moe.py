@@ -3,7 +3,8 @@
 - decode tok/s at batch 1, 64 and 256 beside the roofline of the bytes a step really reads: the experts the
   batch activated (counted from the routed experts the engine returned for those very steps), the attention,
   norm and router weights, the LM head, and the KV cache read, at the memory bandwidth measured in the run
-  (or its FLOPs at the measured matmul rate, whichever is slower);
+  (or its FLOPs at the measured matmul rate, whichever is slower); at the smallest batch also the device's busy
+  time a step and its longest idle gaps (device_timeline: what lies between the decode graphs);
 - level-1 sleep and wake seconds per cycle, the first included, beside the raw pinned copy bandwidth for
   the same bytes; level 2 and a reload; device memory in use while asleep;
 - the cost of routed-expert capture at batch 256: the same decode with the flag off (another engine), on
@@ -103,6 +104,39 @@ def decode_rate(llm, batch: int, prompt_len: int, steps: int, ask: bool, repeats
     if ask:
         res["routed"] = [o.outputs[0].routed_experts for o in outs]
     return res
+
+
+def device_timeline(llm, batch: int, prompt_len: int, steps: int, top: int = 8) -> dict:
+    """One generate of `steps` tokens a sequence under torch.profiler (device activity only): the device's busy ms
+    a step against the step's time (what the decode graph and the sampler keep the device doing, and what lies
+    between), and the `top` longest idle gaps with the activities around each. At batch 1 on 12-05 the decode
+    graph took 3.32 ms of a 4.37 ms step (H100): this says where the rest goes. ({} without device events.)"""
+    from torch.profiler import ProfilerActivity, profile as traced
+
+    from server import SamplingParams
+    from server.engine.step_profiler import device_busy
+
+    if not torch.cuda.is_available():
+        return {}
+    ids = prompts(batch, prompt_len, llm.engine.model_config.vocab_size, seed=batch)
+    with traced(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    busy, span = device_busy(prof.events())
+    gaps, (end, before) = [], spans[0][1:]
+    for lo, hi, name in spans[1:]:
+        if lo > end:
+            gaps.append((lo - end, before[:70], name[:70]))
+        if hi > end:
+            end, before = hi, name
+    gaps.sort(reverse=True)
+    return {"busy_ms_per_step": busy / steps / 1e3, "span_ms_per_step": span / steps / 1e3,
+            "idle_ms_per_step": sum(g[0] for g in gaps) / steps / 1e3,
+            "longest_gaps_us": [{"us": round(us, 1), "after": a, "before": b} for us, a, b in gaps[:top]]}
 
 
 def alternating(llm, batch: int, prompt_len: int, steps: int, repeats: int) -> tuple[dict, float]:
@@ -320,6 +354,8 @@ def main() -> None:
             floor = max(nbytes / dev.bandwidth, flops / dev.gemm_flops)
             row.update({"experts_per_layer": experts, "step_bytes": nbytes, "roofline_step_ms": 1e3 * floor,
                         "roofline_tok_s": batch / floor, "fraction_of_roofline": floor / (row["step_ms"] / 1e3)})
+            if batch == min(batches):  # where a small batch's step goes: the device busy, and its idle gaps
+                row["device_timeline"] = device_timeline(llm, batch, args.prompt_len, min(args.steps, 32))
             decode.append(row)
             RESULT["decode"] = decode
     with phases("sleep and wake"):
