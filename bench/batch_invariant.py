@@ -121,8 +121,8 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
     call. A tile is one choice for every row count: per shape, the fastest over the batches is the one to keep.
     Where K is split, also flat_candidates, with whether each gave the mode's tile's bits on these rows; from
     WIDE_ROWS rows, wide_candidates, with whether each gave row 0 the bits the one-row tile gives it. With
-    schedules, fewer splits (schedule_candidates), each with
-    whether row 0 got the bits the same split count's one-row tile gives it."""
+    schedules, fewer splits (schedule_candidates), each with whether row 0 got the bits the same split count's
+    one-row tile gives it."""
     from server.model.batch_invariant_kernels import (
         WIDE_ROWS,
         fixed_tile_matmul,
