@@ -110,6 +110,7 @@ def main() -> None:
                     "rollouts: 128 prompt + up to 512 new tokens)")
     ap.add_argument("--kernels", type=int, default=0, help="trace this many more steps: the top kernels (CUDA)")
     ap.add_argument("--top", type=int, default=16, help="kernels listed a batch size (with --kernels)")
+    ap.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode's step")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     from server import LLM
@@ -118,7 +119,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     kv = {"kv_cache_memory": "1GiB"} if args.device == "cpu" else {}
     llm = LLM(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches),
-              max_model_len=2048, **kv)
+              max_model_len=2048, batch_invariant=args.batch_invariant, **kv)
     # On a thread, as the server drives the engine (bench/common.in_thread says why it matters on CPU).
     rows = [in_thread(profile, llm, b, args.steps, args.temperature, args.logprobs, args.prompt_len, args.kernels,
                       args.top)
@@ -126,10 +127,10 @@ def main() -> None:
     llm.close()
     sampled = args.temperature or args.logprobs is not None
     write_json(args.out, "step_profile" + ("" if args.device == "cuda" else "-cpu") + ("-sampled" if sampled else "")
-               + ("" if args.prompt_len == 32 else f"-prompt{args.prompt_len}"),
-               {"model": args.model, "temperature": args.temperature, "logprobs": args.logprobs, "rows": rows})
+               + ("" if args.prompt_len == 32 else f"-prompt{args.prompt_len}") + ("-binv" if args.batch_invariant else ""),
+               {"model": args.model, "batch_invariant": args.batch_invariant, "temperature": args.temperature, "logprobs": args.logprobs, "rows": rows})
     keys = ["wall_ms", "graph_gpu_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "bookkeeping_ms"]
-    print(f"\nstep profile ({args.model}, {args.device}, temperature {args.temperature}, logprobs {args.logprobs}, "
+    print(f"\nstep profile ({args.model}{', batch-invariant' if args.batch_invariant else ''}, {args.device}, temperature {args.temperature}, logprobs {args.logprobs}, "
           f"{args.prompt_len}-token prompts)")
     print(table([[r["batch"]] + [f"{r[k]:.3f}" for k in keys] for r in rows], ["batch"] + keys))
     for r in rows:
