@@ -108,6 +108,36 @@ def schedule_candidates(mine: dict, rows: int, splits: int) -> dict[str, dict]:
                                             FLAT=True)}
 
 
+# Split counts whose splits are added in groups (GROUP): at one row a program a split, as the mode does, its sums
+# then folded a group at a time; from WIDE_ROWS rows a program a group, each adding its splits in one loop, through
+# a workspace of one partial a group (fewer than the splits, as with fewer splits) on 128 x 128 and 64 x 128 tiles.
+# Beside the mode's own count, these (one row pays for the count; many rows for the partials).
+GROUP_SPLITS = (4, 6, 8)
+
+
+def group_candidates(mine: dict, K: int, rows: int) -> dict[str, dict]:
+    """Tiles adding the K splits in groups (split counts of GROUP_SPLITS and the mode's, each group a divisor of
+    the count that K's BLOCK_K steps give, at least 2 steps a split), the same order at every row count."""
+    from server.model.batch_invariant_kernels import WIDE_ROWS
+
+    steps = -(-K // mine["BLOCK_K"])
+    out = {}
+    for want in sorted({mine["SPLIT_K"], *GROUP_SPLITS}):
+        chunk = -(-steps // want)
+        splits = -(-steps // chunk)
+        if chunk < 2:
+            continue
+        for group in (g for g in range(2, splits) if splits % g == 0):
+            base = dict(mine, SPLIT_K=splits, GROUP=group, SERIAL=False, FLAT=False)
+            if rows < WIDE_ROWS:
+                out[f"s{splits} g{group}"] = dict(base, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+                continue
+            for m, warps in ((128, 8), (64, 4)):
+                out[f"s{splits} g{group} m{m} n128"] = dict(base, BLOCK_M=m, BLOCK_N=128, num_warps=warps,
+                                                            num_stages=4, GROUPED=True)
+    return out
+
+
 def tile_name(t: dict) -> str:
     return f"n{t['BLOCK_N']}/k{t['BLOCK_K']}/s{t.get('SPLIT_K', 1)}"
 
@@ -191,6 +221,11 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                         row["schedules_ms"][k] = median_ms(fixed_tile_matmul, x, ws, None, None, t)
                         row["schedules_same_bits"][k] = torch.equal(
                             fixed_tile_matmul(x, ws[0], tile=t)[0], alone)
+                for k, t in group_candidates(mine, K, b).items():  # the splits added in groups
+                    one_row = dict(t, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, GROUPED=False)
+                    alone = fixed_tile_matmul(x[:1], ws[0], tile=one_row)[0]
+                    row["schedules_ms"][k] = median_ms(fixed_tile_matmul, x, ws, None, None, t)
+                    row["schedules_same_bits"][k] = torch.equal(fixed_tile_matmul(x, ws[0], tile=t)[0], alone)
             if sweep:
                 row["sweep_ms"] = {tile_name(sweep_tile(*t)): median_ms(fixed_tile_matmul, x, ws, None, None,
                                                                          sweep_tile(*t)) for t in SWEEP}
@@ -247,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sweep-tiles", action="store_true", help="CUDA: also time the matmul with each tile of SWEEP")
     ap.add_argument("--gemm-only", action="store_true", help="CUDA: only the matmul timings, no engines")
     ap.add_argument("--split-schedules", action="store_true",
-                    help="CUDA: also the split weights with fewer K splits (SCHEDULE_SPLITS), at every batch")
+                    help="CUDA: also the split weights with fewer K splits (SCHEDULE_SPLITS) and with their splits "
+                    "added in groups (GROUP_SPLITS), at every batch")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.small else "cuda")

@@ -82,10 +82,11 @@ def _split_partial(x_rows, w_rows, row_ok, col_ok, split, K: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K: tl.constexpr, BLOCK_M: tl.constexpr,
+def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, first, K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr,
                         IEEE: tl.constexpr):
-    """The SPLIT_K partials of _split_partial added in split order, ((part 0 + part 1) + ...), from ONE loop over
+    """The SPLIT_K partials of _split_partial from split `first` on added in split order, ((part first + part
+    first+1) + ...) (first: 0 for all of a weight's splits, a group's first split for GROUPED), from ONE loop over
     every split's BLOCK_K steps (the last split's masked tail included, as _split_partial walks it) instead of a
     loop a split, each filling and draining its own software pipeline. The same loads, MMAs (from zeroed
     registers at a split's first step, as _split_partial starts) and additions: the same bits as SERIAL's loops
@@ -95,7 +96,7 @@ def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K: tl.constexpr, BLOCK_M
     result. (Triton's OptimizeAccumulatorInit, which would turn the reset into wgmma's use-accumulator flag, runs
     for Blackwell only; the reset is a zeroing of the registers inside the branch.)"""
     STEPS: tl.constexpr = K_CHUNK // BLOCK_K
-    ks = tl.arange(0, BLOCK_K)
+    ks = first * K_CHUNK + tl.arange(0, BLOCK_K)
     part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # never added to: split 0's partial replaces it
     for step in range(0, SPLIT_K * STEPS):
@@ -112,7 +113,7 @@ def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K: tl.constexpr, BLOCK_M
 def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       SERIAL: tl.constexpr, FLAT: tl.constexpr, GDC: tl.constexpr):
+                       SERIAL: tl.constexpr, FLAT: tl.constexpr, GDC: tl.constexpr, GROUPED: tl.constexpr = 1):
     """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
     next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
     the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype. SERIAL
@@ -120,7 +121,9 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
     them in split order, then rounds once: bit for bit what the split programs and _sum_splits compute, with
     no workspace and no second launch (for many rows, whose M tiles fill the GPU without splitting); FLAT:
     the same in one K loop over all the splits (_splits_in_one_loop), not one loop a split. Else
-    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it. GDC: chained by dependent launch
+    out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it; GROUPED > 1: program (N tile, group, M
+    tile) adds a group of GROUPED consecutive splits in one loop (as FLAT does all of them) and writes that group's
+    partial: out is [SPLIT_K / GROUPED, M, N], which _sum_splits folds in groups of one. GDC: chained by dependent launch
     (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets the next
     (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
     chain_in(GDC)
@@ -132,13 +135,16 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
         pid_s = 0
         pid_n = rest
     else:
-        pid_s = rest % SPLIT_K
-        pid_n = rest // SPLIT_K
+        pid_s = rest % (SPLIT_K // GROUPED)
+        pid_n = rest // (SPLIT_K // GROUPED)
     rows, cols, row_ok, col_ok, x_rows, w_rows = _tile(x_ptr, w_ptr, pid_m, pid_n, M, N, stride_x, stride_w,
                                                        BLOCK_M, BLOCK_N)
     if SERIAL and FLAT:
-        acc = _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_CHUNK,
+        acc = _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_CHUNK,
                                   IEEE)
+    elif GROUPED > 1:
+        acc = _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, pid_s * GROUPED, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  GROUPED, K_CHUNK, IEEE)
     else:
         acc = _split_partial(x_rows, w_rows, row_ok, col_ok, pid_s, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, IEEE)
         if SERIAL:
@@ -156,21 +162,34 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
         tl.store(part, acc, mask=mask)
 
 
+@triton.jit
+def _fold_group(ws_ptr, at, M, N, GROUP: tl.constexpr, OK):
+    """Partials at, at+1, ..., at+GROUP-1 of the workspace's element (row, cols) (`at` a pointer offset of part
+    `first`, M * N apart) added in order from the first itself."""
+    acc = tl.load(ws_ptr + at, mask=OK, other=0.0)
+    for j in tl.static_range(1, GROUP):
+        acc += tl.load(ws_ptr + at + (j * M).to(tl.int64) * N, mask=OK, other=0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GDC: tl.constexpr):
-    """out[row, cols] = (((part 0 + part 1) + ...) + part S-1) (+ b), one rounding: program (row, column block),
-    an element's sum in split order whatever M. GDC: launched before the split matmul ended; waits for it (its
-    partials complete and visible) before reading anything, and lets the next kernel launch."""
+                HAS_BIAS: tl.constexpr, GDC: tl.constexpr, GROUP: tl.constexpr = 1):
+    """out[row, cols] = the S partials added in groups of GROUP consecutive ones, each group in split order, then
+    the groups in order: (((g 0 + g 1) + ...) + g S/GROUP-1) (+ b) with g i = ((part iG + part iG+1) + ...), one
+    rounding: program (row, column block), an element's sum in one order whatever M. GROUP 1 (or S): every split
+    in order, (((part 0 + part 1) + ...) + part S-1). GDC: launched before the split matmul ended; waits for it
+    (its partials complete and visible) before reading anything, and lets the next kernel launch."""
     chain_in(GDC)
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(N, BLOCK)
     row = pid // col_blocks
     cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    acc = tl.load(ws_ptr + row.to(tl.int64) * N + cols, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(ws_ptr + (s * M + row).to(tl.int64) * N + cols, mask=ok, other=0.0)
+    at = row.to(tl.int64) * N + cols
+    acc = _fold_group(ws_ptr, at, M, N, GROUP, ok)
+    for g in tl.static_range(1, SPLIT_K // GROUP):
+        acc += _fold_group(ws_ptr, at + (g * GROUP * M).to(tl.int64) * N, M, N, GROUP, ok)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -412,16 +431,26 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return out
     tile = dict(tile or matmul_tile(N, K, x.dtype, x.device, M))
     splits = tile.pop("SPLIT_K", 1)
+    group = tile.pop("GROUP", 1)
     serial = tile.pop("SERIAL", False)
     flat = tile.pop("FLAT", False)
+    grouped = tile.pop("GROUPED", False)
     block_m, block_k = tile["BLOCK_M"], tile["BLOCK_K"]
     # The splits' K range in whole BLOCK_K steps (the last split's tail masked); no split left empty.
     chunk = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
     splits = triton.cdiv(K, chunk)
+    if splits % group:
+        raise ValueError(f"{splits} K splits of {N} x {K} do not fall into groups of {group}")
+    # A group of one split, or of all, is every split in order: what the serial programs add.
+    linear = group in (1, splits)
+    if serial and not linear:
+        raise ValueError("a serial tile adds the splits in order: not in groups of " + str(group))
     # A split of one BLOCK_K step is no loop to Triton's compiler, which then folds `acc + dot(x, w, 0)` into
     # `dot(x, w, acc)`: another rounding than the workspace's (FLAT too: a reset every step leaves the partial a
-    # constant zero). Serial only from two steps a split (the mode's tiles have at least MIN_SPLIT_STEPS).
+    # constant zero). Serial only from two steps a split (the mode's tiles have at least MIN_SPLIT_STEPS); a
+    # program a group likewise (else a program a split: the same sums).
     serial = serial and chunk >= 2 * block_k
+    grouped = grouped and not linear and chunk >= 2 * block_k
     n_tiles = triton.cdiv(N, tile["BLOCK_N"])
     has_bias = bias is not None
     b = bias if has_bias else weight
@@ -433,17 +462,20 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
                                  SERIAL=splits > 1, FLAT=flat and splits > 1, **gdc_launch(chain), **tile)
         return out
-    step = max(block_m, WORKSPACE_BYTES // (splits * N * 4) // block_m * block_m)  # rows a launch
-    ws = torch.empty((splits * min(M, step) * N,), dtype=torch.float32, device=x.device)
+    # Partials a tile writes: one a split, or one a group (its splits added in its program, in order).
+    parts = splits // group if grouped else splits
+    step = max(block_m, WORKSPACE_BYTES // (parts * N * 4) // block_m * block_m)  # rows a launch
+    ws = torch.empty((parts * min(M, step) * N,), dtype=torch.float32, device=x.device)
     for r0 in range(0, M, step):  # a row's sums do not depend on its launch or its place in one
         xs, outs = x[r0:r0 + step], out[r0:r0 + step]
         rows = xs.shape[0]
-        grid = (n_tiles * splits * triton.cdiv(rows, block_m),)
+        grid = (n_tiles * parts * triton.cdiv(rows, block_m),)
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
-                                 FLAT=False, **gdc_launch(chain), **tile)
-        _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=splits,
-                                                         BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, num_warps=4,
+                                 FLAT=False, GROUPED=group if grouped else 1, **gdc_launch(chain), **tile)
+        _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=parts,
+                                                         BLOCK=SUM_BLOCK, HAS_BIAS=has_bias,
+                                                         GROUP=1 if grouped else group, num_warps=4,
                                                          **gdc_launch(chain))
     return out
 
@@ -469,7 +501,7 @@ def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty((M, I), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    for key in ("SPLIT_K", "SERIAL", "FLAT"):
+    for key in ("SPLIT_K", "SERIAL", "FLAT", "GROUP", "GROUPED"):
         tile.pop(key, None)
     if tile["BLOCK_N"] >= 128:
         tile["BLOCK_N"] //= 2

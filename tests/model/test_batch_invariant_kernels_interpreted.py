@@ -111,6 +111,65 @@ for dtype in (torch.float32, torch.bfloat16):
 print("ok")
 """
 
+# Splits added in groups (GROUP): 4 or 6 splits in groups of 2 or 3, each group's splits in order, then the
+# groups in order. A program a split through the workspace (the order in _sum_splits) and a program a group
+# (GROUPED: the group's splits added in its program in one loop) give the same bits, fp32 and bf16, rows alone
+# and among others, with and without bias; against the partials added here in that order, and against the
+# splits added one after the other (another order: other bits where the data tells them apart).
+GROUPED = BF16_DOT + r"""
+_by_value = np.matmul
+def _rowwise_by_value(a, b, *args, **kwargs):   # ROWWISE_DOT over BF16_DOT: a row alone = among others
+    if a.ndim != 2:
+        return _by_value(a, b, *args, **kwargs)
+    return np.concatenate([_by_value(a[i:i + 1], b, *args, **kwargs) for i in range(a.shape[0])])
+np.matmul = _rowwise_by_value
+import torch
+import triton
+from server.model.batch_invariant_kernels import _fixed_tile_matmul, fixed_tile_matmul
+g = torch.Generator().manual_seed(2)
+tile = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3)
+for dtype in (torch.float32, torch.bfloat16):
+    for M, N, K, splits, group in ((45, 40, 280, 6, 3), (45, 40, 256, 4, 2), (5, 40, 184, 6, 2)):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        w = torch.randn(N, K, generator=g).to(dtype)
+        t = dict(tile, SPLIT_K=splits, GROUP=group)
+        for b in (None, torch.randn(N, generator=g).to(dtype)):
+            def run(t, rows=x):
+                return fixed_tile_matmul(rows, w, b, out=torch.empty(rows.shape[0], N), tile=t)
+            per_split, per_group = run(t), run(dict(t, GROUPED=True))
+            case = (dtype, M, N, K, splits, group, b is not None)
+            assert torch.equal(per_group, per_split), case
+            assert torch.equal(run(t, x[M // 2:M // 2 + 1])[0], per_split[M // 2]), case
+            assert torch.equal(run(dict(t, GROUPED=True), x[:1])[0], per_split[0]), case
+        chunk = triton.cdiv(triton.cdiv(K, 16), splits) * 16
+        parts = torch.empty(splits, M, N)
+        grid = (triton.cdiv(N, 32) * splits * triton.cdiv(M, 32),)
+        _fixed_tile_matmul[grid](x, w, w, parts, M, N, x.stride(0), w.stride(0), N, K=K, SPLIT_K=splits,
+                                 K_CHUNK=chunk, HAS_BIAS=False, IEEE=dtype == torch.float32, SERIAL=False,
+                                 FLAT=False, GDC=False, **tile)
+        sums = []
+        for first in range(0, splits, group):
+            s = parts[first].clone()
+            for p in parts[first + 1:first + group]:
+                s += p
+            sums.append(s)
+        grouped, in_order = sums[0], parts[0].clone()
+        for s in sums[1:]:
+            grouped += s
+        for p in parts[1:]:
+            in_order += p
+        got = fixed_tile_matmul(x, w, out=torch.empty(M, N), tile=dict(t, GROUPED=True))
+        assert torch.equal(got, grouped), (dtype, M, N, K, splits, group, "grouped order")
+        assert not torch.equal(got, in_order), (dtype, M, N, K, splits, group, "the groups leave no trace")
+try:
+    fixed_tile_matmul(x, w, tile=dict(tile, SPLIT_K=6, GROUP=4))
+except ValueError as e:
+    assert "groups of 4" in str(e), e
+else:
+    raise AssertionError("6 splits in groups of 4 accepted")
+print("ok")
+"""
+
 ATTENTION = r"""
 import torch
 from server.model.attention import AttentionContext, PrefillSpan
@@ -271,6 +330,10 @@ def test_fixed_tile_matmul_rows_are_invariant_in_interpreter():
 
 def test_flat_serial_sum_is_the_serial_and_the_workspace_sum_in_interpreter():
     assert run_interpreted(FLAT_SERIAL).strip().endswith("ok")
+
+
+def test_grouped_split_sums_are_one_order_through_either_program_layout_in_interpreter():
+    assert run_interpreted(GROUPED).strip().endswith("ok")
 
 
 def test_split_k_follows_the_weight_and_the_device_only():
