@@ -403,7 +403,7 @@ def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
            **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
     kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
                                                             K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=serial,
-                                                            GDC=True),
+                                                            GDC=True, GROUPED=1),
                               num_warps=8, num_stages=4)
     chained = [kernel]
     if serial:  # the partials added as _sum_splits adds them: 3 adds, none folded into an MMA's accumulator
@@ -411,7 +411,7 @@ def test_split_k_matmul_compiles_for_sm90_without_a_gpu(serial):
     else:  # through the workspace: the sum launches before the matmul ends and waits for it
         chained.append(compile_for_sm90(_sum_splits, {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
                                                       "M": "i32", "N": "i32", "stride_o": "i32"},
-                                        dict(SPLIT_K=4, BLOCK=512, HAS_BIAS=False, GDC=True)))
+                                        dict(SPLIT_K=4, BLOCK=512, HAS_BIAS=False, GDC=True, GROUP=1)))
     for k in chained:
         assert waits_before_memory(k.asm["ptx"])
 
@@ -430,7 +430,7 @@ def test_serial_matmul_pipelines_on_sm90_without_a_gpu(flat):
            **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
     kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=4096, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4,
                                                             K_CHUNK=1024, HAS_BIAS=False, IEEE=False, SERIAL=True,
-                                                            FLAT=flat, GDC=True),
+                                                            FLAT=flat, GDC=True, GROUPED=1),
                               divisible=("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "stride_x", "stride_w", "stride_o"),
                               num_warps=8, num_stages=4)
     ttgir = kernel.asm["ttgir"]
@@ -440,6 +440,34 @@ def test_serial_matmul_pipelines_on_sm90_without_a_gpu(flat):
     if flat:
         loop = ttgir[ttgir.index("scf.for"):]
         assert loop.index("scf.if") < loop.index("pendings = 0") < loop.index("arith.addf")
+
+
+@pytest.mark.parametrize("block_m, warps", [(128, 8), (64, 4)])
+def test_grouped_matmul_pipelines_on_sm90_without_spills(block_m, warps):
+    """A program a group (GROUPED) at the 1B down's 256-row candidates (K 8192 in 9 splits of 15 steps, groups of
+    3; 128 columns, 4 stages): its group's splits in ONE pipelined loop as FLAT's (the asynchronous MMA left in
+    flight, one addition, in the branch that folds a split), no spills, waiting for the kernel before it; the
+    workspace's sum in groups of one chained likewise."""
+    from server.model.batch_invariant_kernels import _fixed_tile_matmul, _sum_splits
+    from tests.interpreter import compile_for_sm90, ptxas_usage
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32",
+           **{p: "i32" for p in ("M", "N", "stride_x", "stride_w", "stride_o")}}
+    kernel = compile_for_sm90(_fixed_tile_matmul, sig, dict(K=8192, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64,
+                                                            SPLIT_K=9, K_CHUNK=960, HAS_BIAS=False, IEEE=False,
+                                                            SERIAL=False, FLAT=False, GDC=True, GROUPED=3),
+                              divisible=("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "stride_x", "stride_w", "stride_o"),
+                              num_warps=warps, num_stages=4)
+    ttgir = kernel.asm["ttgir"]
+    assert ttgir.count("scf.for") == 1 and ttgir.count("arith.addf") == 1
+    assert "ttg.async_copy_global_to_local" in ttgir and ttgir.count("pendings = 1") == 1
+    registers, spills = ptxas_usage(kernel)
+    assert spills == 0 and registers <= 255, (registers, spills)
+    folded = compile_for_sm90(_sum_splits, {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",
+                                            "N": "i32", "stride_o": "i32"},
+                              dict(SPLIT_K=3, BLOCK=512, HAS_BIAS=False, GDC=True, GROUP=1))
+    for k in (kernel, folded):
+        assert waits_before_memory(k.asm["ptx"])
 
 
 @pytest.mark.parametrize("block_m, block_n, warps, stages", [(64, 64, 4, 4), (128, 128, 8, 3)])
