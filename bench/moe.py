@@ -375,7 +375,12 @@ def main() -> None:
         with phases("flag off: decode at the largest batch"):
             with LLM(**kw) as off:
                 row = decode_rate(off, top["batch"], args.prompt_len, args.steps, ask=False, repeats=args.repeats)
+                # and the smallest batch: whether the capture's graph nodes are part of a small step's time
+                small = decode_rate(off, decode[0]["batch"], args.prompt_len, args.steps, ask=False,
+                                    repeats=args.repeats)
             capture["off_tok_s"] = row["tok_s"]
+            capture["off_smallest_batch"] = {"batch": small["batch"], "step_ms": small["step_ms"],
+                                             "on_step_ms": decode[0]["step_ms"]}
             capture["cost_not_asking"] = 1 - top["tok_s"] / row["tok_s"]
             capture["cost_asking"] = 1 - top["asking_tok_s"] / row["tok_s"]
     RESULT["routed_capture"] = capture
