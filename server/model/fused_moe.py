@@ -36,7 +36,7 @@ from server.model.small_gemm import chained, small_gemm, small_rows
 
 
 @triton.jit
-def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, K: tl.constexpr, BLOCK_E: tl.constexpr,
+def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, ids_stride, K: tl.constexpr, BLOCK_E: tl.constexpr,
            BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -56,13 +56,13 @@ def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, K: tl.constexpr, BLOCK_E
         top_p = top_p / tl.sum(tl.where(kk < K, top_p, 0.0), axis=0)
     if ROUND:  # Qwen3-MoE scales by weights rounded to the model dtype
         top_p = top_p.to(logits_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(ids_ptr + t * K + kk, top_i, mask=kk < K)
+    tl.store(ids_ptr + t * ids_stride + kk, top_i, mask=kk < K)
     tl.store(weights_ptr + t * K + kk, top_p, mask=kk < K)
 
 
 @triton.jit(do_not_specialize=["T", "max_blocks"])
 def _route_align_small(logits_ptr, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, padded_ptr, T, E, stride,
-                       max_blocks, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ids_stride, max_blocks, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_A: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_B: tl.constexpr, GDC: tl.constexpr):
     """_route for each of T tokens, then the align step, in one program and registers: each assignment's row in
@@ -97,7 +97,7 @@ def _route_align_small(logits_ptr, ids_ptr, weights_ptr, sorted_ptr, block_exper
             top_p = top_p / tl.sum(tl.where(kk < K, top_p, 0.0), axis=0)
         if ROUND:
             top_p = top_p.to(logits_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(ids_ptr + t * K + kk, top_i, mask=kk < K)
+        tl.store(ids_ptr + t * ids_stride + kk, top_i, mask=kk < K)
         tl.store(weights_ptr + t * K + kk, top_p, mask=kk < K)
         t += 1
     M = T * K
@@ -287,14 +287,28 @@ def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
     return route_logits(torch.nn.functional.linear(x, gate), top_k, renormalize, round_weights)
 
 
-def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool,
-                 round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def ids_into(into: torch.Tensor | None, T: int, top_k: int, device: torch.device) -> torch.Tensor:
+    """Where the routing kernels write a step's [T, top_k] int32 expert ids: the routed-experts capture buffer's
+    rows when the server records them (routed_experts.py; rows of unit column stride, a row stride of their own),
+    so the ids land there from the routing program itself: no copy kernel a layer. At batch 1 that copy, an
+    ordinary launch between two chained ones (launch.py), cost 0.75 ms of a 4.39 ms 30B-A3B step (H100, 12-05)."""
+    if into is None:
+        return torch.empty((T, top_k), dtype=torch.int32, device=device)
+    if into.shape != (T, top_k) or into.dtype != torch.int32 or into.stride(1) != 1:
+        raise ValueError(f"routed ids go to [{T}, {top_k}] int32 rows, not {tuple(into.shape)} {into.dtype}")
+    return into
+
+
+def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool,
+                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts and their weights (ids written into `into` when given: ids_into)."""
     T, E = logits.shape
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    ids = ids_into(into, T, top_k, logits.device)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     if T:
-        _route[(T,)](logits, ids, weights, E, logits.stride(0), K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                     BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, ROUND=round_weights, num_warps=1)
+        _route[(T,)](logits, ids, weights, E, logits.stride(0), ids.stride(0), K=top_k,
+                     BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
+                     ROUND=round_weights, num_warps=1)
     return ids, weights
 
 
@@ -338,20 +352,21 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool, block_m: int,
-                      gdc: bool = False):
+                      gdc: bool = False, into: torch.Tensor | None = None):
     """route_logits and align in one launch (a decode batch of up to SMALL_TOKENS tokens): (ids, weights,
-    sorted rows, each block's expert, the padded total). gdc: chained by dependent launch (launch.py)."""
+    sorted rows, each block's expert, the padded total). gdc: chained by dependent launch (launch.py). into:
+    where the ids go (ids_into)."""
     T, E = logits.shape
     M = T * top_k
     dev = logits.device
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
+    ids = ids_into(into, T, top_k, dev)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     max_blocks = max_blocks_for(M, E, block_m)
     sorted_rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     padded = torch.empty(1, dtype=torch.int32, device=dev)
     _route_align_small[(1,)](logits, ids, weights, sorted_rows, block_expert, padded, T, E, logits.stride(0),
-                             max_blocks, K=top_k, BLOCK_E=triton.next_power_of_2(E),
+                             ids.stride(0), max_blocks, K=top_k, BLOCK_E=triton.next_power_of_2(E),
                              BLOCK_K=triton.next_power_of_2(top_k),
                              BLOCK_A=triton.next_power_of_2(SMALL_TOKENS * top_k),
                              RENORM=renormalize, ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=64, num_warps=4,
@@ -360,8 +375,8 @@ def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round
 
 
 def moe(x: torch.Tensor, block) -> torch.Tensor:
-    """A sparse layer (model/moe.py SparseMoeBlock) on CUDA: the router's matmul, routing and grouping, the
-    routed ids into the capture buffer when the server records them, the experts. A step of a few rows
+    """A sparse layer (model/moe.py SparseMoeBlock) on CUDA: the router's matmul, routing and grouping (the ids
+    written into the capture buffer when the server records them), the experts. A step of a few rows
     (small_gemm.chained) is one chain by dependent launch from the norm before to the norm after: the router
     through small_gemm, then the one-program routing, the grouped GEMMs and the combine, each launched before
     the one before ends (at batch 1 a layer's launches, not its bytes, are much of what a step waits for)."""
@@ -373,14 +388,13 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
         logits = torch.nn.functional.linear(x, block.gate.weight)
     T, K = x.shape[0], block.top_k
     cfg = tiles(T * K, max(w2.shape[1], w2.shape[2]), w13.shape[0])
+    into = None if block.routed is None else block.routed[:T]
     if 0 < T <= SMALL_TOKENS:
         ids, weights, *grouped = route_align_small(logits, K, block.norm_topk_prob, block.round_weights,
-                                                   cfg["BLOCK_M"], gdc)
+                                                   cfg["BLOCK_M"], gdc, into)
     else:
-        ids, weights = route_logits(logits, K, block.norm_topk_prob, block.round_weights)
+        ids, weights = route_logits(logits, K, block.norm_topk_prob, block.round_weights, into)
         grouped = list(align(ids, w13.shape[0], cfg["BLOCK_M"])) if T else []
-    if block.routed is not None:
-        block.routed[:T].copy_(ids)
     return experts(x, w13, w2, weights, grouped, K, cfg, gdc)
 
 
@@ -398,9 +412,8 @@ def moe_invariant(x: torch.Tensor, block, project) -> torch.Tensor:
     arithmetic does not; a token's k parts are added in slot order (_combine)."""
     w13, w2 = block.experts.w13_weight, block.experts.w2_weight
     T, K = x.shape[0], block.top_k
-    ids, weights = route_logits(project(x, block.gate.weight), K, block.norm_topk_prob, block.round_weights)
-    if block.routed is not None:
-        block.routed[:T].copy_(ids)
+    into = None if block.routed is None else block.routed[:T]
+    ids, weights = route_logits(project(x, block.gate.weight), K, block.norm_topk_prob, block.round_weights, into)
     return fused_experts(x, w13, w2, ids, weights, INVARIANT_TILE)
 
 

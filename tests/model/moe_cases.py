@@ -89,13 +89,15 @@ def check_moe_layer(dtype: torch.dtype, device: str, tol: float, shapes=None) ->
                                                      (SMALL_TOKENS, 8, 2, 64, 48, True, False),
                                                      (SMALL_TOKENS + 1, 8, 2, 64, 48, True, True)]:
         x, gate, w13, w2 = moe_inputs(T, E, K, H, I, dtype, device, seed=T)
-        layers = []
+        layers, buffers = [], []
         for _ in range(2):
             experts = SimpleNamespace(w13_weight=w13, w2_weight=w2)
+            # as the capture buffer gives each layer its rows: [tokens, layers, K], this layer's the middle one
+            buffers.append(torch.full((T + 3, 3, K), -1, dtype=torch.int32, device=device))
             layers.append(SimpleNamespace(gate=SimpleNamespace(weight=gate), experts=experts, top_k=K,
-                                          norm_topk_prob=renorm, round_weights=rounded,
-                                          routed=torch.full((T + 3, K), -1, dtype=torch.int32, device=device)))
+                                          norm_topk_prob=renorm, round_weights=rounded, routed=buffers[-1][:, 1]))
         got, want = moe(x, layers[0]), moe_torch(x, layers[1])
+        assert (buffers[0][:, 0] == -1).all() and (buffers[0][:, 2] == -1).all(), "another layer's ids were written"
         # The same experts per token, in any order (top-k's list experts tied inside the top k in other orders);
         # in fp32, in the same order.
         if dtype == torch.float32:

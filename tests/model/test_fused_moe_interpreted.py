@@ -65,13 +65,14 @@ def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile, gdc):
     gemm = build(_grouped_gemm, sig, const)
     assert gemm.asm["cubin"]
     route = build(_route, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32", "E": "i32",
-                           "stride": "i32"}, dict(K=8, BLOCK_E=128, BLOCK_K=8, RENORM=True, ROUND=True))
+                           "stride": "i32", "ids_stride": "i32"}, dict(K=8, BLOCK_E=128, BLOCK_K=8, RENORM=True, ROUND=True))
     offsets = build(_offsets, {"counts_ptr": "*i32", "cursor_ptr": "*i32", "block_expert_ptr": "*i32",
                                "padded_ptr": "*i32", "E": "i32", "max_blocks": "i32"},
                     dict(BLOCK_M=16, BLOCK_E=128, BLOCK_B=64))
     small = build(_route_align_small, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32",
                                        "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "padded_ptr": "*i32",
-                                       "T": "i32", "E": "i32", "stride": "i32", "max_blocks": "i32"},
+                                       "T": "i32", "E": "i32", "stride": "i32", "ids_stride": "i32",
+                                       "max_blocks": "i32"},
                   dict(K=8, BLOCK_E=128, BLOCK_K=8, BLOCK_A=64, RENORM=True, ROUND=True, BLOCK_M=16, BLOCK_B=64,
                        GDC=gdc))
     combine = build(_combine, {"parts_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32"},
