@@ -64,6 +64,7 @@ def wide_candidates(mine: dict) -> dict[str, dict]:
     128 rows on 128 and 256 columns, 3 and 4 stages."""
     out = {}
     if mine.get("SPLIT_K", 1) > 1:
+        mine = dict(mine, GROUP=1, GROUPED=False)  # a serial program adds the splits in order
         out["serial m64"] = dict(mine, BLOCK_M=64, num_warps=4, SERIAL=True, FLAT=False)
         out["flat m64 n128"] = dict(mine, BLOCK_M=64, BLOCK_N=128, num_warps=4, SERIAL=True, FLAT=True)
         for n, stages in ((128, 4), (256, 3)):
@@ -79,7 +80,7 @@ def flat_candidates(mine: dict) -> dict[str, dict]:
     """The mode's split tile with its splits added in each program in ONE K loop over all of them (FLAT), on its
     rows a program and on the other width (128 rows on two warpgroups where it takes 64, 64 on one where it
     takes 128): the K order of the mode's tile (BLOCK_K, SPLIT_K), so the same bits (checked on each run)."""
-    flat = dict(mine, SERIAL=True, FLAT=True)
+    flat = dict(mine, SERIAL=True, FLAT=True, GROUP=1, GROUPED=False)  # the splits in order
     wide = mine["BLOCK_M"] == 128
     other = dict(flat, BLOCK_M=64 if wide else 128, num_warps=4 if wide else 8)
     return {f"flat m{flat['BLOCK_M']}": flat, f"flat m{other['BLOCK_M']}": other}
@@ -99,7 +100,7 @@ def schedule_candidates(mine: dict, rows: int, splits: int) -> dict[str, dict]:
     one loop (FLAT)."""
     from server.model.batch_invariant_kernels import WIDE_ROWS
 
-    base = dict(mine, SPLIT_K=splits, SERIAL=False, FLAT=False)
+    base = dict(mine, SPLIT_K=splits, GROUP=1, SERIAL=False, FLAT=False, GROUPED=False)
     if rows < WIDE_ROWS:
         return {f"s{splits} n{n}": dict(base, BLOCK_M=64, BLOCK_N=n, num_warps=4, num_stages=st)
                 for n, st in ((32, 6), (64, 4))}
@@ -195,13 +196,14 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
             if mine != narrow:
                 row["narrow_ms"] = median_ms(fixed_tile_matmul, x, ws, None, None, narrow)
             if mine.get("SPLIT_K", 1) > 1:  # the splits through the workspace and added in each program
+                in_order = dict(mine, GROUP=1, GROUPED=False)  # (the candidates below add the splits in order)
                 row["workspace_ms"], row["serial_ms"] = (
-                    median_ms(fixed_tile_matmul, x, ws, None, None, dict(mine, SERIAL=serial, FLAT=False))
+                    median_ms(fixed_tile_matmul, x, ws, None, None, dict(in_order, SERIAL=serial, FLAT=False))
                     for serial in (False, True))
                 # and added in each program in one K loop, not a loop a split: their times and their bits
                 flat = flat_candidates(mine)
                 row["flat_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t) for k, t in flat.items()}
-                want = fixed_tile_matmul(x, ws[0], tile=mine)
+                want = fixed_tile_matmul(x, ws[0], tile=dict(in_order, SERIAL=False, FLAT=False))
                 row["flat_same_bits"] = {k: torch.equal(fixed_tile_matmul(x, ws[0], tile=t), want)
                                          for k, t in flat.items()}
             if b >= WIDE_ROWS:  # candidates for many rows, each keeping the K order (BLOCK_K, SPLIT_K) of one row's
@@ -209,7 +211,8 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                 row["wide_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t) for k, t in wide.items()}
                 # Whether a wider column tile gives a row the bits the mode's one-row tile gives it: if so, the
                 # column tile could follow the rows too (the MMA's N would not order a row's sum on this GPU).
-                alone = fixed_tile_matmul(x[:1], ws[0], tile=narrow)[0]
+                split = mine.get("SPLIT_K", 1) > 1  # then the candidates add the splits in order
+                alone = fixed_tile_matmul(x[:1], ws[0], tile=dict(narrow, GROUP=1) if split else narrow)[0]
                 row["wide_same_bits"] = {k: torch.equal(fixed_tile_matmul(x, ws[0], tile=t)[0], alone)
                                          for k, t in wide.items()}
             if schedules and mine.get("SPLIT_K", 1) > 1:

@@ -279,6 +279,39 @@ def splits_for(N: int, K: int, block_n: int, block_k: int, sms: int) -> int:
     return max(1, min(want, steps // MIN_SPLIT_STEPS))
 
 
+# The rows a decode step of many sequences has (the batch the mode is tuned for besides one row): there a split
+# weight's 128 x 128 output tiles take GROUPS partials each (groups_for), about one wave of programs.
+GROUP_ROWS = 256
+
+
+def groups_for(N: int, sms: int) -> int:
+    """Partials a 128 x 128 output tile writes at GROUP_ROWS rows so that the programs make about one wave:
+    1 where the tiles alone fill the multiprocessors (the 8B's qkv: 96 tiles), 2 for 4096 columns, 4 for 2048."""
+    return max(1, sms // (triton.cdiv(GROUP_ROWS, 128) * triton.cdiv(N, 128)))
+
+
+def split_order(N: int, K: int, block_n: int, block_k: int, sms: int) -> tuple[int, int]:
+    """(SPLIT_K, GROUP): the K splits of a weight of N x K and how many consecutive splits make a group, their sums
+    added in order before the groups are (_sum_splits). One row wants about splits_for's count, a program a split;
+    many rows want groups_for's partials a tile, a program a group adding its splits in one loop. So the count is
+    the multiple of the groups nearest splits_for's (ties up; at most MIN_SPLIT_STEPS steps a split), in groups of
+    count / groups: on an H100 at 1 / 64 / 256 rows the 1B down's 8 in groups of 2 took 0.0157 / 0.0188 / 0.0256
+    ms against 9 splits in order's 0.0156 / 0.0192 / 0.0423, the 8B down's 6 in groups of 3 0.0445 / 0.0501 /
+    0.0659 against 5's 0.0451 / 0.0522 / 0.0944 (bits alike at every row count; 2026-12-05, binv-splits). A
+    function of the weight and the device only. GROUP 1: every split in order (one group, or a split a group)."""
+    splits = splits_for(N, K, block_n, block_k, sms)
+    groups = min(groups_for(N, sms), splits)
+    if splits == 1 or groups == 1:
+        return splits, 1
+    steps = triton.cdiv(K, block_k)
+    most = max(groups, steps // MIN_SPLIT_STEPS // groups * groups)
+    wanted = min(most, groups * max(1, (2 * splits + groups) // (2 * groups)))
+    splits = triton.cdiv(steps, triton.cdiv(steps, wanted))  # as fixed_tile_matmul cuts K into whole steps
+    if splits % groups or splits == groups:
+        return splits, 1
+    return splits, splits // groups
+
+
 def unsplit_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> dict:
     """The tile before split-K (kept for bench/batch_invariant.py --sweep-tiles to compare): the widest column
     tile that still gives every multiprocessor a program at one M tile, each program walking all of K."""
@@ -335,16 +368,21 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
     def fills(block_m: int, columns: int = block_n) -> bool:
         return triton.cdiv(rows, block_m) * triton.cdiv(N, columns) >= FILL * sms
 
+    splits, group = split_order(N, K, block_n, block_k, sms)
+    stages = 3 if fp32 else 4
+    if splits > 1 and groups_for(N, sms) > 1 and rows >= WIDE_ROWS and not fp32:
+        # many rows of a weight whose tiles alone leave the GPU idle: 128 x 128 tiles, a program a group of splits
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 8, "num_stages": stages,
+                "SPLIT_K": splits, "GROUP": group, "SERIAL": False, "FLAT": False, "GROUPED": True}
     wide = rows >= WIDE_ROWS and not fp32 and fills(128)
     block_m = 128 if wide else 64
-    splits = splits_for(N, K, block_n, block_k, sms)
     # 16 bits only: in fp32 the serial tile needs 255 registers and spills (164 through the workspace).
     serial = splits > 1 and not fp32 and fills(block_m)
-    stages = 3 if fp32 else 4
     if wide and splits == 1 and _hopper(device) and fills(128, WIDE_COLUMNS):
         block_n, stages = WIDE_COLUMNS, 3
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
-            "num_stages": stages, "SPLIT_K": splits, "SERIAL": serial, "FLAT": serial}
+            "num_stages": stages, "SPLIT_K": splits, "GROUP": group, "SERIAL": serial, "FLAT": serial,
+            "GROUPED": False}
 
 
 def distinct_tiles(N: int, K: int, dtype: torch.dtype, device: torch.device, max_rows: int) -> list[tuple[int, dict]]:

@@ -71,7 +71,7 @@ def test_graphs_replayed_in_the_mode(inv):
     assert_decode_replays(inv)
 
 
-@pytest.mark.parametrize("which", ["mode", "unsplit", "serial", "flat"])
+@pytest.mark.parametrize("which", ["mode", "unsplit", "serial", "flat", "grouped"])
 @pytest.mark.parametrize("N, K", [(960, 576), (576, 1536), (49152, 576), (6144, 4096), (4096, 14336)])
 def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     """A row among 1..300 rows (1 to 5 tiles of 64), in any place: the same bits; and close to cuBLAS. With
@@ -79,7 +79,9 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     they fill the GPU, and the splits added in each program in one K loop once the output tiles fill it, so on
     the three larger weights a row alone and among 255 or 300 crosses those switches), the one before split-K, and the mode's splits always added in each program
     (SERIAL: the same bits as through the workspace, checked against the mode's row alone), also in one K loop
-    over all the splits (FLAT: the same again)."""
+    over all the splits (FLAT: the same again); those two with the mode's splits added in order (GROUP 1), not in
+    its groups. Grouped: 128 x 128 tiles a program a group of the mode's splits at every row count, against the
+    mode's row alone (a program a split, the groups added by _sum_splits)."""
     from server.model.batch_invariant_kernels import (
         fixed_tile_matmul,
         matmul_tile,
@@ -88,9 +90,11 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
 
     # The mode: fixed_tile_matmul's own choice at each number of rows.
     cuda = torch.device("cuda")
+    one_row = matmul_tile(N, K, torch.bfloat16, cuda)
+    in_order = dict(one_row, GROUP=1)
     tile = {"mode": None, "unsplit": unsplit_tile(N, K, torch.bfloat16, cuda),
-            "serial": dict(matmul_tile(N, K, torch.bfloat16, cuda), SERIAL=True),
-            "flat": dict(matmul_tile(N, K, torch.bfloat16, cuda), SERIAL=True, FLAT=True)}[which]
+            "serial": dict(in_order, SERIAL=True), "flat": dict(in_order, SERIAL=True, FLAT=True),
+            "grouped": dict(one_row, BLOCK_M=128, BLOCK_N=128, num_warps=8, GROUPED=True)}[which]
     if N * K >= 4096 * 4096:  # the mode's tile follows the rows here: a row alone and among 255 or 300 crosses it
         assert matmul_tile(N, K, torch.bfloat16, cuda, 300) != matmul_tile(N, K, torch.bfloat16, cuda, 1)
 
@@ -100,7 +104,9 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     alone = fixed_tile_matmul(x[None], w, tile=tile)[0]
     torch.testing.assert_close(alone.float(), (x[None] @ w.t())[0].float(), rtol=2e-2, atol=2e-2)
     if which in ("serial", "flat"):
-        assert torch.equal(alone, fixed_tile_matmul(x[None], w)[0]), "the serial sum is not the workspace's"
+        assert torch.equal(alone, fixed_tile_matmul(x[None], w, tile=in_order)[0]), "the serial sum is not the workspace's"
+    if which == "grouped":
+        assert torch.equal(alone, fixed_tile_matmul(x[None], w)[0]), "a program a group is not a program a split"
     for rows in (2, 63, 64, 65, 255, 300):
         for at in sorted({0, 17, rows // 2, rows - 1} & set(range(rows))):
             batch = torch.randn(rows, K, device="cuda", generator=g).to(torch.bfloat16)

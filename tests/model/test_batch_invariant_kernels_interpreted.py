@@ -246,7 +246,7 @@ from server.model import batch_invariant_kernels as bik
 from testkit.models import model_folder
 llm = LLM(model=str(model_folder("llama-tiny", tempfile.mkdtemp())), device="cpu", load_format="dummy",
           dtype="bfloat16", batch_invariant=True, kv_cache_memory="64MiB", max_model_len=256)
-bik._processors = lambda device: 48  # llama-tiny's gate|up (48 column tiles) unsplit, its other weights split
+bik._processors = lambda device: 24  # llama-tiny's gate|up (24 column tiles) unsplit, its other weights split
 model = llm.engine.runner.model
 pairs = bik.mode_weights(model)
 attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -275,8 +275,12 @@ assert ran == len(launched) + len(fused) and len(launched) == len(want) == len({
     ran, len(launched), len(fused), len(want))
 assert {(s, t) for s, _, t in launched} == want
 assert set(fused) == {(s, t) for s, t in want if s == tuple(mlp.gate_up_weight.shape) and dict(t)["SPLIT_K"] == 1}
-assert fused, "llama-tiny's gate|up has no unsplit tile on 132 multiprocessors: the fused kernel went unchecked"
-assert any(dict(t).get("FLAT") for _, _, t in launched) and any(not dict(t).get("SERIAL") for _, _, t in launched)
+assert fused, "llama-tiny's gate|up has no unsplit tile on 24 multiprocessors: the fused kernel went unchecked"
+kinds = {"flat" if dict(t)["FLAT"] else "grouped" if dict(t)["GROUPED"] and dict(t)["GROUP"] > 1 else "workspace"
+         for _, _, t in launched if dict(t)["SPLIT_K"] > 1}
+# on 24 SMs llama-tiny's weights meet every way of adding splits: the workspace a split, a program a group of
+# them (its down: 6 splits in groups of 2), all of them in one loop
+assert kinds == {"grouped", "workspace", "flat"}, kinds
 print("ok", ran)
 """
 
@@ -355,34 +359,52 @@ def test_split_k_follows_the_weight_and_the_device_only():
 
 def test_how_rows_are_spread_follows_the_rows_and_the_order_does_not(monkeypatch):
     """On 132 multiprocessors (an H100's or H200's): one row and 64 take 64-row tiles and the workspace; 256 rows
-    take, on the 1B's split weights, 64-row tiles adding their splits in one loop (their 128-row tiles would
-    leave half the GPU idle), on the 8B's 128-row tiles the same way, on unsplit weights 128-row tiles, on Hopper
-    256 columns wide. What orders a row's sum (BLOCK_K, SPLIT_K) is the same at every row count; the columns
-    follow the rows on Hopper only (WIDE_COLUMNS)."""
+    take, on the split weights whose 128 x 128 tiles leave the GPU idle (the 1B's three, the 8B's o_proj and
+    down), those tiles a program a group of splits (GROUPED); on the 8B's qkv 128-row tiles adding all its splits
+    in one loop; on unsplit weights 128-row tiles, on Hopper 256 columns wide. What orders a row's sum (BLOCK_K,
+    SPLIT_K, GROUP) is the same at every row count; the columns follow the rows on Hopper only (WIDE_COLUMNS)."""
     import torch
 
     from server.model import batch_invariant_kernels as bik
 
     monkeypatch.setattr(bik, "_processors", lambda device: 132)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    order = ("BLOCK_K", "SPLIT_K")
-    # (N, K): BLOCK_M, FLAT, BLOCK_N at 256 rows on Hopper
-    want_at_256 = {(3072, 2048): (64, True, 64), (2048, 8192): (64, True, 64), (6144, 4096): (128, True, 64),
-                   (4096, 14336): (128, True, 64), (128256, 2048): (128, False, 256),
-                   (16384, 2048): (128, False, 256), (28672, 4096): (128, False, 256)}
+    order = ("BLOCK_K", "SPLIT_K", "GROUP")
+    # (N, K): BLOCK_M, FLAT, GROUPED, BLOCK_N at 256 rows on Hopper
+    want_at_256 = {(3072, 2048): (128, False, True, 128), (2048, 8192): (128, False, True, 128),
+                   (6144, 4096): (128, True, False, 64), (4096, 14336): (128, False, True, 128),
+                   (128256, 2048): (128, False, False, 256), (16384, 2048): (128, False, False, 256),
+                   (28672, 4096): (128, False, False, 256)}
     for hopper in (False, True):
         monkeypatch.setattr(bik, "_hopper", lambda device: hopper)
-        for (N, K), (block_m, flat, block_n) in want_at_256.items():
+        for (N, K), (block_m, flat, grouped, block_n) in want_at_256.items():
             one, many = bik.matmul_tile(N, K, bf16, cpu, 1), bik.matmul_tile(N, K, bf16, cpu, 256)
             assert [one[k] for k in order] == [many[k] for k in order] == [bik.matmul_tile(N, K, bf16, cpu, 64)[k]
                                                                               for k in order]
-            assert (many["BLOCK_M"], many["FLAT"], many["SERIAL"]) == (block_m, flat, flat), (N, K, many)
-            assert many["BLOCK_N"] == (block_n if hopper else one["BLOCK_N"]), (N, K, hopper, many)
+            assert (many["BLOCK_M"], many["FLAT"], many["SERIAL"], many["GROUPED"]) == (block_m, flat, flat, grouped)
+            assert many["BLOCK_N"] == (block_n if hopper or grouped else one["BLOCK_N"]), (N, K, hopper, many)
             assert one["BLOCK_N"] == bik.matmul_tile(N, K, bf16, cpu, 64)["BLOCK_N"] < 256, (N, K, one)
-            assert (one["BLOCK_M"], one["SERIAL"]) == (64, False), (N, K, one)
+            assert (one["BLOCK_M"], one["SERIAL"], one["GROUPED"]) == (64, False, False), (N, K, one)
             assert not bik.matmul_tile(N, K, bf16, cpu, 64)["SERIAL"], (N, K)
             fp32 = bik.matmul_tile(N, K, torch.float32, cpu, 256)
-            assert (fp32["BLOCK_M"], fp32["SERIAL"], fp32["BLOCK_N"]) == (64, False, one["BLOCK_N"]), (N, K, fp32)
+            assert (fp32["BLOCK_M"], fp32["SERIAL"], fp32["GROUPED"], fp32["BLOCK_N"]) == (64, False, False,
+                                                                                          one["BLOCK_N"]), (N, K, fp32)
+
+
+def test_split_order_groups_the_splits_a_wave_of_tiles_wants():
+    """(SPLIT_K, GROUP) on 132 multiprocessors for the 1B's and 8B's split weights: the count the nearest multiple
+    of groups_for's (2048 columns: 4 groups, 4096: 2, 3072: 2, 6144: 1) to splits_for's, whole BLOCK_K steps a
+    split (what fixed_tile_matmul cuts K into), GROUP dividing it; 1 where the tiles alone fill the GPU."""
+    from server.model.batch_invariant_kernels import groups_for, split_order
+
+    assert [groups_for(n, 132) for n in (2048, 3072, 4096, 6144)] == [4, 2, 2, 1]
+    want = {(3072, 2048): (6, 3), (2048, 2048): (8, 2), (2048, 8192): (8, 2), (6144, 4096): (3, 1),
+            (4096, 4096): (6, 3), (4096, 14336): (6, 3), (128256, 2048): (1, 1), (16384, 2048): (1, 1)}
+    for (N, K), pair in want.items():
+        splits, group = split_order(N, K, 64, 64, 132)
+        assert (splits, group) == pair, (N, K, splits, group)
+        steps = -(-K // 64)
+        assert splits == -(-steps // -(-steps // splits)) and splits % group == 0, (N, K)
 
 
 def test_per_token_attention_is_the_same_in_decode_and_prefill_in_interpreter():
