@@ -376,13 +376,15 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
                 "SPLIT_K": splits, "GROUP": group, "SERIAL": False, "FLAT": False, "GROUPED": True}
     wide = rows >= WIDE_ROWS and not fp32 and fills(128)
     block_m = 128 if wide else 64
-    # 16 bits only: in fp32 the serial tile needs 255 registers and spills (164 through the workspace).
-    serial = splits > 1 and not fp32 and fills(block_m)
+    # 16 bits only: in fp32 the serial tile needs 255 registers and spills (164 through the workspace). Where the
+    # output tiles fill the GPU a program adds all the splits (in order) or, when they fall into groups, a group.
+    alone = splits > 1 and not fp32 and fills(block_m)
+    serial, grouped = alone and group == 1, alone and group > 1
     if wide and splits == 1 and _hopper(device) and fills(128, WIDE_COLUMNS):
         block_n, stages = WIDE_COLUMNS, 3
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
             "num_stages": stages, "SPLIT_K": splits, "GROUP": group, "SERIAL": serial, "FLAT": serial,
-            "GROUPED": False}
+            "GROUPED": grouped}
 
 
 def distinct_tiles(N: int, K: int, dtype: torch.dtype, device: torch.device, max_rows: int) -> list[tuple[int, dict]]:
