@@ -354,8 +354,6 @@ def main() -> None:
             floor = max(nbytes / dev.bandwidth, flops / dev.gemm_flops)
             row.update({"experts_per_layer": experts, "step_bytes": nbytes, "roofline_step_ms": 1e3 * floor,
                         "roofline_tok_s": batch / floor, "fraction_of_roofline": floor / (row["step_ms"] / 1e3)})
-            if batch == min(batches):  # where a small batch's step goes: the device busy, and its idle gaps
-                row["device_timeline"] = device_timeline(llm, batch, args.prompt_len, min(args.steps, 32))
             decode.append(row)
             RESULT["decode"] = decode
     with phases("sleep and wake"):
@@ -365,6 +363,12 @@ def main() -> None:
             first = RESULT["sleep"]["level1"][0]
             RESULT["sleep"]["level1_vs_raw"] = {"sleep_first": first["sleep_gbps"] / raw["d2h"],
                                                 "wake_first": first["wake_gbps"] / raw["h2d"]}
+    # Where a small batch's step goes (the device busy, its idle gaps): after the sleep cycles, since the level-1
+    # wake ran at 0.60-0.61 of raw pinned in both runs that traced this before them (H100, 12-05 23:30 and 12-06
+    # 00:05) against 0.91 in the run before (21:44) without it; the profiler's hooks are suspect, not proven.
+    with phases("the smallest batch's device timeline"):
+        decode[0]["device_timeline"] = device_timeline(llm, decode[0]["batch"], args.prompt_len,
+                                                       min(args.steps, 32))
     llm.close()
     del llm, model
     if device.type == "cuda":
