@@ -1,12 +1,13 @@
 """The batch-invariant mode on CUDA (--batch-invariant; batch_invariant.py is the CPU path and says why).
 
 - GEMMs: one Triton matmul whose order of summation is a function of the weight's shape only (BLOCK_K,
-  K splits), never of the number of rows: each K split's loop in order, its fp32 partial into a workspace,
-  the splits then added in order by a second kernel (no atomics), or added in each program in one K loop once
-  the output tiles fill the GPU (SERIAL, FLAT); 64- or 128-row tiles by the number of rows, on Hopper 256 columns for an
-  unsplit weight's many rows (matmul_tile: the same sums every way); M itself is not specialised. cuBLAS picks its algorithm (and split-K) from M, and the
-  default path's small-batch kernel (small_gemm.py) serves only a few rows: both made a row's bits follow the
-  batch.
+  K splits and their groups), never of the number of rows: each K split's loop in order, its fp32 partial into
+  a workspace, the splits then added a group at a time in order by a second kernel (no atomics); for many rows a
+  program adds a group's splits itself in one K loop (GROUPED), or all of them once the output tiles fill the
+  GPU (SERIAL, FLAT); 64- or 128-row tiles by the number of rows, on Hopper 256 columns for an unsplit weight's
+  many rows (matmul_tile: the same sums every way); M itself is not specialised. cuBLAS picks its algorithm
+  (and split-K) from M, and the default path's small-batch kernel (small_gemm.py) serves only a few rows: both
+  made a row's bits follow the batch.
 - Attention: every query token, decode or prefill, is one program of the paged decode kernel per KV head
   (decode_kernel.py) over its own context, in fixed tiles of keys folded in order; never split over
   programs (the default path's split count follows the batch size). A prefill token is that kernel's row:
@@ -345,20 +346,22 @@ def _hopper(device: torch.device) -> bool:
 
 
 def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int = 1) -> dict:
-    """The tile for a weight of N x K. What orders an element's sum (BLOCK_K, SPLIT_K) is a function of the
+    """The tile for a weight of N x K. What orders an element's sum (BLOCK_K, SPLIT_K, GROUP) is a function of the
     weight and the device only. At one M tile, 128 columns where that alone gives every multiprocessor a
-    program (lm_head, the 8B's gate_up), else 64 columns and K split (splits_for) until the programs fill the
+    program (lm_head, the 8B's gate_up), else 64 columns and K split (split_order) until the programs fill the
     GPU: a decode step's matmul is bound by reading the weight, by as many programs as run at once. Only how
     rows and columns are spread follows `rows`, and each way gives a row's element the same k16 MMAs and the
     same additions (tests/gpu/test_batch_invariant_gpu.py checks the bits):
     - 64 rows a program (one warpgroup MMA of Hopper's, m64), or 128 on two warpgroups from WIDE_ROWS in 16
       bits where the 128-row tiles still fill the GPU; then on Hopper an unsplit weight's 256 columns
       (WIDE_COLUMNS) where those still fill it;
-    - the K splits through the workspace and _sum_splits, or, once the output tiles alone fill the GPU
-      (FILL), added in each program in one loop over all of K (SERIAL, FLAT). At 256 rows on an H100 the
-      latter took 0.70-0.87x of the workspace's time (1B qkv, o_proj; 8B qkv, o_proj, down) and 1.05x on the
-      1B down; against a loop a split, 0.89x on the 8B qkv, 1.02x and 1.07x on the 8B o_proj and down, far
-      less on the 1B's (2026-12-05, binv-gemm): one rule for all."""
+    - the K splits through the workspace and _sum_splits (a program a split); from WIDE_ROWS rows, where the
+      weight's 128 x 128 tiles leave the GPU idle (groups_for > 1), those tiles a program a group of splits
+      (GROUPED: 1B down at 256 rows 0.0256 ms against 0.0423 for its splits in one loop, H100 2026-12-05); and
+      once the output tiles alone fill the GPU (FILL), a program all of K: the splits in one loop (SERIAL,
+      FLAT) where they are added in order, a group where in groups. At 256 rows on an H100 the one loop took
+      0.70-0.87x of the workspace's time (1B qkv, o_proj; 8B qkv, o_proj, down) and 1.05x on the 1B down
+      (2026-12-05, binv-gemm)."""
     sms = _processors(device)
     block_n = 128 if triton.cdiv(N, 128) >= sms else 64
     n_tiles = triton.cdiv(N, block_n)
