@@ -31,7 +31,7 @@
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
 # two: bench/tp_release.py's keep / release / suspend).
-# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-splits, binv-profile, binv-fidelity (--batch-invariant:
+# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -166,6 +166,10 @@ for stage in $stages; do
                 for m in llama-1b llama-8b; do for f in "" --batch-invariant; do
                   run "binv-profile-$m$f" $PY bench/step_profile.py --model $m --batches 1,256 --steps 20 --kernels 5 \
                     --top 30 $f --out "$RESULTS/binv-profile/$m"; done; done ;;
+    binv-profile-serial) # the same at 1B batch 1 with dependent launch off: each kernel's own time, mode and default
+                for f in "" --batch-invariant; do
+                  run "binv-profile-serial$f" env SLEEPSERVE_DEPENDENT_LAUNCH=0 $PY bench/step_profile.py --model llama-1b \
+                    --batches 1 --steps 20 --kernels 5 --top 30 $f --out "$RESULTS/binv-profile-serial"; done ;;
     binv-fidelity) run binv-fidelity $PY bench/batch_invariant_fidelity.py --out "$RESULTS" ;;
     nonfinite)  # NaN/Inf refused on every CUDA update path; the IPC receive paths the check rides on
                 run nonfinite-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_nonfinite_gpu.py \

@@ -279,6 +279,11 @@ def _small_down_combine(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, H, strid
 
 
 SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program (_route_align_small)
+# Its warps. At batch 1 that program is on a layer's critical path (6.2 us of a 30B-A3B layer on 4 warps, 0.30 ms
+# a step, H100 2026-12-05), and it is reductions over 128 experts, each across warps a trip through shared
+# memory: compiled for sm_90 the 4-warp program has 99 barriers, the 1-warp one 4 (its reductions in shuffles;
+# 150 registers, no spills). Predicted ~2 us; not yet timed on a GPU (bench/moe.py's route_align_us will).
+ROUTE_WARPS = 1
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
@@ -352,10 +357,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool, block_m: int,
-                      gdc: bool = False, into: torch.Tensor | None = None):
+                      gdc: bool = False, into: torch.Tensor | None = None, num_warps: int = ROUTE_WARPS):
     """route_logits and align in one launch (a decode batch of up to SMALL_TOKENS tokens): (ids, weights,
     sorted rows, each block's expert, the padded total). gdc: chained by dependent launch (launch.py). into:
-    where the ids go (ids_into)."""
+    where the ids go (ids_into). num_warps: ROUTE_WARPS; bench/moe.py times 1, 2 and 4."""
     T, E = logits.shape
     M = T * top_k
     dev = logits.device
@@ -369,7 +374,7 @@ def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round
                              ids.stride(0), max_blocks, K=top_k, BLOCK_E=triton.next_power_of_2(E),
                              BLOCK_K=triton.next_power_of_2(top_k),
                              BLOCK_A=triton.next_power_of_2(SMALL_TOKENS * top_k),
-                             RENORM=renormalize, ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=64, num_warps=4,
+                             RENORM=renormalize, ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=64, num_warps=num_warps,
                              **gdc_launch(gdc))
     return ids, weights, sorted_rows, block_expert, padded
 
