@@ -295,7 +295,7 @@ def split_order(N: int, K: int, block_n: int, block_k: int, sms: int) -> tuple[i
     """(SPLIT_K, GROUP): the K splits of a weight of N x K and how many consecutive splits make a group, their sums
     added in order before the groups are (_sum_splits). One row wants about splits_for's count, a program a split;
     many rows want groups_for's partials a tile, a program a group adding its splits in one loop. So the count is
-    the multiple of the groups nearest splits_for's (ties up; at most MIN_SPLIT_STEPS steps a split), in groups of
+    the multiple of the groups nearest splits_for's (ties up; each split at least MIN_SPLIT_STEPS steps), in groups of
     count / groups: on an H100 at 1 / 64 / 256 rows the 1B down's 8 in groups of 2 took 0.0157 / 0.0188 / 0.0256
     ms against 9 splits in order's 0.0156 / 0.0192 / 0.0423, the 8B down's 6 in groups of 3 0.0445 / 0.0501 /
     0.0659 against 5's 0.0451 / 0.0522 / 0.0944 (bits alike at every row count; 2026-12-05, binv-splits). A
