@@ -104,7 +104,7 @@ def test_fixed_tile_matmul_rows_bitwise_on_the_gpu(N, K, which):
     alone = fixed_tile_matmul(x[None], w, tile=tile)[0]
     torch.testing.assert_close(alone.float(), (x[None] @ w.t())[0].float(), rtol=2e-2, atol=2e-2)
     if which in ("serial", "flat"):
-        assert torch.equal(alone, fixed_tile_matmul(x[None], w, tile=in_order)[0]), "the serial sum is not the workspace's"
+        assert torch.equal(alone, fixed_tile_matmul(x[None], w, tile=in_order)[0]), "serial is not the workspace's sum"
     if which == "grouped":
         assert torch.equal(alone, fixed_tile_matmul(x[None], w)[0]), "a program a group is not a program a split"
     for rows in (2, 63, 64, 65, 255, 300):
