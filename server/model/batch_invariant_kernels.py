@@ -125,8 +125,8 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
     out is the fp32 workspace [SPLIT_K, M, N] and _sum_splits folds it; GROUPED > 1: program (N tile, group, M
     tile) adds a group of GROUPED consecutive splits in one loop (as FLAT does all of them) and writes that group's
     partial: out is [SPLIT_K / GROUPED, M, N], which _sum_splits folds in groups of one. GDC: chained by
-    dependent launch (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets the next
-    (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
+    dependent launch (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets
+    the next (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
     chain_in(GDC)
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
