@@ -374,8 +374,10 @@ def matmul_tile(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: 
     splits, group = split_order(N, K, block_n, block_k, sms)
     stages = 3 if fp32 else 4
     if splits > 1 and groups_for(N, sms) > 1 and rows >= WIDE_ROWS and not fp32:
-        # many rows of a weight whose tiles alone leave the GPU idle: 128 x 128 tiles, a program a group of splits
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 8, "num_stages": stages,
+        # many rows of a weight whose tiles alone leave the GPU idle: 128-row tiles, a program a group of splits;
+        # 128 columns on Hopper only (elsewhere the MMA's width was never shown not to order a sum: WIDE_COLUMNS)
+        return {"BLOCK_M": 128, "BLOCK_N": 128 if _hopper(device) else block_n, "BLOCK_K": block_k,
+                "num_warps": 8, "num_stages": stages,
                 "SPLIT_K": splits, "GROUP": group, "SERIAL": False, "FLAT": False, "GROUPED": True}
     wide = rows >= WIDE_ROWS and not fp32 and fills(128)
     block_m = 128 if wide else 64

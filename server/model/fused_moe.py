@@ -35,7 +35,7 @@ from server.model.launch import chain_in, gdc_launch
 from server.model.small_gemm import chained, small_gemm, small_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ids_stride"])  # K or layers x K (routed_experts.py): one compile for both
 def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, ids_stride, K: tl.constexpr, BLOCK_E: tl.constexpr,
            BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
     t = tl.program_id(0)
@@ -60,7 +60,7 @@ def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, ids_stride, K: tl.conste
     tl.store(weights_ptr + t * K + kk, top_p, mask=kk < K)
 
 
-@triton.jit(do_not_specialize=["T", "max_blocks"])
+@triton.jit(do_not_specialize=["T", "max_blocks", "ids_stride"])
 def _route_align_small(logits_ptr, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, padded_ptr, T, E, stride,
                        ids_stride, max_blocks, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_A: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
