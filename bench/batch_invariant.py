@@ -57,6 +57,12 @@ def sweep_tile(block_n: int, splits: int) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SPLIT_K": splits}
 
 
+def in_order(tile: dict, **changes) -> dict:
+    """tile with its K splits added one after the other (GROUP 1, a program a split): the order the serial and
+    one-loop candidates add them in, whatever groups the mode's tile takes."""
+    return dict(tile, GROUP=1, GROUPED=False, **changes)
+
+
 def wide_candidates(mine: dict) -> dict[str, dict]:
     """Tiles for many rows that keep a row's K order (BLOCK_K, SPLIT_K). Split weights: the splits added in each
     program a loop a split on 64-row tiles, in one loop on 64 x 128 tiles, and through the workspace on 128-row
@@ -64,7 +70,7 @@ def wide_candidates(mine: dict) -> dict[str, dict]:
     128 rows on 128 and 256 columns, 3 and 4 stages."""
     out = {}
     if mine.get("SPLIT_K", 1) > 1:
-        mine = dict(mine, GROUP=1, GROUPED=False)  # a serial program adds the splits in order
+        mine = in_order(mine)  # a serial program adds the splits in order
         out["serial m64"] = dict(mine, BLOCK_M=64, num_warps=4, SERIAL=True, FLAT=False)
         out["flat m64 n128"] = dict(mine, BLOCK_M=64, BLOCK_N=128, num_warps=4, SERIAL=True, FLAT=True)
         for n, stages in ((128, 4), (256, 3)):
@@ -80,7 +86,7 @@ def flat_candidates(mine: dict) -> dict[str, dict]:
     """The mode's split tile with its splits added in each program in ONE K loop over all of them (FLAT), on its
     rows a program and on the other width (128 rows on two warpgroups where it takes 64, 64 on one where it
     takes 128): the K order of the mode's tile (BLOCK_K, SPLIT_K), so the same bits (checked on each run)."""
-    flat = dict(mine, SERIAL=True, FLAT=True, GROUP=1, GROUPED=False)  # the splits in order
+    flat = in_order(mine, SERIAL=True, FLAT=True)
     wide = mine["BLOCK_M"] == 128
     other = dict(flat, BLOCK_M=64 if wide else 128, num_warps=4 if wide else 8)
     return {f"flat m{flat['BLOCK_M']}": flat, f"flat m{other['BLOCK_M']}": other}
@@ -100,7 +106,7 @@ def schedule_candidates(mine: dict, rows: int, splits: int) -> dict[str, dict]:
     one loop (FLAT)."""
     from server.model.batch_invariant_kernels import WIDE_ROWS
 
-    base = dict(mine, SPLIT_K=splits, GROUP=1, SERIAL=False, FLAT=False, GROUPED=False)
+    base = in_order(mine, SPLIT_K=splits, SERIAL=False, FLAT=False)
     if rows < WIDE_ROWS:
         return {f"s{splits} n{n}": dict(base, BLOCK_M=64, BLOCK_N=n, num_warps=4, num_stages=st)
                 for n, st in ((32, 6), (64, 4))}
@@ -196,14 +202,13 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
             if mine != narrow:
                 row["narrow_ms"] = median_ms(fixed_tile_matmul, x, ws, None, None, narrow)
             if mine.get("SPLIT_K", 1) > 1:  # the splits through the workspace and added in each program
-                in_order = dict(mine, GROUP=1, GROUPED=False)  # (the candidates below add the splits in order)
                 row["workspace_ms"], row["serial_ms"] = (
-                    median_ms(fixed_tile_matmul, x, ws, None, None, dict(in_order, SERIAL=serial, FLAT=False))
+                    median_ms(fixed_tile_matmul, x, ws, None, None, in_order(mine, SERIAL=serial, FLAT=False))
                     for serial in (False, True))
                 # and added in each program in one K loop, not a loop a split: their times and their bits
                 flat = flat_candidates(mine)
                 row["flat_ms"] = {k: median_ms(fixed_tile_matmul, x, ws, None, None, t) for k, t in flat.items()}
-                want = fixed_tile_matmul(x, ws[0], tile=dict(in_order, SERIAL=False, FLAT=False))
+                want = fixed_tile_matmul(x, ws[0], tile=in_order(mine, SERIAL=False, FLAT=False))
                 row["flat_same_bits"] = {k: torch.equal(fixed_tile_matmul(x, ws[0], tile=t), want)
                                          for k, t in flat.items()}
             if b >= WIDE_ROWS:  # candidates for many rows, each keeping the K order (BLOCK_K, SPLIT_K) of one row's
@@ -212,7 +217,7 @@ def gemm_rows(name: str, device: torch.device, batches: list[int], sweep: bool =
                 # Whether a wider column tile gives a row the bits the mode's one-row tile gives it: if so, the
                 # column tile could follow the rows too (the MMA's N would not order a row's sum on this GPU).
                 split = mine.get("SPLIT_K", 1) > 1  # then the candidates add the splits in order
-                alone = fixed_tile_matmul(x[:1], ws[0], tile=dict(narrow, GROUP=1) if split else narrow)[0]
+                alone = fixed_tile_matmul(x[:1], ws[0], tile=in_order(narrow) if split else narrow)[0]
                 row["wide_same_bits"] = {k: torch.equal(fixed_tile_matmul(x, ws[0], tile=t)[0], alone)
                                          for k, t in wide.items()}
             if schedules and mine.get("SPLIT_K", 1) > 1:
@@ -322,12 +327,14 @@ def main(argv: list[str] | None = None) -> dict:
                                     for k, v in g["wide_ms"].items()), f"{g['cublas_ms']:.4f}"]
                          for g in wide], ["model", "gemm", "rows", "mode's tile ms", "candidates ms", "cuBLAS ms"]))
         sched = [g for g in gemms if g.get("schedules_ms")]
-        if sched:  # fewer splits: the weight's time at each batch, the mode's against each candidate
-            print(table([[g["model"], g["gemm"], g["rows"], f"s{g['tile']['SPLIT_K']} {g['fixed_tile_ms']:.4f}",
-                          ", ".join(f"{k} {v:.4f}" + ("" if g["schedules_same_bits"][k] else " (row 0 NOT its 1-row bits)")
-                                    for k, v in g["schedules_ms"].items()), f"{g['cublas_ms']:.4f}"]
-                         for g in sched], ["model", "gemm", "rows", "mode's splits, ms", "fewer splits, ms",
-                                           "cuBLAS ms"]))
+        if sched:  # fewer or grouped splits: the weight's time at each batch, the mode's against each candidate
+            def candidates(g: dict) -> str:
+                return ", ".join(f"{k} {v:.4f}" + ("" if g["schedules_same_bits"][k] else " (row 0 NOT its 1-row bits)")
+                                 for k, v in g["schedules_ms"].items())
+            print(table([[g["model"], g["gemm"], g["rows"],
+                          f"s{g['tile']['SPLIT_K']} g{g['tile'].get('GROUP', 1)} {g['fixed_tile_ms']:.4f}",
+                          candidates(g), f"{g['cublas_ms']:.4f}"] for g in sched],
+                        ["model", "gemm", "rows", "mode's splits, ms", "fewer or grouped splits, ms", "cuBLAS ms"]))
         flat = [g for g in gemms if "flat_ms" in g]
         if flat:  # the split weights' K splits in one loop a program against the mode's tile and a loop a split
             print(flat_table(flat))

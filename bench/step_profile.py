@@ -127,11 +127,14 @@ def main() -> None:
     llm.close()
     sampled = args.temperature or args.logprobs is not None
     write_json(args.out, "step_profile" + ("" if args.device == "cuda" else "-cpu") + ("-sampled" if sampled else "")
-               + ("" if args.prompt_len == 32 else f"-prompt{args.prompt_len}") + ("-binv" if args.batch_invariant else ""),
-               {"model": args.model, "batch_invariant": args.batch_invariant, "temperature": args.temperature, "logprobs": args.logprobs, "rows": rows})
+               + ("" if args.prompt_len == 32 else f"-prompt{args.prompt_len}")
+               + ("-binv" if args.batch_invariant else ""),
+               {"model": args.model, "batch_invariant": args.batch_invariant, "temperature": args.temperature,
+                "logprobs": args.logprobs, "rows": rows})
     keys = ["wall_ms", "graph_gpu_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "bookkeeping_ms"]
-    print(f"\nstep profile ({args.model}{', batch-invariant' if args.batch_invariant else ''}, {args.device}, temperature {args.temperature}, logprobs {args.logprobs}, "
-          f"{args.prompt_len}-token prompts)")
+    mode = ", batch-invariant" if args.batch_invariant else ""
+    print(f"\nstep profile ({args.model}{mode}, {args.device}, temperature {args.temperature}, "
+          f"logprobs {args.logprobs}, {args.prompt_len}-token prompts)")
     print(table([[r["batch"]] + [f"{r[k]:.3f}" for k in keys] for r in rows], ["batch"] + keys))
     for r in rows:
         if "kernels" in r:

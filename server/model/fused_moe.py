@@ -292,23 +292,25 @@ def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
     return route_logits(torch.nn.functional.linear(x, gate), top_k, renormalize, round_weights)
 
 
-def ids_into(into: torch.Tensor | None, T: int, top_k: int, device: torch.device) -> torch.Tensor:
-    """Where the routing kernels write a step's [T, top_k] int32 expert ids: the routed-experts capture buffer's
-    rows when the server records them (routed_experts.py; rows of unit column stride, a row stride of their own),
-    so the ids land there from the routing program itself: no copy kernel a layer. At batch 1 that copy, an
-    ordinary launch between two chained ones (launch.py), cost 0.75 ms of a 4.39 ms 30B-A3B step (H100, 12-05)."""
-    if into is None:
+def ids_into(routed: torch.Tensor | None, T: int, top_k: int, device: torch.device) -> torch.Tensor:
+    """Where the routing kernels write a step's [T, top_k] int32 expert ids: the first T rows of the layer's
+    routed-experts capture buffer when the server records them (SparseMoeBlock.routed: [max tokens, top_k], rows
+    of unit column stride and a row stride of their own, routed_experts.py), so the ids land there from the
+    routing program itself: no copy kernel a layer. At batch 1 that copy, an ordinary launch between two chained
+    ones (launch.py), cost 0.75 ms of a 4.39 ms 30B-A3B step (H100, 12-05)."""
+    if routed is None:
         return torch.empty((T, top_k), dtype=torch.int32, device=device)
+    into = routed[:T]
     if into.shape != (T, top_k) or into.dtype != torch.int32 or into.stride(1) != 1:
         raise ValueError(f"routed ids go to [{T}, {top_k}] int32 rows, not {tuple(into.shape)} {into.dtype}")
     return into
 
 
 def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool,
-                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's top_k experts and their weights (ids written into `into` when given: ids_into)."""
+                 routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts and their weights (ids written into the capture rows `routed`: ids_into)."""
     T, E = logits.shape
-    ids = ids_into(into, T, top_k, logits.device)
+    ids = ids_into(routed, T, top_k, logits.device)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     if T:
         _route[(T,)](logits, ids, weights, E, logits.stride(0), ids.stride(0), K=top_k,
@@ -357,14 +359,14 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool, block_m: int,
-                      gdc: bool = False, into: torch.Tensor | None = None, num_warps: int = ROUTE_WARPS):
+                      gdc: bool = False, routed: torch.Tensor | None = None, num_warps: int = ROUTE_WARPS):
     """route_logits and align in one launch (a decode batch of up to SMALL_TOKENS tokens): (ids, weights,
-    sorted rows, each block's expert, the padded total). gdc: chained by dependent launch (launch.py). into:
-    where the ids go (ids_into). num_warps: ROUTE_WARPS; bench/moe.py times 1, 2 and 4."""
+    sorted rows, each block's expert, the padded total). gdc: chained by dependent launch (launch.py). routed:
+    the capture rows the ids go to (ids_into). num_warps: ROUTE_WARPS; bench/moe.py times 1, 2 and 4."""
     T, E = logits.shape
     M = T * top_k
     dev = logits.device
-    ids = ids_into(into, T, top_k, dev)
+    ids = ids_into(routed, T, top_k, dev)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     max_blocks = max_blocks_for(M, E, block_m)
     sorted_rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
@@ -393,12 +395,11 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
         logits = torch.nn.functional.linear(x, block.gate.weight)
     T, K = x.shape[0], block.top_k
     cfg = tiles(T * K, max(w2.shape[1], w2.shape[2]), w13.shape[0])
-    into = None if block.routed is None else block.routed[:T]
     if 0 < T <= SMALL_TOKENS:
         ids, weights, *grouped = route_align_small(logits, K, block.norm_topk_prob, block.round_weights,
-                                                   cfg["BLOCK_M"], gdc, into)
+                                                   cfg["BLOCK_M"], gdc, block.routed)
     else:
-        ids, weights = route_logits(logits, K, block.norm_topk_prob, block.round_weights, into)
+        ids, weights = route_logits(logits, K, block.norm_topk_prob, block.round_weights, block.routed)
         grouped = list(align(ids, w13.shape[0], cfg["BLOCK_M"])) if T else []
     return experts(x, w13, w2, weights, grouped, K, cfg, gdc)
 
@@ -416,9 +417,8 @@ def moe_invariant(x: torch.Tensor, block, project) -> torch.Tensor:
     INVARIANT_TILE whatever the batch. A row's place in its expert's blocks follows the atomics, its
     arithmetic does not; a token's k parts are added in slot order (_combine)."""
     w13, w2 = block.experts.w13_weight, block.experts.w2_weight
-    T, K = x.shape[0], block.top_k
-    into = None if block.routed is None else block.routed[:T]
-    ids, weights = route_logits(project(x, block.gate.weight), K, block.norm_topk_prob, block.round_weights, into)
+    ids, weights = route_logits(project(x, block.gate.weight), block.top_k, block.norm_topk_prob,
+                                block.round_weights, block.routed)
     return fused_experts(x, w13, w2, ids, weights, INVARIANT_TILE)
 
 

@@ -16,11 +16,11 @@ pytest.importorskip("triton")
 # padding masked); tests/gpu/test_batch_invariant_gpu.py checks the hardware's.
 ROWWISE_DOT = r"""
 import numpy as np
-_matmul = np.matmul
+_whole_block = np.matmul  # (its own name: BF16_DOT + ROWWISE_DOT composes, each calling the dot before it)
 def _rowwise(a, b, *args, **kwargs):
     if a.ndim != 2:
-        return _matmul(a, b, *args, **kwargs)
-    return np.concatenate([_matmul(a[i:i + 1], b, *args, **kwargs) for i in range(a.shape[0])])
+        return _whole_block(a, b, *args, **kwargs)
+    return np.concatenate([_whole_block(a[i:i + 1], b, *args, **kwargs) for i in range(a.shape[0])])
 np.matmul = _rowwise
 """
 MATMUL = ROWWISE_DOT + r"""
@@ -116,13 +116,7 @@ print("ok")
 # (GROUPED: the group's splits added in its program in one loop) give the same bits, fp32 and bf16, rows alone
 # and among others, with and without bias; against the partials added here in that order, and against the
 # splits added one after the other (another order: other bits where the data tells them apart).
-GROUPED = BF16_DOT + r"""
-_by_value = np.matmul
-def _rowwise_by_value(a, b, *args, **kwargs):   # ROWWISE_DOT over BF16_DOT: a row alone = among others
-    if a.ndim != 2:
-        return _by_value(a, b, *args, **kwargs)
-    return np.concatenate([_by_value(a[i:i + 1], b, *args, **kwargs) for i in range(a.shape[0])])
-np.matmul = _rowwise_by_value
+GROUPED = BF16_DOT + ROWWISE_DOT + r"""
 import torch
 import triton
 from server.model.batch_invariant_kernels import _fixed_tile_matmul, fixed_tile_matmul
