@@ -106,6 +106,16 @@ def decode_rate(llm, batch: int, prompt_len: int, steps: int, ask: bool, repeats
     return res
 
 
+def timeline(llm, row: dict, args, phases: "Phases") -> None:
+    """The smallest batch's device timeline (device_timeline) into its decode row: the last thing the benchmark
+    does, on the flag-off engine (none with --no-off-engine). Every phase timed after torch.profiler in one process ran slower: the level-1
+    wake at 0.60-0.61 of raw pinned in both runs that traced before it (H100, 12-05) against 0.91 without, and
+    the flag-off engine, started after it, stepped at batch 1 in 4.14 and 3.96 ms against the flag-on engine's
+    3.61 and 3.06 before it (H100 12-06 00:01, H200 02:03): the profiler's hooks stay on the launches it saw."""
+    with phases("the smallest batch's device timeline (flag off)"):
+        row["device_timeline"] = device_timeline(llm, row["batch"], args.prompt_len, min(args.steps, 32))
+
+
 def device_timeline(llm, batch: int, prompt_len: int, steps: int, top: int = 8) -> dict:
     """One generate of `steps` tokens a sequence under torch.profiler (device activity only): the device's busy ms
     a step against the step's time (what the decode graph and the sampler keep the device doing, and what lies
@@ -370,12 +380,6 @@ def main() -> None:
             first = RESULT["sleep"]["level1"][0]
             RESULT["sleep"]["level1_vs_raw"] = {"sleep_first": first["sleep_gbps"] / raw["d2h"],
                                                 "wake_first": first["wake_gbps"] / raw["h2d"]}
-    # Where a small batch's step goes (the device busy, its idle gaps): after the sleep cycles, since the level-1
-    # wake ran at 0.60-0.61 of raw pinned in both runs that traced this before them (H100, 12-05 23:30 and 12-06
-    # 00:05) against 0.91 in the run before (21:44) without it; the profiler's hooks are suspect, not proven.
-    with phases("the smallest batch's device timeline"):
-        decode[0]["device_timeline"] = device_timeline(llm, decode[0]["batch"], args.prompt_len,
-                                                       min(args.steps, 32))
     llm.close()
     del llm, model
     if device.type == "cuda":
@@ -389,6 +393,7 @@ def main() -> None:
                 # and the smallest batch: whether the capture's graph nodes are part of a small step's time
                 small = decode_rate(off, decode[0]["batch"], args.prompt_len, args.steps, ask=False,
                                     repeats=args.repeats)
+                timeline(off, decode[0], args, phases)
             capture["off_tok_s"] = row["tok_s"]
             capture["off_smallest_batch"] = {"batch": small["batch"], "step_ms": small["step_ms"],
                                              "on_step_ms": decode[0]["step_ms"]}

@@ -2,6 +2,7 @@
 kernel is defined, so it cannot be switched on inside a process that already imported the kernels."""
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -27,6 +28,10 @@ def compile_for_sm90(fn, signature: dict, constexprs: dict, divisible: tuple[str
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # constexpr parameters left out take their defaults, as a JIT call's do
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.name not in constexprs
+                and p.name not in signature and p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}
     sig = {**signature, **{name: "constexpr" for name in constexprs}}
     try:
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
