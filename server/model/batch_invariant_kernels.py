@@ -36,7 +36,7 @@ from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
 from server.model.fused_moe import moe_invariant
 from server.model.fused_ops import TritonOps
-from server.model.launch import chain_in, dependent_launch_on, gdc_launch, prefetch_l2
+from server.model.launch import chain_in, dependent_launch_on, gdc_launch
 
 
 @triton.jit
@@ -69,15 +69,6 @@ def _k_step(x_rows, w_rows, row_ok, col_ok, k, K: tl.constexpr, acc, IEEE: tl.co
     """acc + the tile's product over the K columns k (masked past K): one BLOCK_K step."""
     k_ok = k < K
     return _mma(_k_tile(x_rows, row_ok, k, k_ok), _k_tile(w_rows, col_ok, k, k_ok), acc, IEEE)
-
-
-@triton.jit
-def _prefetch_weights(w_rows, col_ok, start, SPAN: tl.constexpr, K: tl.constexpr, LINES: tl.constexpr,
-                      LINE: tl.constexpr):
-    """The first LINES 128-byte lines (LINE elements each) of each weight row's K range [start, start + SPAN) into
-    L2 (launch.prefetch_l2): what a chained program will read first, asked for before its wait."""
-    at = tl.arange(0, LINES) * LINE
-    prefetch_l2(w_rows + (start + at)[None, :], col_ok[:, None] & ((at < SPAN) & (start + at < K))[None, :])
 
 
 @triton.jit
@@ -123,8 +114,7 @@ def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, first, K: tl.constexpr, 
 def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       SERIAL: tl.constexpr, FLAT: tl.constexpr, GDC: tl.constexpr, GROUPED: tl.constexpr = 1,
-                       PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                       SERIAL: tl.constexpr, FLAT: tl.constexpr, GDC: tl.constexpr, GROUPED: tl.constexpr = 1):
     """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
     next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
     the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype. SERIAL
@@ -136,9 +126,8 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
     tile) adds a group of GROUPED consecutive splits in one loop (as FLAT does all of them) and writes that group's
     partial: out is [SPLIT_K / GROUPED, M, N], which _sum_splits folds in groups of one. GDC: chained by
     dependent launch (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets
-    the next (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic.
-    PREFETCH (chained only): before that wait, the program asks L2 for the first PREFETCH lines of each of its
-    weight rows' K range (one M tile a weight block: the others read it after), weights no kernel before writes."""
+    the next (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
+    chain_in(GDC)
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
@@ -151,11 +140,6 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
         pid_n = rest // (SPLIT_K // GROUPED)
     rows, cols, row_ok, col_ok, x_rows, w_rows = _tile(x_ptr, w_ptr, pid_m, pid_n, M, N, stride_x, stride_w,
                                                        BLOCK_M, BLOCK_N)
-    if PREFETCH > 0:
-        if pid_m == 0:
-            SPAN: tl.constexpr = (SPLIT_K if SERIAL else GROUPED) * K_CHUNK  # the K this program walks
-            _prefetch_weights(w_rows, col_ok, pid_s * GROUPED * K_CHUNK, SPAN, K, PREFETCH, LINE)
-    chain_in(GDC)
     if SERIAL and FLAT:
         acc = _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_CHUNK,
                                   IEEE)
@@ -232,13 +216,13 @@ def _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K: tl.constexpr, BLOC
 @triton.jit(do_not_specialize=["M"])
 def _fixed_tile_gate_up(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w, stride_o, K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        IEEE: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                        IEEE: tl.constexpr, GDC: tl.constexpr):
     """out[M, I] = silu(x @ gate.T (+ b)) * (x @ up.T (+ b)) for w = gate | up [2I, K], the loader's packed gate_up,
     K not split: program (column tile, M tile) computes BLOCK_N gate columns and the same up columns as
     _fixed_tile_matmul computes each (from zero, all of K in BLOCK_K steps; the column tile does not order an
     element's sum: matmul_tile), rounds both, then SiLU and the product as _silu_mul_packed rounds them. The
-    same bits as the matmul and _silu_mul_packed, without the [M, 2I] round trip and one launch fewer. PREFETCH:
-    as _fixed_tile_matmul's, for the gate and the up rows."""
+    same bits as the matmul and _silu_mul_packed, without the [M, 2I] round trip and one launch fewer."""
+    chain_in(GDC)
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
@@ -246,11 +230,6 @@ def _fixed_tile_gate_up(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w, 
     rows, cols, row_ok, col_ok, x_rows, g_rows = _tile(x_ptr, w_ptr, pid_m, pid_n, M, I, stride_x, stride_w,
                                                        BLOCK_M, BLOCK_N)
     u_rows = w_ptr + (cols + I).to(tl.int64)[:, None] * stride_w  # the up rows: I rows past the gate rows
-    if PREFETCH > 0:
-        if pid_m == 0:
-            _prefetch_weights(g_rows, col_ok, 0, K, K, PREFETCH, LINE)
-            _prefetch_weights(u_rows, col_ok, 0, K, K, PREFETCH, LINE)
-    chain_in(GDC)
     acc_g, acc_u = _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -332,28 +311,6 @@ def split_order(N: int, K: int, block_n: int, block_k: int, sms: int) -> tuple[i
     if splits % groups or splits == groups:
         return splits, 1
     return splits, splits // groups
-
-
-# What a chained program of the mode asks L2 for before its wait (_prefetch_weights): at most PREFETCH_LINES 128-byte
-# lines a weight row (1 KiB: at one row the 1B's qkv and o_proj splits whole, the first BLOCK_K steps of the
-# others), and at most PREFETCH_BYTES a launch, which L2 (50 MB on an H100 or H200) holds beside what the kernel
-# before is reading. At batch 1 the mode's matmuls could not start their weight stream before the kernel before
-# ended (the default path's small_gemm does, and its step was 0.74x the mode's on an H200, 2026-12-06).
-PREFETCH_LINES = 8
-PREFETCH_BYTES = 16 << 20
-
-
-def prefetch_lines(chain: bool, weight_rows: int, span: int, element_size: int) -> dict:
-    """PREFETCH and LINE for a launch whose programs each walk `span` elements of K of their weight rows,
-    `weight_rows` (row, K range) pairs in all (N, times the K ranges a split weight's programs take): none unless
-    chained (nothing runs before the wait then). PREFETCH is a power of two (tl.arange), masked to the span."""
-    if not chain:
-        return {"PREFETCH": 0}
-    needed = triton.cdiv(span * element_size, 128)
-    lines = min(PREFETCH_LINES, triton.next_power_of_2(needed))
-    while lines > 1 and weight_rows * min(lines, needed) * 128 > PREFETCH_BYTES:
-        lines //= 2
-    return {"PREFETCH": lines, "LINE": 128 // element_size}
 
 
 def unsplit_tile(N: int, K: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -544,13 +501,11 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     b = bias if has_bias else weight
     ieee = x.dtype == torch.float32
     chain = mode_chained(x)
-    size = weight.element_size()
     if splits == 1 or serial:
         grid = (n_tiles * triton.cdiv(M, block_m),)
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
-                                 SERIAL=splits > 1, FLAT=flat and splits > 1, **gdc_launch(chain),
-                                 **prefetch_lines(chain, N, K, size), **tile)
+                                 SERIAL=splits > 1, FLAT=flat and splits > 1, **gdc_launch(chain), **tile)
         return out
     # Partials a tile writes: one a split, or one a group (its splits added in its program, in order).
     parts = splits // group if grouped else splits
@@ -562,8 +517,7 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         grid = (n_tiles * parts * triton.cdiv(rows, block_m),)
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
-                                 FLAT=False, GROUPED=group if grouped else 1, **gdc_launch(chain),
-                                 **prefetch_lines(chain, N * parts, K // parts, size), **tile)
+                                 FLAT=False, GROUPED=group if grouped else 1, **gdc_launch(chain), **tile)
         _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=parts,
                                                          BLOCK=SUM_BLOCK, HAS_BIAS=has_bias,
                                                          GROUP=1 if grouped else group, num_warps=4,
@@ -599,8 +553,7 @@ def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     grid = (triton.cdiv(I, tile["BLOCK_N"]) * triton.cdiv(M, tile["BLOCK_M"]),)
     _fixed_tile_gate_up[grid](x, weight, bias if bias is not None else weight, out, M, I, x.stride(0),
                               weight.stride(0), out.stride(0), K=K, HAS_BIAS=bias is not None,
-                              IEEE=x.dtype == torch.float32, **gdc_launch(chain),
-                              **prefetch_lines(chain, 2 * I, K, weight.element_size()), **tile)
+                              IEEE=x.dtype == torch.float32, **gdc_launch(chain), **tile)
     return out
 
 

@@ -56,14 +56,3 @@ def gdc_launch(on: bool) -> dict:
     """A kernel's launch arguments for a chain: its GDC flag (the in-kernel wait), and the launch attribute
     that lets it start before the kernel before it ends."""
     return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
-
-
-@triton.jit
-def prefetch_l2(ptrs, ok):
-    """Ask L2 for the 128-byte lines at ptrs where ok, without waiting for them and without reading anything into
-    registers: a chained kernel's weights, issued before its wait (chain_in), so that its first loads find them in
-    L2 while the kernel before still runs (its loads go through Triton's pipeliner, which cannot start before the
-    wait the way small_gemm.py's register loads do). The arithmetic never sees it. Not under Triton's interpreter
-    (no PTX there): callers pass PREFETCH = 0 unless chained."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

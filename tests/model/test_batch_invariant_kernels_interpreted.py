@@ -507,64 +507,6 @@ def test_gate_up_kernel_compiles_for_sm90_without_spills(block_m, block_n, warps
     assert waits_before_memory(kernel.asm["ptx"])
 
 
-@pytest.mark.parametrize("kernel_name", ["_fixed_tile_matmul", "_fixed_tile_gate_up"])
-def test_chained_matmuls_ask_l2_for_their_weights_before_the_wait(kernel_name):
-    """The mode's matmuls at one row as launched on Hopper (the 1B qkv's 6 splits of 384; gate|up unsplit), with
-    PREFETCH: every prefetch (launch.prefetch_l2) comes before griddepcontrol.wait and nothing else touches memory
-    before it; the arithmetic after it is the kernel's without PREFETCH: the same floating-point instructions and
-    MMAs in the same order (the address arithmetic around them is scheduled otherwise)."""
-    import re
-
-    from server.model import batch_invariant_kernels as bik
-    from tests.interpreter import compile_for_sm90
-
-    kernel = getattr(bik, kernel_name)
-    gate_up = kernel_name == "_fixed_tile_gate_up"
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16" if gate_up else "*fp32",
-           **{p: "i32" for p in ("M", "I" if gate_up else "N", "stride_x", "stride_w", "stride_o")}}
-    tile = (dict(K=2048, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, HAS_BIAS=False, IEEE=False, GDC=True) if gate_up else
-            dict(K=2048, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=6, K_CHUNK=384, HAS_BIAS=False, IEEE=False,
-                 SERIAL=False, FLAT=False, GDC=True, GROUPED=1))
-    divisible = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "stride_x", "stride_w", "stride_o")
-
-    def ptx(prefetch: int) -> str:
-        return compile_for_sm90(kernel, sig, dict(tile, PREFETCH=prefetch, LINE=64), divisible=divisible,
-                                num_warps=4, num_stages=4).asm["ptx"]
-
-    with_it, without = ptx(8), ptx(0)
-    lines = with_it.splitlines()
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    asked = [i for i, line in enumerate(lines) if "prefetch.global.L2" in line]
-    # 64 rows x 8 lines (gate and up: twice) over 128 threads
-    assert len(asked) == (8 if gate_up else 4) and max(asked) < wait
-    assert "prefetch" not in without and waits_before_memory(with_it)
-
-    def arithmetic(text: str) -> list[str]:
-        """The opcodes of the floating-point instructions and MMAs from the wait on, in order."""
-        body = text[text.index("griddepcontrol.wait"):]
-        ops = [re.sub(r"^@!?%p\d+\s+", "", line.strip()).split()[0] for line in body.splitlines() if line.strip()]
-        return [op for op in ops if "mma" in op or re.search(r"\.(f32|f16|bf16|bf16x2|f16x2)$", op)]
-
-    assert arithmetic(with_it) == arithmetic(without) and any("mma" in op for op in arithmetic(without))
-
-
-def test_prefetch_lines_keeps_a_launch_within_its_budget():
-    """What a chained launch asks L2 for: a split's K range whole up to PREFETCH_LINES lines a row, halved until the
-    launch's rows fit PREFETCH_BYTES (never below one line), nothing unchained."""
-    from server.model.batch_invariant_kernels import PREFETCH_BYTES, PREFETCH_LINES, prefetch_lines
-
-    assert prefetch_lines(False, 3072, 384, 2) == {"PREFETCH": 0}
-    assert prefetch_lines(True, 3072 * 6, 384, 2) == {"PREFETCH": 8, "LINE": 64}    # 1B qkv: 768 B a row, 8 lines
-    assert prefetch_lines(True, 2048 * 8, 256, 2) == {"PREFETCH": 4, "LINE": 64}    # 1B o_proj: 512 B a row
-    assert prefetch_lines(True, 2 * 8192, 2048, 2)["PREFETCH"] == PREFETCH_LINES     # 1B gate|up: 16 MiB
-    assert prefetch_lines(True, 2 * 14336, 4096, 2)["PREFETCH"] == 4                 # 8B gate|up: 14.7 MB
-    assert prefetch_lines(True, 128256, 2048, 2)["PREFETCH"] == 1                    # an LM head: one line a row
-    assert prefetch_lines(True, 4096, 1024, 4) == {"PREFETCH": 8, "LINE": 32}        # fp32: 32 elements a line
-    for rows in (1, 2048, 100_000):
-        lines = prefetch_lines(True, rows, 8192, 2)["PREFETCH"]
-        assert lines == 1 or rows * lines * 128 <= PREFETCH_BYTES
-
-
 def test_the_modes_per_row_kernels_chain_on_sm90_without_a_gpu():
     """RMSNorm and SiLU x up as the mode launches them on Hopper (GDC): each waits in-kernel for the kernel
     before it (griddepcontrol.wait) and lets the next one launch; without GDC, neither instruction."""
