@@ -176,6 +176,9 @@ for stage in $stages; do
                   tests/gpu/test_weight_transfer_gpu.py -k "nonfinite or ipc" -p no:cacheprovider ;;
     finite)     # the non-finite check of weight updates: its cost on the 8B push, check on and off
                 run finite $PY bench/finite_check.py --push --out "$RESULTS" ;;
+    hostcopies) # the wake's own host-to-device copies (kernel, copy engines) against torch's pinned copy, and the host's
+                # huge-page mode and NUMA nodes: why a level-1 wake reached 0.61 of raw pinned on one H100 host
+                run hostcopies $PY bench/host_copies.py --out "$RESULTS" ;;
     limits)     run limits $PY bench/sleep_limits.py --out "$RESULTS" ;;
     vmmfloor)   run vmmfloor $PY bench/vmm_floor.py --gib 100 --out "$RESULTS"
                 run vmm-aftermath $PY bench/vmm_floor.py --gib 100 --aftermath --out "$RESULTS" ;;
