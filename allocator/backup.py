@@ -11,8 +11,10 @@ nothing is left on disk when the process ends, however it ends.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, TypeVar
@@ -26,6 +28,8 @@ if TYPE_CHECKING:  # the CUDA side imports cuda-python, which CPU-only users nee
 # Big enough that per-call overhead vanishes (128 calls for 8 GiB), small enough that a 40 GiB
 # allocation is not one monolithic copy.
 DEFAULT_CHUNK_BYTES = 64 << 20
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -105,33 +109,48 @@ class PinnedBackup:
         self.buffer, self.layout = None, []
 
 
-# How a wake copies backups back to the device: "kernel" (default) reads the pinned host memory with
-# the GPU's own loads (a copy kernel over the mapped backup), "engine" uses the copy engines
-# (cuMemcpyHtoDAsync). Measured on an H200 (the evening of 2026-11-30; docs/measurements.md): right
-# after ~110 GiB were released (a sleep that discarded the KV cache, or a trainer's empty_cache), the
-# copy engines move only 27.6 GB/s for the ~100 ms the driver spends on the freed memory, while a
-# kernel reads 51.2 GB/s; with nothing released before, 55.4 against 51.3 GB/s.
+# How a wake copies backups back to the device: "kernel" reads the pinned host memory with the GPU's own loads (a
+# copy kernel over the mapped backup), "engine" uses the copy engines (cuMemcpyHtoDAsync), "auto" (the default)
+# times both once (Copier.calibrate) and keeps the kernel where it reads at least KERNEL_SHARE of the engines'
+# rate. Measured on an H200 (the evening of 2026-11-30; docs/measurements.md): right after ~110 GiB were released
+# (a sleep that discarded the KV cache, or a trainer's empty_cache), the copy engines move only 27.6 GB/s for the
+# ~100 ms the driver spends on the freed memory, while a kernel reads 51.2 GB/s; with nothing released before,
+# 55.4 against 51.3 GB/s (0.93): the kernel there. On one H100 host the kernel read a 4 GiB backup at 34.4 GB/s
+# against the engines' 55.0 (0.62; its level-1 wakes 0.60-0.61 of raw pinned in three runs, 2026-12-06,
+# bench/host_copies.py): the engines there.
 WAKE_COPY_ENV = "SLEEPSERVE_WAKE_COPY"
+KERNEL_SHARE = 0.9
+# Bytes the calibration copies each way (chunks of Copier.chunk_bytes, as a wake copies them), best of 3 rounds.
+CALIBRATION_BYTES = 256 << 20
 
 
 def wake_copy_mode() -> str:
-    mode = os.environ.get(WAKE_COPY_ENV, "kernel").strip().lower() or "kernel"
-    if mode not in ("kernel", "engine"):
-        raise PoolError(f"{WAKE_COPY_ENV}={mode!r}: use 'kernel' or 'engine'")
+    mode = os.environ.get(WAKE_COPY_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "kernel", "engine"):
+        raise PoolError(f"{WAKE_COPY_ENV}={mode!r}: use 'auto', 'kernel' or 'engine'")
     return mode
+
+
+def kernel_reads_fast_enough(kernel_gbps: float, engines_gbps: float) -> bool:
+    """Whether a wake should copy by the kernel, from the two rates calibrate() measured: the kernel is immune to
+    the engines' slowdown after a big release, so it is kept unless it reads clearly slower (KERNEL_SHARE)."""
+    return kernel_gbps >= KERNEL_SHARE * engines_gbps
 
 
 class Copier:
     """Chunked asynchronous copies between device allocations and pinned backups, on one stream
-    of our own: device to host by the copy engines, host to device by a kernel (or the copy engines,
-    wake_copy_mode())."""
+    of our own: device to host by the copy engines, host to device by a kernel or the copy engines
+    (wake_copy_mode(); under "auto" whichever calibrate() chose)."""
 
     def __init__(self, ctx: "DeviceContext", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self._ctx = ctx
         self.chunk_bytes = chunk_bytes
         self._stream: "Stream | None" = None
         self._events: list["Event"] = []  # reused by save_marked() across cycles
-        self.kernel_restore = wake_copy_mode() == "kernel"
+        mode = wake_copy_mode()
+        # True: the copy kernel; False: the copy engines; None: not chosen yet (auto), the kernel until calibrate()
+        self.kernel_restore: bool | None = None if mode == "auto" else mode == "kernel"
+        self.calibration: dict | None = None  # what calibrate() measured and chose
         self._torch_stream = None  # torch's handle on self._stream, for the copy kernel
         self.kernel_copies = 0  # restores done by the copy kernel (tests, diagnostics)
 
@@ -184,7 +203,7 @@ class Copier:
         with self._ctx.current():
             for seg in segments:
                 for dev, host, n in self._chunks(backup, seg):
-                    if not (self.kernel_restore and self._kernel_copy(dev, host, n)):
+                    if not (self.kernel_restore is not False and self._kernel_copy(dev, host, n)):
                         driver.copy_to_device_async(dev, host, n, stream)
                     total += n
         return total
@@ -220,6 +239,57 @@ class Copier:
             raise PoolError(f"the wake's copy kernel failed: {err}") from err
         self.kernel_copies += 1
         return True
+
+    def calibrate(self, backup: PinnedBackup, nbytes: int = CALIBRATION_BYTES) -> None:
+        """Choose how wakes copy host to device, once, while nothing has been released yet (a backup's first
+        reservation, before the first sleep copies anything): copy nbytes of the backup into scratch device memory
+        by the copy kernel and by the copy engines, best of 3 each, and keep the kernel only where it reads at
+        least KERNEL_SHARE of the engines' rate. Does nothing once chosen (or forced by SLEEPSERVE_WAKE_COPY), and
+        keeps the kernel where it cannot measure (no room for the scratch memory, a backup not mapped)."""
+        from . import driver
+
+        if self.kernel_restore is not None or backup.buffer is None:
+            return
+        self.kernel_restore = True  # unless measured otherwise below
+        n = min(nbytes, backup.buffer.piece_bytes, backup.buffer.nbytes)  # within one registration
+        try:
+            scratch = driver.device_alloc(self._ctx, n)
+        except PoolError:
+            return
+        stream, kernel_copies = self._get_stream(), self.kernel_copies
+        spans = [(scratch + at, backup.buffer.ptr + at, min(self.chunk_bytes, n - at))
+                 for at in range(0, n, self.chunk_bytes)]
+
+        def seconds(by_kernel: bool) -> float:
+            best = float("inf")
+            for _ in range(3):
+                stream.synchronize()
+                t0 = time.perf_counter()
+                for dev, host, size in spans:
+                    if by_kernel:
+                        if not self._kernel_copy(dev, host, size):
+                            return float("inf")
+                    else:
+                        driver.copy_to_device_async(dev, host, size, stream)
+                stream.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        try:
+            with self._ctx.current():
+                engines_gbps, kernel_gbps = n / seconds(False) / 1e9, n / seconds(True) / 1e9
+        except PoolError as err:  # a copy that failed here: the kernel, as without a measurement
+            log.warning("wake copies by the kernel: timing the two ways failed: %s", err)
+            return
+        finally:
+            self.kernel_copies = kernel_copies  # the count says what wakes did
+            stream.synchronize()
+            driver.device_free(self._ctx, scratch)
+        self.kernel_restore = kernel_reads_fast_enough(kernel_gbps, engines_gbps)
+        self.calibration = {"kernel_gbps": kernel_gbps, "engines_gbps": engines_gbps,
+                            "wake_copies_by": "kernel" if self.kernel_restore else "engines"}
+        log.info("wake copies by the %s: host to device %.1f GB/s by a kernel, %.1f by the copy engines",
+                 self.calibration["wake_copies_by"], kernel_gbps, engines_gbps)
 
     def wait(self) -> None:
         if self._stream is not None:

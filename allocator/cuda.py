@@ -328,6 +328,7 @@ class CudaBackend:
         for tag in offload:
             backup = self.backups.setdefault(tag, PinnedBackup(self._ctx))
             backup.prepare((a.ptr, a.size) for a in self._allocations(tag) if a.mapped)
+            self._copier.calibrate(backup)  # once, before anything is released (Copier.calibrate)
             backups.append(backup)
         clock.mark("prepare")
         errors: list[str] = []
@@ -522,6 +523,7 @@ class CudaBackend:
         nbytes = sum(a.size for a in self._allocations(tag) if a.mapped)
         backup = self.backups.get(tag) or PinnedBackup(self._ctx)
         backup.reserve(nbytes)
+        self._copier.calibrate(backup)  # how wakes will copy, chosen once (Copier.calibrate)
         self.backups[tag] = backup
         return nbytes
 

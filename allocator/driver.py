@@ -120,6 +120,17 @@ class DeviceRange:
                                          "strides": None, "version": 2}
 
 
+def device_alloc(ctx: DeviceContext, nbytes: int) -> int:
+    """Plain device memory outside the pool (cuMemAlloc): scratch for Copier.calibrate."""
+    with ctx.current():
+        return int(check(cu.cuMemAlloc(nbytes), f"cuMemAlloc({nbytes / 2**20:.0f} MiB)"))
+
+
+def device_free(ctx: DeviceContext, ptr: int) -> None:
+    with ctx.current():
+        check(cu.cuMemFree(cu.CUdeviceptr(ptr)), "cuMemFree")
+
+
 def host_alloc(ctx: DeviceContext, nbytes: int) -> int:
     """Pinned host memory usable from every context (PORTABLE) and mapped into the device's address
     space (DEVICEMAP), so kernels can read it (Copier's kernel copies)."""

@@ -3,11 +3,13 @@ against torch's pinned copy, on this host, with the facts that could explain a d
 
 A level-1 wake copies each tag's backup (a PinnedBuffer: anonymous memory faulted in by the kernel, transparent
 huge pages asked for, registered with CUDA in 1 GiB pieces, mapped) back with a kernel that reads the mapped host
-memory (backup.py, SLEEPSERVE_WAKE_COPY=kernel, the default) or with the copy engines (=engine). The H200 host
+memory or with the copy engines, as Copier.calibrate chose (SLEEPSERVE_WAKE_COPY=auto, the default). The H200 host
 woke at 0.91 of raw pinned; one H100 host at 0.60-0.61 in three runs while sleeping at 0.98-0.99 there
 (2026-12-05/06, docs/measurements.md). This times, on one buffer of --gib GiB, each way the pool can copy, beside
 torch's pinned tensors (cudaHostAlloc, the raw reference), and reports the host's transparent-huge-page mode,
 its NUMA nodes, the GPU's node and where the buffer's pages landed, so one run says which of them differs.
+On that H100 host (2026-12-06 03:01 UTC): the kernel 34.4 GB/s, the copy engines 55.0 from the same buffer (torch
+55.2), one NUMA node, the buffer all in huge pages: the kernel's reads were the difference.
 
     python bench/host_copies.py --out bench/results     # CUDA only
 """
@@ -105,6 +107,9 @@ def main() -> None:
     try:
         backup.prepare([(dev.data_ptr(), nbytes)])  # as a sleep lays out one allocation
         result["backup"] = where(backup.buffer.ptr, backup.buffer.nbytes)
+        copier.kernel_restore = None  # what a pool's first sleep would choose (Copier.calibrate)
+        copier.calibrate(backup)
+        result["calibration"] = copier.calibration
 
         def save() -> None:
             copier.save_marked([backup], 0)

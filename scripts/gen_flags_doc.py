@@ -24,8 +24,10 @@ OUT = REPO / "docs" / "flags.md"
 ENV_ONLY: tuple[tuple[str, str, str], ...] = (
     ("SLEEPSERVE_CACHE", "`~/.cache/sleepserve`", "where converted models are cached (`server/model/default_model.py`)"),
     ("SLEEPSERVE_BACKUP_DIR", "the temp folder", "CPU pool: folder of the level-1 backup files (`allocator/host.py`)"),
-    ("SLEEPSERVE_WAKE_COPY", "`kernel`", "how a wake copies the level-1 host backup back: `kernel` (a copy kernel "
-     "reads the pinned backup) or `engine` (the copy engines); `allocator/backup.py` says why kernel"),
+    ("SLEEPSERVE_WAKE_COPY", "`auto`", "how a wake copies the level-1 host backup back: `kernel` (a copy kernel "
+     "reads the pinned backup: unaffected by the copy engines' slowdown right after a big release), `engine` (the "
+     "copy engines), or `auto`: both timed once before the first sleep, the kernel kept unless it reads below 0.9 "
+     "of the engines' rate (one H100 host: 0.62); `allocator/backup.py`"),
     ("SLEEPSERVE_TP_KEY", "none", "`--tp-launch torchrun`: the shared secret (16+ characters) every host's ranks "
      "authenticate with"),
     ("SLEEPSERVE_TP_PORT", "`MASTER_PORT + 1`", "`--tp-launch torchrun`: the port rank 0's engine listens on"),

@@ -435,3 +435,27 @@ def test_wake_restores_every_byte_by_kernel_or_copy_engine(pool, kernel):
             assert torch.equal(raw(w).cpu(), e)
     # The kernel path really ran (not a silent fall-back to the copy engines), and only when asked.
     assert (copier.kernel_copies > 0) == kernel
+
+
+def test_the_wake_copy_is_chosen_once_by_timing_both(pool):
+    """Copier.calibrate (SLEEPSERVE_WAKE_COPY=auto, the default): it times 256 MiB of a backup into scratch device
+    memory by the copy kernel and by the copy engines, keeps the kernel by kernel_reads_fast_enough's rule, leaves
+    the wakes' kernel-copy count alone and measures only once."""
+    from allocator.backup import Copier, PinnedBackup, kernel_reads_fast_enough
+
+    ctx = pool._backend._ctx
+    backup, copier = PinnedBackup(ctx), Copier(ctx)
+    copier.kernel_restore = None  # auto, whatever this environment sets
+    try:
+        backup.reserve(256 * MiB)
+        copier.calibrate(backup)
+        measured = copier.calibration
+        assert measured is not None and measured["kernel_gbps"] > 1 and measured["engines_gbps"] > 1, measured
+        assert copier.kernel_restore == kernel_reads_fast_enough(measured["kernel_gbps"], measured["engines_gbps"])
+        assert copier.kernel_copies == 0
+        copier.calibrate(backup)
+        assert copier.calibration is measured
+        print(measured)
+    finally:
+        copier.close()
+        backup.release()
