@@ -108,10 +108,10 @@ def decode_rate(llm, batch: int, prompt_len: int, steps: int, ask: bool, repeats
 
 def timeline(llm, row: dict, args, phases: "Phases") -> None:
     """The smallest batch's device timeline (device_timeline) into its decode row: the last thing the benchmark
-    does, on the flag-off engine (none with --no-off-engine). Every phase timed after torch.profiler in one process ran slower: the level-1
-    wake at 0.60-0.61 of raw pinned in both runs that traced before it (H100, 12-05) against 0.91 without, and
-    the flag-off engine, started after it, stepped at batch 1 in 4.14 and 3.96 ms against the flag-on engine's
-    3.61 and 3.06 before it (H100 12-06 00:01, H200 02:03): the profiler's hooks stay on the launches it saw."""
+    does, on the flag-off engine (none with --no-off-engine), so nothing timed runs after torch.profiler has.
+    (The profiler was suspected of the 0.60 wakes and the slower flag-off engine of 12-05/06; it caused neither:
+    the wakes were one host's copy kernel, bench/host_copies.py, and the flag-off engine steps slower at batch 1
+    with nothing traced before it.)"""
     with phases("the smallest batch's device timeline (flag off)"):
         row["device_timeline"] = device_timeline(llm, row["batch"], args.prompt_len, min(args.steps, 32))
 
