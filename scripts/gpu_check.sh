@@ -189,6 +189,8 @@ for stage in $stages; do
     smallgemm)  run smallgemm-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_small_gemm_gpu.py \
                   -p no:cacheprovider
                 run smallgemm $PY bench/small_gemm.py --out "$RESULTS" ;;
+    smallgemm-moe) # the same sweep on Qwen3-30B-A3B's attention and LM head (batch 1: 59% of the H100's HBM rate on 12-05)
+                run smallgemm-moe $PY bench/small_gemm.py --shapes 30b-a3b --out "$RESULTS/moe" ;;
     rollout-timeline)  # ~20 steps of the 1B rollout traced mid-run, in the server's engine process (through HTTP,
                        # /start_profile and /stop_profile) and in process: the device's busy share of each
                 run rollout-timeline $PY bench/rollout.py --device cuda --model llama-1b --no-hf --timeline \
