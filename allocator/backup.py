@@ -241,22 +241,28 @@ class Copier:
         return True
 
     def calibrate(self, backup: PinnedBackup, nbytes: int = CALIBRATION_BYTES) -> None:
-        """Choose how wakes copy host to device, once, while nothing has been released yet (a backup's first
-        reservation, before the first sleep copies anything): copy nbytes of the backup into scratch device memory
-        by the copy kernel and by the copy engines, best of 3 each, and keep the kernel only where it reads at
-        least KERNEL_SHARE of the engines' rate. Does nothing once chosen (or forced by SLEEPSERVE_WAKE_COPY), and
-        keeps the kernel where it cannot measure (no room for the scratch memory, a backup not mapped)."""
+        """Choose how wakes copy host to device, once, while nothing has been released yet: copy nbytes of the
+        backup into scratch device memory by the copy kernel and by the copy engines, best of 3 each, and keep the
+        kernel only where it reads at least KERNEL_SHARE of the engines' rate. Called where a backup is first
+        reserved: in the background after start-up (prepare_backup), or by a first sleep that found none (which
+        spends seconds pinning it anyway). Does nothing once chosen (or forced by SLEEPSERVE_WAKE_COPY), and
+        leaves the choice open (the kernel meanwhile) on a backup smaller than nbytes, whose copies would
+        measure the calls more than the bytes. Never raises: where it cannot measure (no room for the scratch
+        memory, a failed copy) the kernel stays; a backup the kernel cannot read (not mapped) takes the engines,
+        as its wakes would anyway."""
         from . import driver
 
-        if self.kernel_restore is not None or backup.buffer is None:
+        if self.kernel_restore is not None or backup.buffer is None or backup.buffer.nbytes < nbytes:
             return
         self.kernel_restore = True  # unless measured otherwise below
-        n = min(nbytes, backup.buffer.piece_bytes, backup.buffer.nbytes)  # within one registration
+        n = min(nbytes, backup.buffer.piece_bytes)  # within one registration
+        kernel_copies = self.kernel_copies
         try:
+            stream = self._get_stream()
             scratch = driver.device_alloc(self._ctx, n)
-        except PoolError:
+        except PoolError as err:
+            log.warning("wake copies by the kernel: no room to time the two ways: %s", err)
             return
-        stream, kernel_copies = self._get_stream(), self.kernel_copies
         spans = [(scratch + at, backup.buffer.ptr + at, min(self.chunk_bytes, n - at))
                  for at in range(0, n, self.chunk_bytes)]
 
@@ -266,25 +272,27 @@ class Copier:
                 stream.synchronize()
                 t0 = time.perf_counter()
                 for dev, host, size in spans:
-                    if by_kernel:
-                        if not self._kernel_copy(dev, host, size):
-                            return float("inf")
-                    else:
+                    if not by_kernel:
                         driver.copy_to_device_async(dev, host, size, stream)
+                    elif not self._kernel_copy(dev, host, size):
+                        return float("inf")  # not mapped
                 stream.synchronize()
                 best = min(best, time.perf_counter() - t0)
             return best
 
         try:
-            with self._ctx.current():
-                engines_gbps, kernel_gbps = n / seconds(False) / 1e9, n / seconds(True) / 1e9
-        except PoolError as err:  # a copy that failed here: the kernel, as without a measurement
+            try:
+                with self._ctx.current():
+                    engines_gbps, kernel_gbps = n / seconds(False) / 1e9, n / seconds(True) / 1e9
+            finally:
+                self.kernel_copies = kernel_copies  # the count says what wakes did
+                try:
+                    stream.synchronize()
+                finally:
+                    driver.device_free(self._ctx, scratch)
+        except PoolError as err:
             log.warning("wake copies by the kernel: timing the two ways failed: %s", err)
             return
-        finally:
-            self.kernel_copies = kernel_copies  # the count says what wakes did
-            stream.synchronize()
-            driver.device_free(self._ctx, scratch)
         self.kernel_restore = kernel_reads_fast_enough(kernel_gbps, engines_gbps)
         self.calibration = {"kernel_gbps": kernel_gbps, "engines_gbps": engines_gbps,
                             "wake_copies_by": "kernel" if self.kernel_restore else "engines"}

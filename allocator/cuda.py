@@ -523,8 +523,8 @@ class CudaBackend:
         nbytes = sum(a.size for a in self._allocations(tag) if a.mapped)
         backup = self.backups.get(tag) or PinnedBackup(self._ctx)
         backup.reserve(nbytes)
-        self._copier.calibrate(backup)  # how wakes will copy, chosen once (Copier.calibrate)
         self.backups[tag] = backup
+        self._copier.calibrate(backup)  # how wakes will copy, chosen once (Copier.calibrate)
         return nbytes
 
     def backup_room(self) -> int:
