@@ -17,7 +17,8 @@ combine each launch while the kernel before runs and wait for it in-kernel, so t
 cost no gaps between them.
 
 Integers that change with the batch are not specialized on (do_not_specialize), and the one-program path's
-register width is fixed: the variants a start-up compiles (memory profile, graph capture) are all serving meets.
+register widths come in a few variants by the batch (route_align_widths), each compiled at start-up (warm_up):
+the variants a start-up compiles are all serving meets.
 Every size is fixed by the number of tokens (T*k assignments, at most T*k + min(E, T*k)*(BLOCK_M - 1) padded
 rows): grids cover that worst case (max_blocks_for), blocks past the padded total (a device scalar) return at once, so nothing
 waits for the host and a decode CUDA graph captures the whole layer at every batch size. The order of rows
@@ -358,6 +359,16 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_rows, block_expert, padded
 
 
+def route_align_widths(T: int, top_k: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(BLOCK_A, BLOCK_B) of _route_align_small for T tokens: its assignments and its blocks, each the power of
+    two at or above the batch's (T * top_k; max_blocks_for). Its [assignments, experts] and [blocks, experts] tiles
+    are most of its instructions: at batch 1 of Qwen3-30B-A3B (8 and 8 against 64 and 64) the one-warp program
+    compiles to 1,881 instructions after its wait instead of 3,773 (sm_90 PTX, 2026-12-06). A few variants up to
+    SMALL_TOKENS tokens (four at top 8), all compiled at start-up (warm_up)."""
+    M = T * top_k
+    return triton.next_power_of_2(M), triton.next_power_of_2(max_blocks_for(M, num_experts, block_m))
+
+
 def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool, block_m: int,
                       gdc: bool = False, routed: torch.Tensor | None = None, num_warps: int = ROUTE_WARPS):
     """route_logits and align in one launch (a decode batch of up to SMALL_TOKENS tokens): (ids, weights,
@@ -372,11 +383,11 @@ def route_align_small(logits: torch.Tensor, top_k: int, renormalize: bool, round
     sorted_rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     padded = torch.empty(1, dtype=torch.int32, device=dev)
+    block_a, block_b = route_align_widths(T, top_k, E, block_m)
     _route_align_small[(1,)](logits, ids, weights, sorted_rows, block_expert, padded, T, E, logits.stride(0),
                              ids.stride(0), max_blocks, K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                             BLOCK_K=triton.next_power_of_2(top_k),
-                             BLOCK_A=triton.next_power_of_2(SMALL_TOKENS * top_k),
-                             RENORM=renormalize, ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=64, num_warps=num_warps,
+                             BLOCK_K=triton.next_power_of_2(top_k), BLOCK_A=block_a, RENORM=renormalize,
+                             ROUND=round_weights, BLOCK_M=block_m, BLOCK_B=block_b, num_warps=num_warps,
                              **gdc_launch(gdc))
     return ids, weights, sorted_rows, block_expert, padded
 
@@ -485,6 +496,16 @@ def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     return out
 
 
+def small_path_batches(num_experts: int, top_k: int) -> list[int]:
+    """The fewest tokens that meet each variant of the one-program routing (route_align_widths) up to SMALL_TOKENS,
+    at the decode tile's block rows (tiles())."""
+    block_m = tiles(top_k, 1, num_experts)["BLOCK_M"]
+    first: dict[tuple[int, int], int] = {}
+    for T in range(1, SMALL_TOKENS + 1):
+        first.setdefault(route_align_widths(T, top_k, num_experts, block_m), T)
+    return sorted(first.values())
+
+
 @torch.inference_mode()
 def warm_up(model: torch.nn.Module) -> None:
     """Compile, at start-up, every variant of these kernels serving can meet, on the first sparse layer with
@@ -502,7 +523,7 @@ def warm_up(model: torch.nn.Module) -> None:
     E, H, K = w13.shape[0], w13.shape[2], block.top_k
     saved, block.routed = block.routed, None  # the capture buffer may be shorter than the long prefill here
     try:
-        for T in (1, SMALL_TOKENS + 1, 16 * E // K + 1):
+        for T in (*small_path_batches(E, K), SMALL_TOKENS + 1, 16 * E // K + 1):
             model.ops.moe(torch.zeros((T, H), dtype=w13.dtype, device=w13.device), block)
     finally:
         block.routed = saved

@@ -83,19 +83,21 @@ def test_grouped_gemm_compiles_for_sm90_without_a_gpu(gate_up, tile, gdc):
         assert waits_before_memory(ptx) if gdc else "griddepcontrol" not in ptx
 
 
-@pytest.mark.parametrize("warps", [1, 2])
-def test_one_program_routing_compiles_for_sm90_on_fewer_warps_without_a_gpu(warps):
+@pytest.mark.parametrize("warps, tokens", [(1, 1), (2, 1), (1, 8)])
+def test_one_program_routing_compiles_for_sm90_on_fewer_warps_without_a_gpu(warps, tokens):
     """_route_align_small at the Qwen3-30B-A3B shape (128 experts, top 8) on 1 and 2 warps, the candidates
-    bench/moe.py times against its 4, through the compiler to an sm_90 cubin, without spills."""
-    from server.model.fused_moe import _route_align_small
+    bench/moe.py times against its 4, at batch 1's widths and at SMALL_TOKENS' (route_align_widths), through the
+    compiler to an sm_90 cubin, without spills."""
+    from server.model.fused_moe import _route_align_small, route_align_widths
     from tests.interpreter import compile_for_sm90, ptxas_usage
 
+    block_a, block_b = route_align_widths(tokens, 8, 128, 16)
     kernel = compile_for_sm90(_route_align_small, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32",
                                                    "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                                                    "padded_ptr": "*i32", "T": "i32", "E": "i32", "stride": "i32",
                                                    "ids_stride": "i32", "max_blocks": "i32"},
-                              dict(K=8, BLOCK_E=128, BLOCK_K=8, BLOCK_A=64, RENORM=True, ROUND=True, BLOCK_M=16,
-                                   BLOCK_B=64, GDC=True), num_warps=warps)
+                              dict(K=8, BLOCK_E=128, BLOCK_K=8, BLOCK_A=block_a, RENORM=True, ROUND=True, BLOCK_M=16,
+                                   BLOCK_B=block_b, GDC=True), num_warps=warps)
     registers, spills = ptxas_usage(kernel)
     assert spills == 0, (registers, spills)
 
