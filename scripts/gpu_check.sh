@@ -176,6 +176,10 @@ for stage in $stages; do
                   tests/gpu/test_weight_transfer_gpu.py -k "nonfinite or ipc" -p no:cacheprovider ;;
     finite)     # the non-finite check of weight updates: its cost on the 8B push, check on and off
                 run finite $PY bench/finite_check.py --push --out "$RESULTS" ;;
+    wake-copy)  # the wake's copy chosen by timing (Copier.calibrate) and both ways restoring every byte, then hostcopies
+                run wake-copy-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_pool_gpu.py -k "wake" \
+                  -p no:cacheprovider
+                run hostcopies $PY bench/host_copies.py --out "$RESULTS" ;;
     hostcopies) # the wake's own host-to-device copies (kernel, copy engines) against torch's pinned copy, and the host's
                 # huge-page mode and NUMA nodes: why a level-1 wake reached 0.61 of raw pinned on one H100 host
                 run hostcopies $PY bench/host_copies.py --out "$RESULTS" ;;
