@@ -60,6 +60,24 @@ def graph_ms(fn, device: torch.device, replays: int = 10, per_replay: int = 1) -
     return sorted(times)[len(times) // 2]
 
 
+def gpu_clocks() -> dict | None:
+    """The GPU's SM clock and temperature now (nvidia-smi), or None where there is none:
+    beside a timing that a run compares with another taken minutes apart (a warm GPU may clock lower)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    fields = "clocks.sm,temperature.gpu"
+    try:
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
+                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    values = [v.strip() for v in line.split(",")]
+    return dict(zip(("sm_mhz", "temperature_c"), values)) if len(values) == 2 else None
+
+
 def write_json(out: Path, name: str, data: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

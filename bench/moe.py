@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import graph_ms, hardware, now_iso, write_json  # noqa: E402
+from bench.common import gpu_clocks, graph_ms, hardware, now_iso, write_json  # noqa: E402
 from testkit.models import MOE_CONFIGS, moe_model_folder  # noqa: E402
 
 GB = 1e9
@@ -100,7 +100,9 @@ def decode_rate(llm, batch: int, prompt_len: int, steps: int, ask: bool, repeats
         times.append(max(full - prefill, 1e-9))
     seconds = statistics.median(times)
     res = {"batch": batch, "steps": steps, "prompt_tokens": prompt_len, "decode_s": seconds,
-           "step_ms": 1e3 * seconds / steps, "tok_s": batch * steps / seconds}
+           "step_ms": 1e3 * seconds / steps, "tok_s": batch * steps / seconds,
+           # the flag-off engine, second in the process, stepped 8-30% slower at batch 1 (12-06): a warmer GPU?
+           "gpu_after": gpu_clocks()}
     if ask:
         res["routed"] = [o.outputs[0].routed_experts for o in outs]
     return res
