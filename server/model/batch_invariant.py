@@ -175,6 +175,8 @@ class InvariantProjections:
     def linear(cls, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return cls.matmul(x, module.weight, module.bias)
 
+    linear_to_norm = linear  # ops.py; BatchInvariantTritonOps defers its split sums to the norm
+
     @classmethod
     def lm_head(cls, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return cls.matmul(hidden, weight, None, out)

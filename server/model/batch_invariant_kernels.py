@@ -14,7 +14,9 @@
   its block table is its span's, its context its position + 1, so a prompt's tokens, its chunks and a
   prefix-cache hit compute what a decode computes.
 - RMSNorm (one program per row), rotary + cache write (one per token), SiLU × up (elementwise) are the
-  default path's kernels, which are per-row already; where gate|up's K is not split, SiLU × up runs in the
+  default path's kernels, which are per-row already; where o_proj's or down's K always splits, their split sum, the
+  residual add and the norm after them are one launch (fixed_tile_matmul_add_rmsnorm: the layers hand that output
+  to the norm unsummed, ToNorm); where gate|up's K is not split, SiLU × up runs in the
   matmul's epilogue instead (fixed_tile_gate_up: the same roundings, one launch and no [M, 2I] round trip). On Hopper these, the matmul and its split sum, rotary
   and attention chain to the kernel before by dependent launch (mode_chained(), launch.py): each starts
   while its predecessor ends and waits for it in-kernel, so a dense layer's extra, unfused kernels cost no
@@ -27,6 +29,7 @@ CUDA-graph padding rows are rows like any other: they cannot change a real row.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -194,6 +197,36 @@ def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, B
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_add_rmsnorm(ws_ptr, b_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, M, N, eps, SPLIT_K: tl.constexpr,
+                     BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GDC: tl.constexpr,
+                     GROUP: tl.constexpr = 1):
+    """_sum_splits then fused_ops._add_rmsnorm, in one program a row: the row's S partials added in groups of GROUP
+    in order (+ b) and rounded, as _sum_splits writes the matmul's output; then x + residual rounded (written to rout),
+    its mean square over the row, the normed row times w, as _add_rmsnorm computes them (one row a program, the row
+    in one BLOCK). Where a split matmul's output goes only to the next norm (o_proj, down_proj), one launch and no
+    [M, N] round trip instead of two; the same launch at every number of rows (BatchInvariantTritonOps)."""
+    chain_in(GDC)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    at = row.to(tl.int64) * N + cols
+    acc = _fold_group(ws_ptr, at, M, N, GROUP, ok)
+    for g in tl.static_range(1, SPLIT_K // GROUP):
+        acc += _fold_group(ws_ptr, at + (g * GROUP * M).to(tl.int64) * N, M, N, GROUP, ok)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    x = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        x = x + tl.load(r_ptr + at, mask=ok, other=0.0)
+        tl.store(rout_ptr + at, x, mask=ok)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / N
+    normed = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + at, w * normed, mask=ok)
 
 
 @triton.jit
@@ -431,7 +464,8 @@ def mode_weights(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
 @torch.inference_mode()
 def warm_up(model: torch.nn.Module, max_rows: int) -> int:
     """Compile, at start-up, every variant of the mode's matmul a step of up to max_rows rows can meet (64- and
-    128-row tiles, the workspace and its split sum, the splits in one loop) for each weight shape, on zeros:
+    128-row tiles, the workspace and its split sum or its sum with the norm after it, the splits in one loop) for
+    each weight shape, on zeros:
     the decode graphs' capture reaches only the batches up to --max-num-seqs and the memory profile's prefill
     runs only without --kv-cache-memory, so a variant first met while serving stalled the engine for its
     compile (~1 s). Returns how many matmuls ran."""
@@ -446,6 +480,10 @@ def warm_up(model: torch.nn.Module, max_rows: int) -> int:
             if id(weight) in packed and tile.get("SPLIT_K", 1) == 1:  # its SiLU x up kernel (fixed_tile_gate_up)
                 fixed_tile_gate_up(x, weight, bias, tile=tile)
                 ran += 1
+            if sums_to_norm(N, K, weight.dtype, weight.device):  # o_proj's, down's: the sum with the norm after it
+                zeros = torch.zeros((rows, N), dtype=weight.dtype, device=weight.device)
+                fixed_tile_matmul_add_rmsnorm(x, weight, bias, zeros, zeros[0] + 1, 1e-6)
+                ran += 1
     return ran
 
 
@@ -456,14 +494,17 @@ def gate_up_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, tile: dict | None = None,
+                      norm: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit
     column stride): row i's bits depend on row i's values only. tile: another tile than matmul_tile's
     (bench/batch_invariant.py --sweep-tiles compares some; SPLIT_K defaults to 1, SERIAL and FLAT to False).
 
     With SPLIT_K > 1 each split writes an fp32 partial into a [SPLIT_K, rows, N] workspace, allocated here
     like any activation (inside a decode graph's capture it is the graph pool's, so the pool owns it), and
-    _sum_splits adds splits 0..S-1 in order: no atomics, no host sync, the same sums at any number of rows."""
+    _sum_splits adds splits 0..S-1 in order: no atomics, no host sync, the same sums at any number of rows.
+    norm: (residual [M, N], norm weight, eps, rout) for a weight that always splits (sums_to_norm): each launch's
+    rows go through _sum_add_rmsnorm instead of _sum_splits, `out` gets the normed rows and rout x + residual."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -502,6 +543,8 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     ieee = x.dtype == torch.float32
     chain = mode_chained(x)
     if splits == 1 or serial:
+        if norm is not None:
+            raise ValueError(f"a {N} x {K} weight's tile at {M} rows writes its output itself: no split sum to norm")
         grid = (n_tiles * triton.cdiv(M, block_m),)
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
@@ -518,11 +561,42 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
                                  FLAT=False, GROUPED=group if grouped else 1, **gdc_launch(chain), **tile)
-        _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=parts,
-                                                         BLOCK=SUM_BLOCK, HAS_BIAS=has_bias,
-                                                         GROUP=1 if grouped else group, num_warps=4,
-                                                         **gdc_launch(chain))
+        if norm is None:
+            _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=parts,
+                                                             BLOCK=SUM_BLOCK, HAS_BIAS=has_bias,
+                                                             GROUP=1 if grouped else group, num_warps=4,
+                                                             **gdc_launch(chain))
+            continue
+        residual, norm_weight, eps, rout = norm  # as TritonOps.add_rmsnorm launches its norm: a row a program
+        _sum_add_rmsnorm[(rows,)](ws, b, residual[r0:r0 + step], norm_weight, outs, rout[r0:r0 + step], rows, N,
+                                  eps, SPLIT_K=parts, BLOCK=triton.next_power_of_2(N), HAS_BIAS=has_bias,
+                                  HAS_RESIDUAL=True, GROUP=1 if grouped else group,
+                                  num_warps=4 if N <= 4096 else 8, **gdc_launch(chain))
     return out
+
+
+@functools.cache
+def sums_to_norm(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a weight of N x K goes through the workspace and a split sum at every number of rows (no tile
+    writes its output itself: K split, and never added in one program, which only splits in order do, from enough
+    rows, in 16 bits): then its output can be summed, added to the residual and normed in one launch
+    (fixed_tile_matmul_add_rmsnorm) at every batch, which is what keeps a row's bits whatever the batch."""
+    return all(t["SPLIT_K"] > 1 and not t["SERIAL"] for _, t in distinct_tiles(N, K, dtype, device, 1 << 16))
+
+
+def fixed_tile_matmul_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                  residual: torch.Tensor, norm_weight: torch.Tensor,
+                                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TritonOps.add_rmsnorm(fixed_tile_matmul(x, weight, bias), residual, norm_weight, eps) for a weight that
+    sums_to_norm: (the normed rows, x @ weight.T + residual), the split sum, the residual add and the norm one
+    launch a row block instead of two. A decode step of the 1B ran 11 kernels a layer against the default's 5; this
+    takes two of them (o_proj's and down's sums, each with the norm after it) out of every layer."""
+    M, N = x.shape[0], weight.shape[0]
+    residual = residual.contiguous()
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rout = torch.empty_like(out)
+    fixed_tile_matmul(x, weight, bias, out, norm=(residual, norm_weight, eps, rout))
+    return out, rout
 
 
 def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -568,6 +642,17 @@ def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     return triton_decode_attention(q, k_cache, v_cache, tables, lens, scale, None, None, gdc=mode_chained(q))
 
 
+@dataclass(frozen=True)
+class ToNorm:
+    """o_proj's or down_proj's output left for the norm that reads it next (BatchInvariantTritonOps.linear_to_norm):
+    the matmul's input, weight and bias; add_rmsnorm runs the matmul with its split sum, the residual add and the
+    norm folded into one launch (fixed_tile_matmul_add_rmsnorm)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
 class BatchInvariantTritonOps(InvariantProjections, TritonOps):
     """TritonOps with the matmuls and attention above; the per-row kernels as they are, chained (mode_chained())."""
 
@@ -578,10 +663,24 @@ class BatchInvariantTritonOps(InvariantProjections, TritonOps):
     def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, norms=None):
         return TritonOps.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, norms, gdc=mode_chained(q))
 
+    @classmethod
+    def linear_to_norm(cls, module: torch.nn.Linear, x: torch.Tensor):
+        """o_proj and down_proj on one device, their output read by the next norm first (ops.py): for a weight that
+        sums_to_norm, a ToNorm that add_rmsnorm finishes in one launch; else the matmul's output."""
+        w = module.weight
+        if x.shape[0] and sums_to_norm(w.shape[0], w.shape[1], x.dtype, x.device):
+            return ToNorm(x, w, module.bias)
+        return cls.linear(module, x)
+
     @staticmethod
-    def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    def add_rmsnorm(x, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                     gdc: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chained at any number of rows (mode_chained), whatever the caller's gdc."""
+        """Chained at any number of rows (mode_chained), whatever the caller's gdc. x a ToNorm (linear_to_norm):
+        its matmul, split sum, residual add and norm (fixed_tile_matmul_add_rmsnorm)."""
+        if isinstance(x, ToNorm):
+            if residual is not None:
+                return fixed_tile_matmul_add_rmsnorm(x.x, x.weight, x.bias, residual, weight, eps)
+            x = fixed_tile_matmul(x.x, x.weight, x.bias)
         return TritonOps.add_rmsnorm(x, residual, weight, eps, gdc=mode_chained(x))
 
     @staticmethod

@@ -187,6 +187,8 @@ class TritonOps:
             return module(x)
         return small_gemm(x, module.weight, module.bias, gdc=chained(x))[0]
 
+    linear_to_norm = linear  # ops.py
+
     project = staticmethod(F.linear)  # a router, a shared expert's down and gate (ops.py)
     sigmoid = staticmethod(torch.sigmoid)
 

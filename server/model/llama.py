@@ -58,7 +58,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext, ops) -> torch.Tensor:
-        """q, k, v: the q|k|v matmul's views (ops.norm_qkv) -> o_proj's output."""
+        """q, k, v: the q|k|v matmul's views (ops.norm_qkv) -> o_proj's output, for the norm after it to read
+        (ops.linear_to_norm: under the batch-invariant mode on CUDA it may be one the norm finishes)."""
         T, D = q.shape[0], self.head_dim
         q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
         norms = None if self.q_norm is None else (self.q_norm, self.k_norm)  # Qwen3's, before the rotation
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         else:
             out = attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, ops.decode_attention,
                          ops.prefill_attention)
-        return self.tp.row_parallel(self.o_proj, out.reshape(T, self.num_heads * D), ops.linear)
+        return self.tp.row_parallel_to_norm(self.o_proj, out.reshape(T, self.num_heads * D), ops)
 
 
 class MLP(nn.Module):
@@ -85,8 +86,9 @@ class MLP(nn.Module):
         return {"gate_up": [self.gate_proj, self.up_proj]}
 
     def down(self, act: torch.Tensor, ops) -> torch.Tensor:
-        """down_proj of the activation (ops.norm_gate_up_act computes it with the norm before)."""
-        return self.tp.row_parallel(self.down_proj, act, ops.linear)
+        """down_proj of the activation (ops.norm_gate_up_act computes it with the norm before), for the next norm
+        to read (ops.linear_to_norm)."""
+        return self.tp.row_parallel_to_norm(self.down_proj, act, ops)
 
 
 class DecoderLayer(nn.Module):

@@ -70,6 +70,10 @@ class TorchOps:
         """o_proj and down_proj on one device."""
         return module(x)
 
+    # o_proj's and down_proj's output on one device where the next thing to read it is the next norm (add_rmsnorm):
+    # an ops set may hand the norm something it finishes itself (BatchInvariantTritonOps: the split sums).
+    linear_to_norm = linear
+
     # x @ weight.T for the weights outside a layer's projections: a router, a shared expert's down and gate.
     project = staticmethod(F.linear)
     sigmoid = staticmethod(torch.sigmoid)  # a shared expert's gate

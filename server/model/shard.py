@@ -211,6 +211,11 @@ class TensorParallel:
             self._comm().all_reduce(x)
         return x
 
+    def row_parallel_to_norm(self, linear: torch.nn.Linear, x: torch.Tensor, ops):
+        """row_parallel for an output the next norm reads first: on one device the ops set's linear_to_norm (which
+        may leave the norm something to finish), across ranks its linear, summed over them."""
+        return self.row_parallel(linear, x, ops.linear_to_norm if self.world == 1 else ops.linear)
+
     def row_parallel(self, linear: torch.nn.Linear, x: torch.Tensor, one_device=None) -> torch.Tensor:
         """linear(x) summed over the ranks (o_proj, down_proj: each rank holds some input columns).
         A communicator with a staging buffer (symmetric memory) gets the matmul's output written

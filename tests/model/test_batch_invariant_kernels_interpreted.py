@@ -250,11 +250,12 @@ assert id(attn.q_proj.weight) not in took and id(mlp.gate_proj.weight) not in to
 assert id(model.output_weight()) in took
 shapes = sorted(tuple(w.shape) for w, _ in pairs)
 assert len(shapes) == len(set(shapes)) >= 4, shapes
-launched = []
+launched, normed = [], []  # normed: the tiles whose split sum ran with the norm after it
 real = bik.fixed_tile_matmul
-def recording(x, weight, bias=None, out=None, tile=None):
-    launched.append((tuple(weight.shape), x.shape[0], tuple(sorted(tile.items()))))
-    return real(x, weight, bias, out, tile)
+def recording(x, weight, bias=None, out=None, tile=None, norm=None):
+    tile = tile or bik.matmul_tile(*weight.shape, weight.dtype, weight.device, x.shape[0])
+    (launched if norm is None else normed).append((tuple(weight.shape), x.shape[0], tuple(sorted(tile.items()))))
+    return real(x, weight, bias, out, tile, norm)
 bik.fixed_tile_matmul = recording
 fused = []  # the packed gate|up weight's SiLU x up kernel, at each of its tiles that does not split K
 real_gate_up = bik.fixed_tile_gate_up
@@ -265,8 +266,11 @@ bik.fixed_tile_gate_up = recording_gate_up
 ran = bik.warm_up(model, 700)
 want = {(tuple(w.shape), tuple(sorted(bik.matmul_tile(*w.shape, w.dtype, w.device, r).items())))
         for w, _ in pairs for r in range(1, 701)}
-assert ran == len(launched) + len(fused) and len(launched) == len(want) == len({(s, t) for s, _, t in launched}), (
-    ran, len(launched), len(fused), len(want))
+assert ran == len(launched) + len(fused) + len(normed) and len(launched) == len(want) == len(
+    {(s, t) for s, _, t in launched}), (ran, len(launched), len(fused), len(normed), len(want))
+summed = {(s, t) for s, t in want if bik.sums_to_norm(*s, torch.bfloat16, torch.device("cpu"))}
+assert {(s, t) for s, _, t in normed} == summed and len(normed) == len(summed), (len(normed), len(summed))
+assert summed, "no llama-tiny weight sums to its norm on 24 multiprocessors: the fused sum went unchecked"
 assert {(s, t) for s, _, t in launched} == want
 assert set(fused) == {(s, t) for s, t in want if s == tuple(mlp.gate_up_weight.shape) and dict(t)["SPLIT_K"] == 1}
 assert fused, "llama-tiny's gate|up has no unsplit tile on 24 multiprocessors: the fused kernel went unchecked"
@@ -320,6 +324,102 @@ print("ok")
 
 def test_fixed_tile_gate_up_is_the_matmul_then_silu_times_up_in_interpreter():
     assert run_interpreted(GATE_UP).strip().endswith("ok")
+
+
+NORM = ROWWISE_DOT + r"""
+import torch
+import server.model.batch_invariant_kernels as bik
+from server.model.batch_invariant_kernels import (fixed_tile_matmul, fixed_tile_matmul_add_rmsnorm, matmul_tile,
+                                                  split_order, sums_to_norm)
+from server.model.fused_ops import TritonOps
+g = torch.Generator().manual_seed(2)
+N, K, eps = 96, 512, 1e-6
+dtype, device = torch.float32, torch.device("cpu")
+assert sums_to_norm(N, K, dtype, device) and not sums_to_norm(N, 64, dtype, device)  # 64: one split, unsplit
+splits, group = split_order(N, K, 64, 32, 4)
+assert matmul_tile(N, K, dtype, device, 1)["SPLIT_K"] == splits > 1 and group > 1, (splits, group)
+tile = matmul_tile(N, K, dtype, device, 130)
+bik.WORKSPACE_BYTES = splits * N * 4 * 64  # launches of 64 rows at most: 130 rows take three
+w, nw = torch.randn(N, K, generator=g), torch.rand(N, generator=g) + 0.5
+for bias in (None, torch.randn(N, generator=g)):
+    x, r = torch.randn(K, generator=g), torch.randn(N, generator=g)
+    alone, alone_r = fixed_tile_matmul_add_rmsnorm(x[None], w, bias, r[None], nw, eps)
+    for rows in (1, 5, 70, 130):
+        for at in sorted({0, rows // 2, rows - 1}):
+            batch, res = torch.randn(rows, K, generator=g), torch.randn(rows, N, generator=g)
+            batch[at], res[at] = x, r
+            out, rout = fixed_tile_matmul_add_rmsnorm(batch, w, bias, res, nw, eps)
+            # the two launches it replaces, bit for bit, and a row's bits whatever the batch
+            want, want_r = TritonOps.add_rmsnorm(fixed_tile_matmul(batch, w, bias), res, nw, eps)
+            assert torch.equal(out, want) and torch.equal(rout, want_r), (rows, at)
+            assert torch.equal(out[at], alone[0]) and torch.equal(rout[at], alone_r[0]), (rows, at)
+    ref = x @ w.t() + (0 if bias is None else bias) + r
+    torch.testing.assert_close(alone_r[0], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone[0], nw * ref * torch.rsqrt(ref.pow(2).mean() + eps), rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_a_split_sum_the_residual_add_and_the_norm_are_one_launch_in_interpreter():
+    """fixed_tile_matmul_add_rmsnorm (the mode's o_proj and down with the norm after them): the matmul's split sum,
+    the residual add and RMSNorm in one launch give the bits of the matmul then add_rmsnorm, at 1-130 rows (in
+    several workspace launches), with and without a bias, a row's bits the same alone or among others."""
+    assert run_interpreted(NORM).strip().endswith("ok")
+
+
+WIRING = r"""
+import tempfile
+from server import LLM, SamplingParams
+from server.model import batch_invariant_kernels as bik
+from testkit.models import model_folder
+bik._processors = lambda device: 24  # llama-tiny's o_proj and down then always split: they sum to their norm
+llm = LLM(model=str(model_folder("llama-tiny", tempfile.mkdtemp())), device="cpu", load_format="dummy",
+          batch_invariant=True, kv_cache_memory="16MiB", max_model_len=64, max_num_batched_tokens=16)
+model = llm.engine.runner.model
+folded = []
+real = bik.fixed_tile_matmul_add_rmsnorm
+def recording(x, weight, *rest):
+    folded.append(tuple(weight.shape))
+    return real(x, weight, *rest)
+bik.fixed_tile_matmul_add_rmsnorm = recording
+class Unfolded(bik.BatchInvariantTritonOps):
+    linear_to_norm = bik.BatchInvariantTritonOps.linear
+params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=2, ignore_eos=True)
+runs = []
+for ops in (bik.BatchInvariantTritonOps, Unfolded):
+    model.ops = ops
+    out = llm.generate([[5, 6, 7, 8, 9]], params)[0].outputs[0]
+    runs.append((out.token_ids, [[(t, lp.logprob) for t, lp in sorted(d.items())] for d in out.logprobs]))
+layer = model.model.layers[0]
+# every layer's o_proj and down, at the prefill and at the decode step, through the one launch
+assert set(folded) == {tuple(layer.self_attn.o_proj.weight.shape), tuple(layer.mlp.down_proj.weight.shape)}, folded
+assert len(folded) == 2 * 2 * len(model.model.layers), len(folded)
+assert runs[0] == runs[1], runs
+print("ok")
+"""
+
+
+@pytest.mark.slow  # ~2.5 min of an interpreted llama-tiny, twice
+def test_the_layers_hand_o_proj_and_down_to_the_norm_in_interpreter():
+    """Through the engine on the mode's CUDA ops (the interpreter, llama-tiny sized as on 24 SMs so o_proj and down
+    split): every layer's o_proj and down reach the next norm as a ToNorm and run as one launch with it, and the
+    greedy tokens and log-probs are those of the layers with the matmul and the norm apart."""
+    assert run_interpreted(WIRING, timeout=600).strip().endswith("ok")
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_sum_with_the_norm_compiles_for_sm90_chained(group):
+    """_sum_add_rmsnorm at the 1B's o_proj (8 partials of 2048 columns, in groups of 2 or of 1) as a decode step
+    chains it on Hopper: it waits for the split matmul before touching memory and lets the next kernel launch."""
+    from server.model.batch_invariant_kernels import _sum_add_rmsnorm
+    from tests.interpreter import compile_for_sm90, ptxas_usage
+
+    kernel = compile_for_sm90(_sum_add_rmsnorm, {"ws_ptr": "*fp32", "b_ptr": "*bf16", "r_ptr": "*bf16",
+                                                 "w_ptr": "*bf16", "out_ptr": "*bf16", "rout_ptr": "*bf16",
+                                                 "M": "i32", "N": "i32", "eps": "fp32"},
+                              dict(SPLIT_K=8, BLOCK=2048, HAS_BIAS=False, HAS_RESIDUAL=True, GDC=True, GROUP=group))
+    assert waits_before_memory(kernel.asm["ptx"])
+    assert ptxas_usage(kernel)[1] == 0
 
 
 def test_fixed_tile_matmul_rows_are_invariant_in_interpreter():
