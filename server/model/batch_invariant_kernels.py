@@ -38,7 +38,7 @@ import triton.language as tl
 from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
 from server.model.fused_moe import moe_invariant
-from server.model.fused_ops import TritonOps
+from server.model.fused_ops import TritonOps, _add_rmsnorm_row
 from server.model.launch import chain_in, dependent_launch_on, gdc_launch
 
 
@@ -176,6 +176,16 @@ def _fold_group(ws_ptr, at, M, N, GROUP: tl.constexpr, OK):
     return acc
 
 
+@triton.jit
+def _fold_splits(ws_ptr, at, M, N, SPLIT_K: tl.constexpr, GROUP: tl.constexpr, OK):
+    """The workspace's SPLIT_K partials of the elements at `at` added in groups of GROUP consecutive ones, each
+    group in split order, then the groups in order (fp32, no rounding): what _sum_splits and _sum_add_rmsnorm add."""
+    acc = _fold_group(ws_ptr, at, M, N, GROUP, OK)
+    for g in tl.static_range(1, SPLIT_K // GROUP):
+        acc += _fold_group(ws_ptr, at + (g * GROUP * M).to(tl.int64) * N, M, N, GROUP, OK)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_BIAS: tl.constexpr, GDC: tl.constexpr, GROUP: tl.constexpr = 1):
@@ -191,9 +201,7 @@ def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_o, SPLIT_K: tl.constexpr, B
     cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     at = row.to(tl.int64) * N + cols
-    acc = _fold_group(ws_ptr, at, M, N, GROUP, ok)
-    for g in tl.static_range(1, SPLIT_K // GROUP):
-        acc += _fold_group(ws_ptr, at + (g * GROUP * M).to(tl.int64) * N, M, N, GROUP, ok)
+    acc = _fold_splits(ws_ptr, at, M, N, SPLIT_K, GROUP, ok)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -213,20 +221,12 @@ def _sum_add_rmsnorm(ws_ptr, b_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, M, N, eps, 
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     at = row.to(tl.int64) * N + cols
-    acc = _fold_group(ws_ptr, at, M, N, GROUP, ok)
-    for g in tl.static_range(1, SPLIT_K // GROUP):
-        acc += _fold_group(ws_ptr, at + (g * GROUP * M).to(tl.int64) * N, M, N, GROUP, ok)
+    acc = _fold_splits(ws_ptr, at, M, N, SPLIT_K, GROUP, ok)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    x = acc.to(out_ptr.dtype.element_ty)
-    if HAS_RESIDUAL:
-        x = x + tl.load(r_ptr + at, mask=ok, other=0.0)
-        tl.store(rout_ptr + at, x, mask=ok)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / N
-    normed = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + at, w * normed, mask=ok)
+    start = row.to(tl.int64) * N
+    _add_rmsnorm_row(acc.to(out_ptr.dtype.element_ty), r_ptr + start, w_ptr, out_ptr + start, rout_ptr + start, cols,
+                     ok, N, eps, HAS_RESIDUAL)
 
 
 @triton.jit

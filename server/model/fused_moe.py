@@ -283,7 +283,8 @@ SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program
 # Its warps. At batch 1 that program is on a layer's critical path (6.2 us of a 30B-A3B layer on 4 warps, 0.30 ms
 # a step, H100 2026-12-05), and it is reductions over 128 experts, each across warps a trip through shared
 # memory: compiled for sm_90 the 4-warp program has 99 barriers, the 1-warp one 4 (its reductions in shuffles;
-# 150 registers, no spills). Predicted ~2 us; not yet timed on a GPU (bench/moe.py's route_align_us will).
+# 150 registers, no spills). Timed alone on the H200 (bench/moe.py's route_align_us, 2026-12-06): 6.0 us on one
+# warp, 6.6 on two, 6.5 on four (~2 was predicted: the barriers were not its cost; route_align_widths's are).
 ROUTE_WARPS = 1
 
 

@@ -30,14 +30,23 @@ def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n_cols, eps,
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    _add_rmsnorm_row(x, r_ptr + row * n_cols, w_ptr, out_ptr + row * n_cols, rout_ptr + row * n_cols, cols, mask,
+                     n_cols, eps, HAS_RESIDUAL)
+
+
+@triton.jit
+def _add_rmsnorm_row(x, r_row, w_ptr, out_row, rout_row, cols, mask, n_cols, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row x (the model's dtype, at columns cols of the rows r_row, out_row, rout_row point to): x + residual
+    rounded (written to rout), then its mean square, the normed row rounded, times w, to out. _add_rmsnorm's body,
+    and the batch-invariant mode's after its split sum (batch_invariant_kernels._sum_add_rmsnorm): one arithmetic."""
     if HAS_RESIDUAL:
-        x = x + tl.load(r_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        tl.store(rout_ptr + row * n_cols + cols, x, mask=mask)
+        x = x + tl.load(r_row + cols, mask=mask, other=0.0)
+        tl.store(rout_row + cols, x, mask=mask)
     h = x.to(tl.float32)
     var = tl.sum(h * h, axis=0) / n_cols
     normed = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n_cols + cols, w * normed, mask=mask)
+    tl.store(out_row + cols, w * normed, mask=mask)
 
 
 @triton.jit
