@@ -26,7 +26,7 @@ import torch
 
 from server.model.attention import AttentionContext
 from server.model.moe import moe_torch
-from server.model.ops import TorchOps, norm_then_gate_up_act, norm_then_qkv
+from server.model.ops import TorchOps, norm_then_gate_up_act, norm_then_qkv, split_qkv
 
 # Rows of every GEMM call: 16 rows cost the CPU about what 1 row does (the weights' reads dominate) and
 # keep a 512-token prefill to 32 calls per matmul.
@@ -155,9 +155,7 @@ class InvariantProjections:
     @classmethod
     def qkv(cls, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One GEMM over the q|k|v weights side by side (the loader lays them out so): a third of the calls."""
-        out = cls.matmul(x, attn.qkv_weight, attn.qkv_bias)
-        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        return out[:, :q], out[:, q:q + kv], out[:, q + kv:]
+        return split_qkv(attn, cls.matmul(x, attn.qkv_weight, attn.qkv_bias))
 
     @classmethod
     def gate_up_act(cls, mlp, x: torch.Tensor) -> torch.Tensor:

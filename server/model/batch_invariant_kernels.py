@@ -16,7 +16,7 @@
 - RMSNorm (one program per row), rotary + cache write (one per token), SiLU × up (elementwise) are the
   default path's kernels, which are per-row already; where o_proj's or down's K always splits, their split sum, the
   residual add and the norm after them are one launch (fixed_tile_matmul_add_rmsnorm: the layers hand that output
-  to the norm unsummed, ToNorm); where gate|up's K is not split, SiLU × up runs in the
+  to the norm unsummed, Unsummed), and q|k|v's split sum runs with rotary and the cache write (fixed_tile_matmul_rope); where gate|up's K is not split, SiLU × up runs in the
   matmul's epilogue instead (fixed_tile_gate_up: the same roundings, one launch and no [M, 2I] round trip). On Hopper these, the matmul and its split sum, rotary
   and attention chain to the kernel before by dependent launch (mode_chained(), launch.py): each starts
   while its predecessor ends and waits for it in-kernel, so a dense layer's extra, unfused kernels cost no
@@ -38,8 +38,9 @@ import triton.language as tl
 from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
 from server.model.fused_moe import moe_invariant
-from server.model.fused_ops import TritonOps, _add_rmsnorm_row
+from server.model.fused_ops import TritonOps, _add_rmsnorm_row, _cache_row, _cos_sin, _rotate_heads
 from server.model.launch import chain_in, dependent_launch_on, gdc_launch
+from server.model.ops import heads_then_rope, split_qkv
 
 
 @triton.jit
@@ -227,6 +228,55 @@ def _sum_add_rmsnorm(ws_ptr, b_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, M, N, eps, 
     start = row.to(tl.int64) * N
     _add_rmsnorm_row(acc.to(out_ptr.dtype.element_ty), r_ptr + start, w_ptr, out_ptr + start, rout_ptr + start, cols,
                      ok, N, eps, HAS_RESIDUAL)
+
+
+@triton.jit
+def _summed_heads(ws_ptr, b_ptr, at, col, M, N, ok, SPLIT_K: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  dtype: tl.constexpr):
+    """A token's heads of the q|k|v row as _sum_splits writes them (the partials at `at`, columns col, folded,
+    + b, rounded to dtype)."""
+    acc = _fold_splits(ws_ptr, at, M, N, SPLIT_K, GROUP, ok)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    return acc.to(dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_rope_and_cache(ws_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr, kw_ptr, q_eps,
+                        k_eps, M, N, n_heads, n_kv_heads, stride_o, stride_ct, stride_cb, stride_cs, stride_ch,
+                        SPLIT_K: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
+                        HEADS_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, GDC: tl.constexpr):
+    """_sum_splits of the q|k|v matmul, then fused_ops._rope_and_cache, in one program a token: the row's q, k and v
+    heads summed and rounded as _sum_splits writes them, q and k rotated (QK_NORM: each head normed first) and
+    written to out as _rope_and_cache leaves them there, v written to out, k and v to the cache at the token's slot.
+    One launch and no [M, N] round trip instead of two, with their arithmetic."""
+    chain_in(GDC)
+    t = tl.program_id(0)
+    d = tl.arange(0, HALF)
+    h = tl.arange(0, HEADS_P2)
+    dtype = out_ptr.dtype.element_ty
+    c1, c2, s1, s2 = _cos_sin(cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, d, HALF)
+    head = h[:, None] * (2 * HALF) + d[None, :]  # a head's first half, from the heads' first column
+    row = t.to(tl.int64) * N
+    qm = (h < n_heads)[:, None]
+    qa = _summed_heads(ws_ptr, b_ptr, row + head, head, M, N, qm, SPLIT_K, GROUP, HAS_BIAS, dtype)
+    qb = _summed_heads(ws_ptr, b_ptr, row + head + HALF, head + HALF, M, N, qm, SPLIT_K, GROUP, HAS_BIAS, dtype)
+    out_row = out_ptr + t.to(tl.int64) * stride_o
+    _rotate_heads(qa.to(tl.float32), qb.to(tl.float32), out_row + head, qm, c1, c2, s1, s2, qw_ptr, q_eps, d, HALF,
+                  QK_NORM)
+    km = (h < n_kv_heads)[:, None]
+    k_col = n_heads * 2 * HALF + head
+    ka = _summed_heads(ws_ptr, b_ptr, row + k_col, k_col, M, N, km, SPLIT_K, GROUP, HAS_BIAS, dtype)
+    kb = _summed_heads(ws_ptr, b_ptr, row + k_col + HALF, k_col + HALF, M, N, km, SPLIT_K, GROUP, HAS_BIAS, dtype)
+    ra, rb = _rotate_heads(ka.to(tl.float32), kb.to(tl.float32), out_row + k_col, km, c1, c2, s1, s2, kw_ptr, k_eps,
+                           d, HALF, QK_NORM)
+    v_col = k_col + n_kv_heads * 2 * HALF
+    va = _summed_heads(ws_ptr, b_ptr, row + v_col, v_col, M, N, km, SPLIT_K, GROUP, HAS_BIAS, dtype)
+    vb = _summed_heads(ws_ptr, b_ptr, row + v_col + HALF, v_col + HALF, M, N, km, SPLIT_K, GROUP, HAS_BIAS, dtype)
+    tl.store(out_row + v_col, va, mask=km)
+    tl.store(out_row + v_col + HALF, vb, mask=km)
+    _cache_row(kc_ptr, vc_ptr, slot_ptr + t, ra, rb, va, vb, h, d, km, stride_cb, stride_cs, stride_ch, HALF,
+               BLOCK_SIZE)
 
 
 @triton.jit
@@ -464,19 +514,26 @@ def mode_weights(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
 @torch.inference_mode()
 def warm_up(model: torch.nn.Module, max_rows: int) -> int:
     """Compile, at start-up, every variant of the mode's matmul a step of up to max_rows rows can meet (64- and
-    128-row tiles, the workspace and its split sum or its sum with the norm after it, the splits in one loop) for
-    each weight shape, on zeros:
+    128-row tiles, the workspace and its split sum or its sum with the norm or the rotary after it, the splits in one
+    loop) for each weight shape, on zeros (the rotary's cache writes into NULL_BLOCK, which nothing reads):
     the decode graphs' capture reaches only the batches up to --max-num-seqs and the memory profile's prefill
     runs only without --kv-cache-memory, so a variant first met while serving stalled the engine for its
     compile (~1 s). Returns how many matmuls ran."""
     ran = 0
     packed = {id(w) for w in gate_up_weights(model)}
+    attns = {id(m.qkv_weight): m for m in model.modules() if isinstance(getattr(m, "qkv_weight", None), torch.Tensor)}
     for weight, bias in mode_weights(model):
         N, K = weight.shape
         for rows, tile in distinct_tiles(N, K, weight.dtype, weight.device, max_rows):
             x = torch.zeros((rows, K), dtype=weight.dtype, device=weight.device)
             fixed_tile_matmul(x, weight, bias, tile=tile)
             ran += 1
+            attn = attns.get(id(weight))
+            if attn is not None and matmul_plan(rows, N, K, weight.dtype, weight.device, tile).through_workspace:
+                # q|k|v's split sum with rotary and the cache write: every token at position 0, into NULL_BLOCK
+                slots = torch.zeros(rows, dtype=torch.int64, device=weight.device)
+                fixed_tile_matmul_rope(x, weight, bias, attn, model.rope_cos[slots], model.rope_sin[slots], slots)
+                ran += 1
             if id(weight) in packed and tile.get("SPLIT_K", 1) == 1:  # its SiLU x up kernel (fixed_tile_gate_up)
                 fixed_tile_gate_up(x, weight, bias, tile=tile)
                 ran += 1
@@ -493,35 +550,37 @@ def gate_up_weights(model: torch.nn.Module) -> list[torch.Tensor]:
             if isinstance(w := getattr(m, "gate_up_weight", None), torch.Tensor)]
 
 
-def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, tile: dict | None = None,
-                      norm: tuple | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit
-    column stride): row i's bits depend on row i's values only. tile: another tile than matmul_tile's
-    (bench/batch_invariant.py --sweep-tiles compares some; SPLIT_K defaults to 1, SERIAL and FLAT to False).
+@dataclass(frozen=True)
+class MatmulPlan:
+    """How fixed_tile_matmul computes a weight of N x K at M rows: the launch's tile (BLOCK_M/N/K, warps, stages) and
+    how K is split and the splits added (matmul_tile's SPLIT_K, GROUP, SERIAL, FLAT, GROUPED, made whole: no split
+    left empty, the ways the compiler would fold into another rounding turned off)."""
 
-    With SPLIT_K > 1 each split writes an fp32 partial into a [SPLIT_K, rows, N] workspace, allocated here
-    like any activation (inside a decode graph's capture it is the graph pool's, so the pool owns it), and
-    _sum_splits adds splits 0..S-1 in order: no atomics, no host sync, the same sums at any number of rows.
-    norm: (residual [M, N], norm weight, eps, rout) for a weight that always splits (sums_to_norm): each launch's
-    rows go through _sum_add_rmsnorm instead of _sum_splits, `out` gets the normed rows and rout x + residual."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    M, K = x.shape
-    N = weight.shape[0]
-    if weight.stride(-1) != 1:
-        raise ValueError("the weight's rows must be contiguous (K innermost)")
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
-    tile = dict(tile or matmul_tile(N, K, x.dtype, x.device, M))
+    tile: dict
+    splits: int
+    group: int
+    chunk: int      # K columns a split walks, whole BLOCK_K steps (the last split's tail masked)
+    serial: bool
+    flat: bool
+    grouped: bool
+
+    @property
+    def through_workspace(self) -> bool:
+        """Whether the splits' partials go through the workspace and a second kernel adds them (which a caller may
+        replace: fixed_tile_matmul's finish), rather than the matmul writing its output itself."""
+        return self.splits > 1 and not self.serial
+
+
+def matmul_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device,
+                tile: dict | None = None) -> MatmulPlan:
+    """fixed_tile_matmul's plan for x [M, K] @ weight [N, K].T (tile: another than matmul_tile's)."""
+    tile = dict(tile or matmul_tile(N, K, dtype, device, M))
     splits = tile.pop("SPLIT_K", 1)
     group = tile.pop("GROUP", 1)
     serial = tile.pop("SERIAL", False)
     flat = tile.pop("FLAT", False)
     grouped = tile.pop("GROUPED", False)
-    block_m, block_k = tile["BLOCK_M"], tile["BLOCK_K"]
+    block_k = tile["BLOCK_K"]
     # The splits' K range in whole BLOCK_K steps (the last split's tail masked); no split left empty.
     chunk = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
     splits = triton.cdiv(K, chunk)
@@ -537,21 +596,51 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     # program a group likewise (else a program a split: the same sums).
     serial = serial and chunk >= 2 * block_k
     grouped = grouped and not linear and chunk >= 2 * block_k
+    return MatmulPlan(tile, splits, group, chunk, serial, flat and serial and splits > 1, grouped)
+
+
+def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None, tile: dict | None = None, finish=None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit
+    column stride): row i's bits depend on row i's values only. tile: another tile than matmul_tile's
+    (bench/batch_invariant.py --sweep-tiles compares some; SPLIT_K defaults to 1, SERIAL and FLAT to False).
+
+    With SPLIT_K > 1 each split writes an fp32 partial into a [SPLIT_K, rows, N] workspace, allocated here
+    like any activation (inside a decode graph's capture it is the graph pool's, so the pool owns it), and
+    _sum_splits adds splits 0..S-1 in order: no atomics, no host sync, the same sums at any number of rows.
+    finish: for a plan through the workspace only (MatmulPlan.through_workspace), the kernel that adds the
+    partials instead of _sum_splits and does what reads the output next with them (the norm: _sum_add_rmsnorm;
+    rotary and the cache write: _sum_rope_and_cache): finish(ws, r0, rows, parts, group, chain) launches it for
+    the rows r0..r0+rows of one launch, ws holding their `parts` partials [parts, rows, N], added in groups of
+    `group` as _fold_splits adds them."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.stride(-1) != 1:
+        raise ValueError("the weight's rows must be contiguous (K innermost)")
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    plan = matmul_plan(M, N, K, x.dtype, x.device, tile)
+    tile, splits, group, chunk = plan.tile, plan.splits, plan.group, plan.chunk
+    block_m = tile["BLOCK_M"]
     n_tiles = triton.cdiv(N, tile["BLOCK_N"])
     has_bias = bias is not None
     b = bias if has_bias else weight
     ieee = x.dtype == torch.float32
     chain = mode_chained(x)
-    if splits == 1 or serial:
-        if norm is not None:
-            raise ValueError(f"a {N} x {K} weight's tile at {M} rows writes its output itself: no split sum to norm")
+    if not plan.through_workspace:
+        if finish is not None:
+            raise ValueError(f"a {N} x {K} weight's tile at {M} rows writes its output itself: no split sum to finish")
         grid = (n_tiles * triton.cdiv(M, block_m),)
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
-                                 SERIAL=splits > 1, FLAT=flat and splits > 1, **gdc_launch(chain), **tile)
+                                 SERIAL=splits > 1, FLAT=plan.flat, **gdc_launch(chain), **tile)
         return out
     # Partials a tile writes: one a split, or one a group (its splits added in its program, in order).
-    parts = splits // group if grouped else splits
+    parts = splits // group if plan.grouped else splits
     step = max(block_m, WORKSPACE_BYTES // (parts * N * 4) // block_m * block_m)  # rows a launch
     ws = torch.empty((parts * min(M, step) * N,), dtype=torch.float32, device=x.device)
     for r0 in range(0, M, step):  # a row's sums do not depend on its launch or its place in one
@@ -560,18 +649,14 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         grid = (n_tiles * parts * triton.cdiv(rows, block_m),)
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
-                                 FLAT=False, GROUPED=group if grouped else 1, **gdc_launch(chain), **tile)
-        if norm is None:
-            _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=parts,
-                                                             BLOCK=SUM_BLOCK, HAS_BIAS=has_bias,
-                                                             GROUP=1 if grouped else group, num_warps=4,
-                                                             **gdc_launch(chain))
+                                 FLAT=False, GROUPED=group if plan.grouped else 1, **gdc_launch(chain), **tile)
+        partial_group = 1 if plan.grouped else group
+        if finish is not None:
+            finish(ws, r0, rows, parts, partial_group, chain)
             continue
-        residual, norm_weight, eps, rout = norm  # as TritonOps.add_rmsnorm launches its norm: a row a program
-        _sum_add_rmsnorm[(rows,)](ws, b, residual[r0:r0 + step], norm_weight, outs, rout[r0:r0 + step], rows, N,
-                                  eps, SPLIT_K=parts, BLOCK=triton.next_power_of_2(N), HAS_BIAS=has_bias,
-                                  HAS_RESIDUAL=True, GROUP=1 if grouped else group,
-                                  num_warps=4 if N <= 4096 else 8, **gdc_launch(chain))
+        _sum_splits[(rows * triton.cdiv(N, SUM_BLOCK),)](ws, b, outs, rows, N, outs.stride(0), SPLIT_K=parts,
+                                                         BLOCK=SUM_BLOCK, HAS_BIAS=has_bias, GROUP=partial_group,
+                                                         num_warps=4, **gdc_launch(chain))
     return out
 
 
@@ -595,8 +680,52 @@ def fixed_tile_matmul_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, bias: t
     residual = residual.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     rout = torch.empty_like(out)
-    fixed_tile_matmul(x, weight, bias, out, norm=(residual, norm_weight, eps, rout))
+    has_bias = bias is not None
+
+    def finish(ws, r0, rows, parts, group, chain):  # as TritonOps.add_rmsnorm launches its norm: a row a program
+        _sum_add_rmsnorm[(rows,)](ws, bias if has_bias else weight, residual[r0:], norm_weight, out[r0:], rout[r0:],
+                                  rows, N, eps, SPLIT_K=parts, BLOCK=triton.next_power_of_2(N), HAS_BIAS=has_bias,
+                                  HAS_RESIDUAL=True, GROUP=group, num_warps=4 if N <= 4096 else 8,
+                                  **gdc_launch(chain))
+
+    fixed_tile_matmul(x, weight, bias, out, finish=finish)
     return out, rout
+
+
+def fixed_tile_matmul_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attn, cos: torch.Tensor,
+                           sin: torch.Tensor, slots: torch.Tensor):
+    """BatchInvariantTritonOps.qkv_heads of the q|k|v matmul x @ weight.T (+ bias): (q, k, v) as heads [T, heads,
+    D], q and k rotated (Qwen3's heads normed first), k and v written to attn's cache at their slots. Where the
+    weight's tile at these rows goes through the workspace, its split sum, rotary and the cache write are one launch
+    (_sum_rope_and_cache: a program a token, the q|k|v row rounded as _sum_splits rounds it, then _rope_and_cache's
+    arithmetic); else the matmul, then rope_and_cache. The same bits either way."""
+    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    if not matmul_plan(M, N, K, x.dtype, x.device).through_workspace:
+        return heads_then_rope(BatchInvariantTritonOps, attn, split_qkv(attn, fixed_tile_matmul(x, weight, bias)),
+                               cos, sin, slots)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    D = attn.head_dim
+    H, KVH = attn.num_heads, attn.num_kv_heads
+    k_cache, v_cache = attn.k_cache, attn.v_cache
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
+                         f"{k_cache.stride()} and {v_cache.stride()}")
+    norms = attn.q_norm is not None
+    qw, kw, q_eps, k_eps = ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.k_norm.eps)
+                            if norms else (cos, cos, 0.0, 0.0))
+    has_bias = bias is not None
+
+    def finish(ws, r0, rows, parts, group, chain):
+        _sum_rope_and_cache[(rows,)](ws, bias if has_bias else weight, out[r0:], cos[r0:], sin[r0:], k_cache,
+                                     v_cache, slots[r0:], qw, kw, q_eps, k_eps, rows, N, H, KVH, out.stride(0),
+                                     cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                     SPLIT_K=parts, GROUP=group, HAS_BIAS=has_bias, HALF=D // 2,
+                                     HEADS_P2=triton.next_power_of_2(max(H, KVH)), BLOCK_SIZE=k_cache.shape[1],
+                                     QK_NORM=norms, num_warps=4, **gdc_launch(chain))
+
+    fixed_tile_matmul(x, weight, bias, out, finish=finish)
+    q, k, v = split_qkv(attn, out)
+    return q.view(M, H, D), k.view(M, KVH, D), v.view(M, KVH, D)
 
 
 def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -643,10 +772,10 @@ def attend_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 
 @dataclass(frozen=True)
-class ToNorm:
-    """o_proj's or down_proj's output left for the norm that reads it next (BatchInvariantTritonOps.linear_to_norm):
-    the matmul's input, weight and bias; add_rmsnorm runs the matmul with its split sum, the residual add and the
-    norm folded into one launch (fixed_tile_matmul_add_rmsnorm)."""
+class Unsummed:
+    """A split matmul's output left for the op that reads it next to add its splits (BatchInvariantTritonOps): o_proj's
+    or down_proj's for the norm after them (linear_to_norm, add_rmsnorm: fixed_tile_matmul_add_rmsnorm), q|k|v's for
+    rotary and the cache write (norm_qkv, qkv_heads: fixed_tile_matmul_rope). The matmul's input, weight and bias."""
 
     x: torch.Tensor
     weight: torch.Tensor
@@ -664,20 +793,35 @@ class BatchInvariantTritonOps(InvariantProjections, TritonOps):
         return TritonOps.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, norms, gdc=mode_chained(q))
 
     @classmethod
+    def norm_qkv(cls, attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
+        """The input norm, then q|k|v left unsummed for qkv_heads, which adds its splits with the rotation where
+        the weight's tile at these rows splits K (fixed_tile_matmul_rope)."""
+        h, residual = norm(x, residual, cls)
+        if not h.shape[0]:
+            return cls.qkv(attn, h), residual
+        return Unsummed(h, attn.qkv_weight, attn.qkv_bias), residual
+
+    @classmethod
+    def qkv_heads(cls, attn, qkv, cos, sin, slots):
+        if isinstance(qkv, Unsummed):
+            return fixed_tile_matmul_rope(qkv.x, qkv.weight, qkv.bias, attn, cos, sin, slots)
+        return heads_then_rope(cls, attn, qkv, cos, sin, slots)
+
+    @classmethod
     def linear_to_norm(cls, module: torch.nn.Linear, x: torch.Tensor):
         """o_proj and down_proj on one device, their output read by the next norm first (ops.py): for a weight that
-        sums_to_norm, a ToNorm that add_rmsnorm finishes in one launch; else the matmul's output."""
+        sums_to_norm, an Unsummed that add_rmsnorm finishes in one launch; else the matmul's output."""
         w = module.weight
         if x.shape[0] and sums_to_norm(w.shape[0], w.shape[1], x.dtype, x.device):
-            return ToNorm(x, w, module.bias)
+            return Unsummed(x, w, module.bias)
         return cls.linear(module, x)
 
     @staticmethod
     def add_rmsnorm(x, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                     gdc: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chained at any number of rows (mode_chained), whatever the caller's gdc. x a ToNorm (linear_to_norm):
+        """Chained at any number of rows (mode_chained), whatever the caller's gdc. x an Unsummed (linear_to_norm):
         its matmul, split sum, residual add and norm (fixed_tile_matmul_add_rmsnorm)."""
-        if isinstance(x, ToNorm):
+        if isinstance(x, Unsummed):
             if residual is not None:
                 return fixed_tile_matmul_add_rmsnorm(x.x, x.weight, x.bias, residual, weight, eps)
             x = fixed_tile_matmul(x.x, x.weight, x.bias)

@@ -18,7 +18,7 @@ from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
 from server.model.launch import chain_in, gdc_launch
 from server.model.fused_moe import moe as fused_moe
-from server.model.ops import norm_then_gate_up_act, norm_then_qkv
+from server.model.ops import heads_then_rope, norm_then_gate_up_act, norm_then_qkv, split_qkv
 from server.model.small_gemm import chained, small_gemm, small_rows
 
 
@@ -61,6 +61,42 @@ def _head_rmsnorm(a, b, w_ptr, d, eps, HALF: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rotate_heads(a, b, a_ptr, ok, c1, c2, s1, s2, w_ptr, eps, d, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    """A token's heads, a | b [heads, HALF] each in fp32 (from the model's dtype, a_ptr's): each head RMS-normed
+    first where QK_NORM (weights w), rotated, rounded and stored at a_ptr (b at a_ptr + HALF) where `ok`;
+    returns the two rotated halves in the model's dtype."""
+    dtype = a_ptr.dtype.element_ty
+    if QK_NORM:
+        a, b = _head_rmsnorm(a, b, w_ptr, d, eps, HALF, dtype)
+    ra = (a * c1[None, :] - b * s1[None, :]).to(dtype)
+    rb = (b * c2[None, :] + a * s2[None, :]).to(dtype)
+    tl.store(a_ptr, ra, mask=ok)
+    tl.store(a_ptr + HALF, rb, mask=ok)
+    return ra, rb
+
+
+@triton.jit
+def _cos_sin(cos_row, sin_row, d, HALF: tl.constexpr):
+    """A token's rotation, fp32: (cos of the first half, of the second, sin of the first, of the second)."""
+    return (tl.load(cos_row + d).to(tl.float32), tl.load(cos_row + HALF + d).to(tl.float32),
+            tl.load(sin_row + d).to(tl.float32), tl.load(sin_row + HALF + d).to(tl.float32))
+
+
+@triton.jit
+def _cache_row(kc_ptr, vc_ptr, slot_ptr, ka, kb, va, vb, h, d, ok, stride_cb, stride_cs, stride_ch,
+               HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A token's k (ka | kb) and v (va | vb) heads written to the caches at its slot. The caches are strided views of
+    the block-major cache (kv_layout.py): the slot's block times the block stride (which spans every layer; 64-bit),
+    plus its offset in the block."""
+    slot = tl.load(slot_ptr).to(tl.int64)
+    row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h[:, None] * stride_ch + d[None, :]
+    tl.store(kc_ptr + row, ka, mask=ok)
+    tl.store(kc_ptr + row + HALF, kb, mask=ok)
+    tl.store(vc_ptr + row, va, mask=ok)
+    tl.store(vc_ptr + row + HALF, vb, mask=ok)
+
+
+@triton.jit
 def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr, kw_ptr, q_eps, k_eps,
                     n_heads, n_kv_heads, stride_qt, stride_kt, stride_vt, stride_ct,
                     stride_cb, stride_cs, stride_ch,
@@ -72,39 +108,20 @@ def _rope_and_cache(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
     t = tl.program_id(0)
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_P2)
-    c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)
-    # q: [heads, 2*HALF] for this token, rotated in place.
+    c1, c2, s1, s2 = _cos_sin(cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, d, HALF)
     qm = (h < n_heads)[:, None]
     qa_ptr = q_ptr + t * stride_qt + h[:, None] * (2 * HALF) + d[None, :]
     qa = tl.load(qa_ptr, mask=qm, other=0.0).to(tl.float32)
     qb = tl.load(qa_ptr + HALF, mask=qm, other=0.0).to(tl.float32)
-    if QK_NORM:
-        qa, qb = _head_rmsnorm(qa, qb, qw_ptr, d, q_eps, HALF, q_ptr.dtype.element_ty)
-    tl.store(qa_ptr, (qa * c1[None, :] - qb * s1[None, :]).to(q_ptr.dtype.element_ty), mask=qm)
-    tl.store(qa_ptr + HALF, (qb * c2[None, :] + qa * s2[None, :]).to(q_ptr.dtype.element_ty), mask=qm)
-    # k: rotated in place and written to the cache with v.
+    _rotate_heads(qa, qb, qa_ptr, qm, c1, c2, s1, s2, qw_ptr, q_eps, d, HALF, QK_NORM)
     km = (h < n_kv_heads)[:, None]
     ka_ptr = k_ptr + t * stride_kt + h[:, None] * (2 * HALF) + d[None, :]
     ka = tl.load(ka_ptr, mask=km, other=0.0).to(tl.float32)
     kb = tl.load(ka_ptr + HALF, mask=km, other=0.0).to(tl.float32)
-    if QK_NORM:
-        ka, kb = _head_rmsnorm(ka, kb, kw_ptr, d, k_eps, HALF, k_ptr.dtype.element_ty)
-    ra = (ka * c1[None, :] - kb * s1[None, :]).to(k_ptr.dtype.element_ty)
-    rb = (kb * c2[None, :] + ka * s2[None, :]).to(k_ptr.dtype.element_ty)
-    tl.store(ka_ptr, ra, mask=km)
-    tl.store(ka_ptr + HALF, rb, mask=km)
-    # The caches are strided views of the block-major cache (kv_layout.py): the slot's block times
-    # the block stride (which spans every layer; 64-bit), plus its offset in the block.
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h[:, None] * stride_ch + d[None, :]
-    tl.store(kc_ptr + row, ra, mask=km)
-    tl.store(kc_ptr + row + HALF, rb, mask=km)
+    ra, rb = _rotate_heads(ka, kb, ka_ptr, km, c1, c2, s1, s2, kw_ptr, k_eps, d, HALF, QK_NORM)
     va_ptr = v_ptr + t * stride_vt + h[:, None] * (2 * HALF) + d[None, :]
-    tl.store(vc_ptr + row, tl.load(va_ptr, mask=km, other=0.0), mask=km)
-    tl.store(vc_ptr + row + HALF, tl.load(va_ptr + HALF, mask=km, other=0.0), mask=km)
+    _cache_row(kc_ptr, vc_ptr, slot_ptr + t, ra, rb, tl.load(va_ptr, mask=km, other=0.0),
+               tl.load(va_ptr + HALF, mask=km, other=0.0), h, d, km, stride_cb, stride_cs, stride_ch, HALF, BLOCK_SIZE)
 
 
 @triton.jit
@@ -166,7 +183,7 @@ class TritonOps:
     @staticmethod
     def qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One GEMM over the q|k|v weights (laid out contiguously by the loader), split by views."""
-        return _split_qkv(attn, F.linear(x, attn.qkv_weight, attn.qkv_bias))
+        return split_qkv(attn, F.linear(x, attn.qkv_weight, attn.qkv_bias))
 
     @staticmethod
     def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
@@ -175,7 +192,12 @@ class TritonOps:
             return norm_then_qkv(TritonOps, attn, norm, x, residual)
         out, rsum = small_gemm(x, attn.qkv_weight, attn.qkv_bias, residual=residual, norm_weight=norm.weight,
                                eps=norm.eps, gdc=chained(x))
-        return (*_split_qkv(attn, out), x if rsum is None else rsum)
+        return split_qkv(attn, out), x if rsum is None else rsum
+
+    @staticmethod
+    def qkv_heads(attn, qkv, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor):
+        """ops.py; rotary, Qwen3's head norms and the cache write in one launch (rope_and_cache)."""
+        return heads_then_rope(TritonOps, attn, qkv, cos, sin, slots)
 
     @staticmethod
     def gate_up_act(mlp, x: torch.Tensor) -> torch.Tensor:
@@ -225,9 +247,3 @@ class TritonOps:
     prefill_attention = staticmethod(triton_prefill_attention)  # every span of the step in one launch
     # The sparse MLP (fused_moe.py): routing and grouping in one to four kernels, the experts in three; no host sync.
     moe = staticmethod(fused_moe)
-
-
-def _split_qkv(attn, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q = attn.num_heads * attn.head_dim
-    kv = attn.num_kv_heads * attn.head_dim
-    return out[:, :q], out[:, q:q + kv], out[:, q + kv:]

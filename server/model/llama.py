@@ -56,14 +56,11 @@ class Attention(nn.Module):
     def fused_groups(self) -> dict[str, list[nn.Linear]]:
         return {"qkv": [self.q_proj, self.k_proj, self.v_proj]}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: AttentionContext, ops) -> torch.Tensor:
-        """q, k, v: the q|k|v matmul's views (ops.norm_qkv) -> o_proj's output, for the norm after it to read
-        (ops.linear_to_norm: under the batch-invariant mode on CUDA it may be one the norm finishes)."""
+    def forward(self, qkv, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext, ops) -> torch.Tensor:
+        """qkv: the projections ops.norm_qkv gives (under the batch-invariant mode on CUDA they may be ones its
+        qkv_heads finishes) -> o_proj's output, for the norm after it to read (ops.linear_to_norm: likewise)."""
+        q, k, v = ops.qkv_heads(self, qkv, cos, sin, ctx.slot_mapping)
         T, D = q.shape[0], self.head_dim
-        q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
-        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)  # Qwen3's, before the rotation
-        q, k = ops.rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping, norms)
         if ops.batch_invariant:  # one per-token path for decodes and prefills alike (batch_invariant.py)
             out = ops.attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
         else:
@@ -110,8 +107,8 @@ class DecoderLayer(nn.Module):
         # The residual stream travels beside the hidden state, so each norm also does the add
         # before it (fused with the matmul after it on CUDA). Float addition commutes, so this is bit
         # for bit Hugging Face's `residual + hidden`.
-        q, k, v, residual = ops.norm_qkv(self.self_attn, self.input_layernorm, x, residual)
-        x = self.self_attn(q, k, v, cos, sin, ctx, ops)
+        qkv, residual = ops.norm_qkv(self.self_attn, self.input_layernorm, x, residual)
+        x = self.self_attn(qkv, cos, sin, ctx, ops)
         if self.moe_name is not None:
             h, residual = self.post_attention_layernorm(x, residual, ops)
             return self._modules[self.moe_name](h, ops), residual

@@ -57,8 +57,15 @@ class TorchOps:
 
     @staticmethod
     def norm_qkv(attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
-        """The layer's input norm, then q|k|v: (q, k, v, the residual stream)."""
+        """The layer's input norm, then q|k|v: (the projections, for this set's qkv_heads; the residual stream)."""
         return norm_then_qkv(TorchOps, attn, norm, x, residual)
+
+    @classmethod
+    def qkv_heads(cls, attn, qkv, cos: torch.Tensor, sin: torch.Tensor,
+                  slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """norm_qkv's projections -> q [T, H, D], k and v [T, KVH, D]: q and k rotated (Qwen3's heads normed
+        first), k and v written to the layer's cache at their slots."""
+        return heads_then_rope(cls, attn, qkv, cos, sin, slots)
 
     @staticmethod
     def norm_gate_up_act(mlp, norm, x: torch.Tensor, residual: torch.Tensor):
@@ -96,9 +103,24 @@ class TorchOps:
 
 
 def norm_then_qkv(ops, attn, norm, x: torch.Tensor, residual: torch.Tensor | None):
-    """norm_qkv as two steps of an ops set: its add_rmsnorm, then its qkv."""
+    """norm_qkv as two steps of an ops set: its add_rmsnorm, then its qkv ((q, k, v), the residual stream)."""
     h, residual = norm(x, residual, ops)
-    return (*ops.qkv(attn, h), residual)
+    return ops.qkv(attn, h), residual
+
+
+def split_qkv(attn, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q|k|v matmul's output [T, (H + 2 KVH) x D] as its q, k and v columns (views)."""
+    q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    return out[:, :q], out[:, q:q + kv], out[:, q + kv:]
+
+
+def heads_then_rope(ops, attn, qkv, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor):
+    """qkv_heads as the three projections ([T, heads x D] each) viewed as heads, then the ops set's rope_and_cache."""
+    T, D = qkv[0].shape[0], attn.head_dim
+    q, k, v = (t.view(T, -1, D) for t in qkv)
+    norms = None if attn.q_norm is None else (attn.q_norm, attn.k_norm)  # Qwen3's, before the rotation
+    q, k = ops.rope_and_cache(q, k, v, cos, sin, attn.k_cache, attn.v_cache, slots, norms)
+    return q, k, v
 
 
 def norm_then_gate_up_act(ops, mlp, norm, x: torch.Tensor, residual: torch.Tensor):

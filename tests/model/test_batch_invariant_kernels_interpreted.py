@@ -250,12 +250,15 @@ assert id(attn.q_proj.weight) not in took and id(mlp.gate_proj.weight) not in to
 assert id(model.output_weight()) in took
 shapes = sorted(tuple(w.shape) for w, _ in pairs)
 assert len(shapes) == len(set(shapes)) >= 4, shapes
-launched, normed = [], []  # normed: the tiles whose split sum ran with the norm after it
+# normed, roped: the tiles whose split sum ran with the norm, or with rotary and the cache write, after it
+launched, normed, roped = [], [], []
 real = bik.fixed_tile_matmul
-def recording(x, weight, bias=None, out=None, tile=None, norm=None):
+def recording(x, weight, bias=None, out=None, tile=None, finish=None):
     tile = tile or bik.matmul_tile(*weight.shape, weight.dtype, weight.device, x.shape[0])
-    (launched if norm is None else normed).append((tuple(weight.shape), x.shape[0], tuple(sorted(tile.items()))))
-    return real(x, weight, bias, out, tile, norm)
+    into = {None: launched, "fixed_tile_matmul_add_rmsnorm": normed, "fixed_tile_matmul_rope": roped}[
+        finish and finish.__qualname__.split(".")[0]]
+    into.append((tuple(weight.shape), x.shape[0], tuple(sorted(tile.items()))))
+    return real(x, weight, bias, out, tile, finish)
 bik.fixed_tile_matmul = recording
 fused = []  # the packed gate|up weight's SiLU x up kernel, at each of its tiles that does not split K
 real_gate_up = bik.fixed_tile_gate_up
@@ -266,11 +269,15 @@ bik.fixed_tile_gate_up = recording_gate_up
 ran = bik.warm_up(model, 700)
 want = {(tuple(w.shape), tuple(sorted(bik.matmul_tile(*w.shape, w.dtype, w.device, r).items())))
         for w, _ in pairs for r in range(1, 701)}
-assert ran == len(launched) + len(fused) + len(normed) and len(launched) == len(want) == len(
-    {(s, t) for s, _, t in launched}), (ran, len(launched), len(fused), len(normed), len(want))
+assert ran == len(launched) + len(fused) + len(normed) + len(roped) and len(launched) == len(want) == len(
+    {(s, t) for s, _, t in launched}), (ran, len(launched), len(fused), len(normed), len(roped), len(want))
 summed = {(s, t) for s, t in want if bik.sums_to_norm(*s, torch.bfloat16, torch.device("cpu"))}
 assert {(s, t) for s, _, t in normed} == summed and len(normed) == len(summed), (len(normed), len(summed))
 assert summed, "no llama-tiny weight sums to its norm on 24 multiprocessors: the fused sum went unchecked"
+rotated = {(s, t) for s, t in want if s == tuple(attn.qkv_weight.shape) and dict(t)["SPLIT_K"] > 1
+           and not dict(t)["SERIAL"]}
+assert {(s, t) for s, _, t in roped} == rotated and len(roped) == len(rotated), (len(roped), len(rotated))
+assert rotated, "llama-tiny's qkv never goes through the workspace on 24 multiprocessors: the fused rotary went unchecked"
 assert {(s, t) for s, _, t in launched} == want
 assert set(fused) == {(s, t) for s, t in want if s == tuple(mlp.gate_up_weight.shape) and dict(t)["SPLIT_K"] == 1}
 assert fused, "llama-tiny's gate|up has no unsplit tile on 24 multiprocessors: the fused kernel went unchecked"
@@ -367,6 +374,63 @@ def test_a_split_sum_the_residual_add_and_the_norm_are_one_launch_in_interpreter
     assert run_interpreted(NORM).strip().endswith("ok")
 
 
+ROPE = BF16_DOT + ROWWISE_DOT + r"""
+import types
+import torch
+import server.model.batch_invariant_kernels as bik
+from server.model.batch_invariant_kernels import fixed_tile_matmul, fixed_tile_matmul_rope, matmul_plan
+from server.model.fused_ops import TritonOps
+from server.model.ops import TorchOps, heads_then_rope, split_qkv
+g = torch.Generator().manual_seed(3)
+H, KVH, D, K, BS = 4, 2, 16, 1024, 4
+N = (H + 2 * KVH) * D
+dtype, device = getattr(torch, DTYPE), torch.device("cpu")
+tol = 1e-4 if dtype == torch.float32 else 3e-2
+plan = matmul_plan(1, N, K, dtype, device)
+assert plan.through_workspace and plan.group > 1 and matmul_plan(130, N, K, dtype, device).through_workspace, plan
+bik.WORKSPACE_BYTES = plan.splits * N * 4 * 64  # launches of 64 rows at most: 130 rows take three
+def rand(*shape):
+    return torch.randn(*shape, generator=g).to(dtype)
+class Norm:  # Qwen3's q_norm and k_norm
+    def __init__(self):
+        self.weight, self.eps = (torch.rand(D, generator=g) + 0.5).to(dtype), 1e-6
+def layer(norms):
+    cache = torch.zeros(2, 40, BS, KVH, D, dtype=dtype)  # k | v, blocks, slots a block, heads, D
+    return types.SimpleNamespace(num_heads=H, num_kv_heads=KVH, head_dim=D, k_cache=cache[0], v_cache=cache[1],
+                                 q_norm=norms[0], k_norm=norms[1]), cache
+w = rand(N, K) / K ** 0.5
+for bias in (None, rand(N)):
+    # (Qwen3's head norms in fp32 only: the interpreter multiplies a bf16 weight's bits as integers, in either kernel)
+    for norms in ((None, None), (Norm(), Norm())) if dtype == torch.float32 else ((None, None),):
+        for rows in (1, 130) if dtype == torch.float32 else (1, 3, 130):
+            x = rand(rows, K)
+            angles = torch.randint(0, 100, (rows, 1), generator=g) * 0.1 + torch.arange(D)
+            cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+            slots = torch.randperm(40 * BS, generator=g)[:rows]
+            (fused, fused_cache), (apart, apart_cache) = layer(norms), layer(norms)
+            got = fixed_tile_matmul_rope(x, w, bias, fused, cos, sin, slots)
+            # the two launches it replaces, bit for bit: the split sum, then rotary and the cache write
+            want = heads_then_rope(TritonOps, apart, split_qkv(apart, fixed_tile_matmul(x, w, bias)), cos, sin, slots)
+            case = (bias is None, norms[0] is None, rows)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), case
+            assert torch.equal(fused_cache, apart_cache) and fused_cache.abs().sum() > 0, case
+            product = (x.float() @ w.float().t() + (0 if bias is None else bias.float())).to(dtype)
+            ref = heads_then_rope(TorchOps, apart, split_qkv(apart, product), cos, sin, slots)
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_qkv_split_sum_rotary_and_the_cache_write_are_one_launch_in_interpreter(dtype):
+    """fixed_tile_matmul_rope (the mode's q|k|v at rows whose tile goes through the workspace): the split sum, rotary
+    (with Qwen3's head norms, fp32, and without) and the K/V cache write in one launch give the bits of the split sum then
+    rope_and_cache, at 1-130 rows (several workspace launches; bf16's 130 rows on 128-row tiles, a program a group of
+    splits), with and without bias; close to the unfused torch reference."""
+    assert run_interpreted(f"DTYPE = {dtype!r}\n" + ROPE, timeout=600).strip().endswith("ok")
+
+
 WIRING = r"""
 import tempfile
 from server import LLM, SamplingParams
@@ -376,14 +440,21 @@ bik._processors = lambda device: 24  # llama-tiny's o_proj and down then always 
 llm = LLM(model=str(model_folder("llama-tiny", tempfile.mkdtemp())), device="cpu", load_format="dummy",
           batch_invariant=True, kv_cache_memory="16MiB", max_model_len=64, max_num_batched_tokens=16)
 model = llm.engine.runner.model
-folded = []
-real = bik.fixed_tile_matmul_add_rmsnorm
-def recording(x, weight, *rest):
+from server.model.ops import norm_then_qkv
+folded, roped = [], []  # the matmuls whose split sum ran with the norm, with rotary and the cache write
+real_norm, real_rope = bik.fixed_tile_matmul_add_rmsnorm, bik.fixed_tile_matmul_rope
+def recording_norm(x, weight, *rest):
     folded.append(tuple(weight.shape))
-    return real(x, weight, *rest)
-bik.fixed_tile_matmul_add_rmsnorm = recording
-class Unfolded(bik.BatchInvariantTritonOps):
+    return real_norm(x, weight, *rest)
+def recording_rope(x, weight, bias, attn, *rest):
+    roped.append((tuple(weight.shape), x.shape[0]))
+    return real_rope(x, weight, bias, attn, *rest)
+bik.fixed_tile_matmul_add_rmsnorm, bik.fixed_tile_matmul_rope = recording_norm, recording_rope
+class Unfolded(bik.BatchInvariantTritonOps):  # every split sum its own launch
     linear_to_norm = bik.BatchInvariantTritonOps.linear
+    @classmethod
+    def norm_qkv(cls, attn, norm, x, residual):
+        return norm_then_qkv(cls, attn, norm, x, residual)
 params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=2, ignore_eos=True)
 runs = []
 for ops in (bik.BatchInvariantTritonOps, Unfolded):
@@ -394,6 +465,8 @@ layer = model.model.layers[0]
 # every layer's o_proj and down, at the prefill and at the decode step, through the one launch
 assert set(folded) == {tuple(layer.self_attn.o_proj.weight.shape), tuple(layer.mlp.down_proj.weight.shape)}, folded
 assert len(folded) == 2 * 2 * len(model.model.layers), len(folded)
+# every layer's q|k|v at the prefill (5 tokens) and the decode step, through the one launch with the rotary
+assert roped == [(tuple(layer.self_attn.qkv_weight.shape), t) for t in (5, 1) for _ in model.model.layers], roped
 assert runs[0] == runs[1], runs
 print("ok")
 """
@@ -401,9 +474,10 @@ print("ok")
 
 @pytest.mark.slow  # ~2.5 min of an interpreted llama-tiny, twice
 def test_the_layers_hand_o_proj_and_down_to_the_norm_in_interpreter():
-    """Through the engine on the mode's CUDA ops (the interpreter, llama-tiny sized as on 24 SMs so o_proj and down
-    split): every layer's o_proj and down reach the next norm as a ToNorm and run as one launch with it, and the
-    greedy tokens and log-probs are those of the layers with the matmul and the norm apart."""
+    """Through the engine on the mode's CUDA ops (the interpreter, llama-tiny sized as on 24 SMs so q|k|v, o_proj and
+    down split): every layer's o_proj and down reach the next norm as an Unsummed and run as one launch with it, its
+    q|k|v's split sum runs with the rotary and the cache write, and the greedy tokens and log-probs are those of the
+    layers with every split sum apart."""
     assert run_interpreted(WIRING, timeout=600).strip().endswith("ok")
 
 
