@@ -63,10 +63,25 @@ def checked_copy_s(named: list[tuple[str, torch.Tensor]], device: torch.device, 
     return d2d_copy_s(named, device, copy_many=one_by_one if per_tensor else check.copy_many, finish=verify)
 
 
-def push_times(folder: Path, named, backend: str, device: torch.device, rounds: int) -> dict[bool, list[float]]:
+# Where a push's seconds go (push_times' `parts`): the server's receives (each bucket's copy, check and sync, as
+# its transfer thread timed them), the sender's packing, the posts around those receives (HTTP, the engine's
+# hand-over), the finish.
+PUSH_PARTS = ("server_receive_s", "pack_s", "post_minus_receive_s", "finish_s")
+
+
+def push_parts(report: dict) -> dict[str, float]:
+    """A send's report (WeightSender.send) as PUSH_PARTS."""
+    phases, receive = report["phases"], report["sender"].get("server_copy_s", 0.0)
+    return {"server_receive_s": receive, "pack_s": phases.get("pack_s", 0.0),
+            "post_minus_receive_s": phases.get("post_s", 0.0) - receive, "finish_s": phases.get("finish_s", 0.0)}
+
+
+def push_times(folder: Path, named, backend: str, device: torch.device, rounds: int) -> dict:
     """Seconds of each push of the tensors into two servers up at once, one with the check and one without
     (--no-check-weights-finite), in turn: on, off, on, off... so neither pays for coming first (with one server
-    after the other, best of 5 each, the same tree read 10.1% on one run and -5.4% on another, 2026-12-05/06)."""
+    after the other, best of 5 each, the same tree read 10.1% on one run and -5.4% on another, 2026-12-05/06).
+    {True: [...], False: [...]} (checked, unchecked), and under "parts" each push's PUSH_PARTS the same way: on
+    one H100 host the check cost 2.9% of the push, on another 12.5% (2026-12-06), which the parts can place."""
     from server.weight_transfer.sender import WeightSender
     from testkit.http_server import ServerProcess
 
@@ -76,6 +91,7 @@ def push_times(folder: Path, named, backend: str, device: torch.device, rounds: 
     servers = {check: ServerProcess(args + ([] if check else ["--no-check-weights-finite"])) for check in (True, False)}
     senders: dict[bool, WeightSender] = {}
     times: dict[bool, list[float]] = {True: [], False: []}
+    parts: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     try:
         for check, server in servers.items():
             server.start()
@@ -86,10 +102,11 @@ def push_times(folder: Path, named, backend: str, device: torch.device, rounds: 
                 t0 = time.perf_counter()
                 report = sender.send(named)
                 times[check].append(time.perf_counter() - t0)
+                parts[check].append(push_parts(report))
                 assert report["server"]["weights_valid"] is True, report
         for sender in senders.values():
             sender.close()
-        return {check: t[1:] for check, t in times.items()}
+        return {**{check: t[1:] for check, t in times.items()}, "parts": {check: p[1:] for check, p in parts.items()}}
     finally:
         for server in servers.values():
             server.stop()
@@ -133,11 +150,18 @@ def main() -> None:
             on, off = statistics.median(times[True]), statistics.median(times[False])
             row.update(push_checked_s=on, push_unchecked_s=off, check_share_of_push=(on - off) / on,
                        push_checked_best_s=min(times[True]), push_unchecked_best_s=min(times[False]),
-                       push_times_s={"checked": times[True], "unchecked": times[False]})
+                       push_times_s={"checked": times[True], "unchecked": times[False]},
+                       push_parts_median_s={("checked" if check else "unchecked"): {
+                           part: statistics.median(p[part] for p in times["parts"][check]) for part in PUSH_PARTS}
+                           for check in (True, False)})
             print(f"{name}: push ({backend}, median of {args.rounds} in turn with a server without the check) "
                   f"with the check {on:.3f} s, without {off:.3f} s (best {min(times[True]):.3f} / "
                   f"{min(times[False]):.3f}): the check is {100 * (on - off) / on:.1f}% of the push (goal <= 5%)",
                   flush=True)
+            split = row["push_parts_median_s"]
+            print(f"{name}: where the push goes, median ms checked / unchecked: " + ", ".join(
+                f"{part[:-2]} {1e3 * split['checked'][part]:.1f} / {1e3 * split['unchecked'][part]:.1f}"
+                for part in PUSH_PARTS), flush=True)
         result["rows"].append(row)
         del named
         if cuda:
