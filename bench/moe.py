@@ -78,12 +78,21 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [g.integers(100, min(vocab, 49152), length).tolist() for _ in range(batch)]
 
 
+# A few sequences' steps: at least this many timed a run, in at least SMALL_BATCH_REPEATS rounds. A run's time
+# includes the prompt's prefill, which the one-token run's subtracts; at batch 1, 32 steps (~0.1 s) in 2 rounds
+# let that prefill's noise through: the 30B's batch-1 step read 2.56 to 4.00 ms on H100s (2026-12-06), its two
+# engines in one process each faster or slower by turns.
+SMALL_BATCH, SMALL_BATCH_STEPS, SMALL_BATCH_REPEATS = 8, 128, 5
+
+
 def decode_rate(llm, batch: int, prompt_len: int, steps: int, ask: bool, repeats: int) -> dict:
     """Decode tok/s of `batch` sequences: generate(steps + 1) minus generate(1) on the same prompts (prefix
     caching off: both prefill alike), the median of `repeats`. With ask, also the routed experts of the run."""
     from server import SamplingParams
 
     ids = prompts(batch, prompt_len, llm.engine.model_config.vocab_size, seed=batch)
+    if batch <= SMALL_BATCH:
+        steps, repeats = max(steps, SMALL_BATCH_STEPS), max(repeats, SMALL_BATCH_REPEATS)
 
     def run(n: int) -> tuple[float, list]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, return_routed_experts=ask)
@@ -101,7 +110,9 @@ def decode_rate(llm, batch: int, prompt_len: int, steps: int, ask: bool, repeats
     seconds = statistics.median(times)
     res = {"batch": batch, "steps": steps, "prompt_tokens": prompt_len, "decode_s": seconds,
            "step_ms": 1e3 * seconds / steps, "tok_s": batch * steps / seconds,
-           # the flag-off engine, second in the process, stepped 8-30% slower at batch 1 (12-06): a warmer GPU?
+           # each round's step: the spread says whether two figures differ by more than the method's noise
+           "round_step_ms": [1e3 * t / steps for t in times],
+           # clocks and temperature after the rate: a throttled GPU would show here (12-06: 1830-1980 MHz)
            "gpu_after": gpu_clocks()}
     if ask:
         res["routed"] = [o.outputs[0].routed_experts for o in outs]
@@ -318,7 +329,9 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="CPU, a tiny Qwen3-MoE, few steps: a smoke run")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    global SMALL_BATCH
     if args.small:
+        SMALL_BATCH = 0  # a smoke run: the few steps asked for
         args.device, args.model, args.batches = "cpu", "qwen3-moe-tiny", "1,4,8"
         args.steps, args.prompt_len, args.repeats, args.cycles = 4, 16, 1, 1
     device = torch.device(args.device)
@@ -330,7 +343,7 @@ def main() -> None:
     RESULT.update({"bench": "moe", "date": now_iso(), "hardware": hardware(device), "model": args.model,
                    "config": MOE_CONFIGS[args.model], "args": {k: str(v) for k, v in vars(args).items()}})
     folder = moe_model_folder(args.model, Path(tempfile.mkdtemp()))
-    max_len = args.prompt_len + args.steps + 8
+    max_len = args.prompt_len + max(args.steps, SMALL_BATCH_STEPS) + 8
     kw = dict(model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max(batches),
               max_model_len=max_len, enable_prefix_caching=False)
     if device.type == "cpu":
@@ -362,13 +375,13 @@ def main() -> None:
     for batch in batches:
         with phases(f"decode at batch {batch}"):
             routed = decode_rate(llm, batch, args.prompt_len, args.steps, ask=True, repeats=1)
-            experts = activated_experts(routed.pop("routed"), args.prompt_len, args.steps)
+            experts = activated_experts(routed.pop("routed"), args.prompt_len, routed["steps"])
             if batch == max(batches):  # the capture's cost: not asking and asking in turn, so order is no bias
                 row, asking = alternating(llm, batch, args.prompt_len, args.steps, args.repeats)
                 row["asking_tok_s"] = asking
             else:
                 row = decode_rate(llm, batch, args.prompt_len, args.steps, ask=False, repeats=args.repeats)
-            context = args.prompt_len + (args.steps + 1) / 2  # the mean context a decode step reads
+            context = args.prompt_len + (row["steps"] + 1) / 2  # the mean context a decode step reads
             nbytes, flops = step_bytes(model, batch, context, experts)
             floor = max(nbytes / dev.bandwidth, flops / dev.gemm_flops)
             row.update({"experts_per_layer": experts, "step_bytes": nbytes, "roofline_step_ms": 1e3 * floor,
