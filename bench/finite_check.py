@@ -69,11 +69,18 @@ def checked_copy_s(named: list[tuple[str, torch.Tensor]], device: torch.device, 
 PUSH_PARTS = ("server_receive_s", "pack_s", "post_minus_receive_s", "finish_s")
 
 
+# The server's receives, split (summed over the buckets; WeightReceiver.last_stats): the IPC handle's opening, the
+# host queueing the copies (and the check's launches), the wait for the device, the verdicts' read.
+RECEIVE_PARTS = ("open_s", "copy_s", "sync_s", "verdict_s")
+
+
 def push_parts(report: dict) -> dict[str, float]:
-    """A send's report (WeightSender.send) as PUSH_PARTS."""
+    """A send's report (WeightSender.send) as PUSH_PARTS, then RECEIVE_PARTS as receive_<part>."""
     phases, receive = report["phases"], report["sender"].get("server_copy_s", 0.0)
+    server = report["sender"].get("server_parts_s") or {}
     return {"server_receive_s": receive, "pack_s": phases.get("pack_s", 0.0),
-            "post_minus_receive_s": phases.get("post_s", 0.0) - receive, "finish_s": phases.get("finish_s", 0.0)}
+            "post_minus_receive_s": phases.get("post_s", 0.0) - receive, "finish_s": phases.get("finish_s", 0.0),
+            **{f"receive_{part}": server.get(part, 0.0) for part in RECEIVE_PARTS}}
 
 
 def push_times(folder: Path, named, backend: str, device: torch.device, rounds: int) -> dict:
@@ -152,7 +159,8 @@ def main() -> None:
                        push_checked_best_s=min(times[True]), push_unchecked_best_s=min(times[False]),
                        push_times_s={"checked": times[True], "unchecked": times[False]},
                        push_parts_median_s={("checked" if check else "unchecked"): {
-                           part: statistics.median(p[part] for p in times["parts"][check]) for part in PUSH_PARTS}
+                           part: statistics.median(p[part] for p in times["parts"][check])
+                           for part in times["parts"][check][0]}
                            for check in (True, False)})
             print(f"{name}: push ({backend}, median of {args.rounds} in turn with a server without the check) "
                   f"with the check {on:.3f} s, without {off:.3f} s (best {min(times[True]):.3f} / "
@@ -161,7 +169,7 @@ def main() -> None:
             split = row["push_parts_median_s"]
             print(f"{name}: where the push goes, median ms checked / unchecked: " + ", ".join(
                 f"{part[:-2]} {1e3 * split['checked'][part]:.1f} / {1e3 * split['unchecked'][part]:.1f}"
-                for part in PUSH_PARTS), flush=True)
+                for part in split["checked"]), flush=True)
         result["rows"].append(row)
         del named
         if cuda:

@@ -207,6 +207,7 @@ class WeightReceiver:
         try:
             with self._on_device():
                 self._receive(update, loaded)
+            t0 = time.perf_counter()
         except Exception as e:
             self._check = None
             if self.config.distributed:
@@ -217,6 +218,7 @@ class WeightReceiver:
             raise TransferFailedError(f"the weight transfer failed after {len(loaded)} of {len(update.metas)} "
                                       f"tensors: {type(e).__name__}: {e}", self.units(loaded)) from e
         self._check_finite(loaded)
+        self.last_stats["verdict_s"] = time.perf_counter() - t0
         return self.units(loaded)
 
     def _check_finite(self, loaded: set[str]) -> None:
@@ -238,7 +240,9 @@ class WeightReceiver:
         else:
             self._receive_handles(update, loaded)
         if self.device.type == "cuda":
+            t0 = time.perf_counter()
             torch.cuda.synchronize(self.device)
+            self.last_stats["sync_s"] = time.perf_counter() - t0
 
     def _copy(self, pairs: list[tuple[str, torch.Tensor]], loaded: set[str]) -> None:
         """Into their parameters, through the receive's check (the copy checks what it copies)."""
@@ -256,8 +260,11 @@ class WeightReceiver:
         self.last_stats = stats.as_dict()
 
     def _receive_handles(self, update: Update, loaded: set[str]) -> None:
+        """The bucket's handle opened, its tensors copied into the parameters (through the check): last_stats has
+        the host's seconds of each (open_s, copy_s: the copies queued; the device's wait is _receive's sync_s)."""
         if update.packed:
             nbytes = update.nbytes
+            t0 = time.perf_counter()
             if self.importer is not None:
                 bucket = self.importer.open(update.handles)
                 if bucket.numel() * bucket.element_size() < nbytes:
@@ -265,7 +272,9 @@ class WeightReceiver:
                 bucket = bucket.view(-1).view(torch.uint8)[:nbytes]
             else:
                 bucket = handles.open_shm(update.handles, nbytes)
+            t1 = time.perf_counter()
             self._copy(unpack(bucket, update.metas), loaded)
+            self.last_stats.update(open_s=t1 - t0, copy_s=time.perf_counter() - t1)
             del bucket  # a shm mapping goes now; a CUDA one when the update finishes
             return
         from torch.multiprocessing.reductions import rebuild_cuda_tensor

@@ -298,6 +298,7 @@ class WeightSender:
         total = 0
         update: dict = {}
         server_s = 0.0
+        server_parts: dict[str, float] = {}
         chunks: list[list[int]] = []
         for i, size in enumerate(sizes):  # vLLM's IPC rule: a chunk never exceeds the buffer
             if chunk and total + size > capacity:
@@ -322,10 +323,13 @@ class WeightSender:
                 info["ipc_handles"] = handle
             update = self.post("/update_weights", {"update_info": info})
             server_s += update.get("seconds") or 0.0
+            for key, value in (update.get("timings") or {}).items():  # the receive's parts, summed over the buckets
+                if isinstance(value, (int, float)):
+                    server_parts[key] = server_parts.get(key, 0.0) + value
             clock.lap("post_s")
             if self.after_bucket:
                 self.after_bucket(n)
-        return update, {"chunks": len(chunks), "server_copy_s": server_s}
+        return update, {"chunks": len(chunks), "server_copy_s": server_s, "server_parts_s": server_parts}
 
 
 class _Http:
