@@ -174,6 +174,11 @@ def test_pushed_weights_serve_like_a_disk_load(servers, references, perturbed, b
         timings = report["update"]["timings"]
         assert timings["direct"] >= 1 and timings["staged"] >= 1, timings
         assert report["sender"]["staged"] >= 1, report["sender"]
+    else:
+        # a receive over handles says where its seconds went, and the sender sums them over the buckets
+        parts = report["sender"]["server_parts_s"]
+        assert set(parts) >= {"open_s", "copy_s", "verdict_s"} and parts["copy_s"] > 0, parts  # (sync_s: CUDA)
+        assert sum(parts.values()) <= report["sender"]["server_copy_s"], report["sender"]
     assert admin(server, "GET", "/get_weight_version").json() == {"weight_version": f"step-{backend}"}
     assert admin(server, "POST", "/wake_up", params={"tags": "kv_cache"}).status_code == 200
     assert greedy(server) == expected
