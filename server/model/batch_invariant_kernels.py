@@ -39,6 +39,7 @@ from server.model.batch_invariant import InvariantProjections, token_layout
 from server.model.decode_kernel import triton_decode_attention
 from server.model.fused_moe import moe_invariant
 from server.model.fused_ops import TritonOps, _add_rmsnorm_row, _cache_row, _cos_sin, _rotate_heads
+from server.model.kv_layout import check_kernel_views
 from server.model.launch import chain_in, dependent_launch_on, gdc_launch
 from server.model.ops import heads_then_rope, split_qkv
 
@@ -707,9 +708,7 @@ def fixed_tile_matmul_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     D = attn.head_dim
     H, KVH = attn.num_heads, attn.num_kv_heads
     k_cache, v_cache = attn.k_cache, attn.v_cache
-    if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
-                         f"{k_cache.stride()} and {v_cache.stride()}")
+    check_kernel_views(k_cache, v_cache)
     norms = attn.q_norm is not None
     qw, kw, q_eps, k_eps = ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.k_norm.eps)
                             if norms else (cos, cos, 0.0, 0.0))

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from server.model.kv_layout import check_kernel_views
 from server.model.launch import INTERPRETED, chain_in, gdc_launch
 from server.model.online_softmax import online_softmax_step
 
@@ -145,11 +146,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     without them a sequence's context is one program's. gdc: chained by dependent launch (launch.py)."""
     B, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    # K and V are strided views of one block-major cache (kv_layout.py): the kernel reads both with
-    # K's strides, and a token's head_dim values must be contiguous.
-    if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
-                         f"{k_cache.stride()} and {v_cache.stride()}")
+    check_kernel_views(k_cache, v_cache)  # strided views of one block-major cache (kv_layout.py)
     group = H // kv_heads
     out = torch.empty_like(q)
     if B == 0:

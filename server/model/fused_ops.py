@@ -16,6 +16,7 @@ import triton.language as tl
 
 from server.model.decode_kernel import triton_decode_attention
 from server.model.prefill_kernel import triton_prefill_attention
+from server.model.kv_layout import check_kernel_views
 from server.model.launch import chain_in, gdc_launch
 from server.model.fused_moe import moe as fused_moe
 from server.model.ops import heads_then_rope, norm_then_gate_up_act, norm_then_qkv, split_qkv
@@ -166,9 +167,7 @@ class TritonOps:
         few rows' chain is, small_gemm.chained)."""
         T, H, D = q.shape
         KVH = k.shape[1]
-        if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
-            raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
-                             f"{k_cache.stride()} and {v_cache.stride()}")
+        check_kernel_views(k_cache, v_cache)
         if T:
             qw, kw, q_eps, k_eps = ((norms[0].weight, norms[1].weight, norms[0].eps, norms[1].eps)
                                     if norms is not None else (cos, cos, 0.0, 0.0))

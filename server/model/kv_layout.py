@@ -33,3 +33,11 @@ def attach(layers: nn.ModuleList, kv: torch.Tensor) -> None:
     """Bind each decoder layer's attention to its views of the cache."""
     for i, layer in enumerate(layers):
         layer.self_attn.k_cache, layer.self_attn.v_cache = layer_views(kv, i)
+
+
+def check_kernel_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What the attention and rotary kernels assume of a layer's views: K and V are read and written with K's
+    strides (one block-major cache), and a token's head_dim values are contiguous."""
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
+                         f"{k_cache.stride()} and {v_cache.stride()}")

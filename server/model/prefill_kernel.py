@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from server.model.attention import AttentionContext, plan_prefill, prefill_tile_rows
+from server.model.kv_layout import check_kernel_views
 from server.model.online_softmax import online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -92,11 +93,7 @@ def triton_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return
     T, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    # K and V are strided views of one block-major cache (kv_layout.py): the kernel reads both with
-    # K's strides, and a token's head_dim values must be contiguous (as must q's and out's).
-    if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError(f"K and V caches need the same strides, head_dim contiguous: "
-                         f"{k_cache.stride()} and {v_cache.stride()}")
+    check_kernel_views(k_cache, v_cache)  # strided views of one block-major cache (kv_layout.py)
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError(f"q and out need head_dim contiguous: {q.stride()} and {out.stride()}")
     group = H // kv_heads
