@@ -472,7 +472,7 @@ print("ok")
 """
 
 
-@pytest.mark.slow  # ~2.5 min of an interpreted llama-tiny, twice
+@pytest.mark.slow  # ~3 min of an interpreted llama-tiny, twice
 def test_the_layers_hand_o_proj_and_down_to_the_norm_in_interpreter():
     """Through the engine on the mode's CUDA ops (the interpreter, llama-tiny sized as on 24 SMs so q|k|v, o_proj and
     down split): every layer's o_proj and down reach the next norm as an Unsummed and run as one launch with it, its
