@@ -5,7 +5,9 @@ divisible by 16, a pointer's 16-byte alignment. A compile takes ~0.5-1 s with th
 stalled, so a variant first met mid-serving stalls every stream (seen on the H200: 256 streamed requests
 at once compiled decode attention during admission, and the first tokens took 0.97 s instead of 0.16).
 The start-up (memory profile, graph capture) must meet every variant serving can need: this test serves
-batches of every parity, mixed prefill + decode steps and eager decodes, and counts the variants.
+batches of every parity, mixed prefill + decode steps and eager decodes, and counts the variants; with
+--batch-invariant too, whose start-up compiles its matmul's tiles and their split sums (with the norm and with
+rotary after them) by warm-up.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import triton
 
 from server import LLM, SamplingParams
 from server.engine import fused_sample
-from server.model import decode_kernel, fused_ops, prefill_kernel, small_gemm
+from server.model import batch_invariant_kernels, decode_kernel, fused_ops, prefill_kernel, small_gemm
 from testkit.models import model_folder
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +24,8 @@ pytestmark = pytest.mark.gpu
 
 def compiled_variants() -> dict[str, int]:
     """How many variants of each of our Triton kernels are compiled, every device together."""
-    kernels = {name: fn for module in (decode_kernel, fused_ops, prefill_kernel, small_gemm, fused_sample)
+    kernels = {name: fn for module in (decode_kernel, fused_ops, prefill_kernel, small_gemm, fused_sample,
+                                       batch_invariant_kernels)
                for name, fn in vars(module).items() if isinstance(fn, triton.runtime.JITFunction)}
     assert len(kernels) >= 5, f"found only {sorted(kernels)}"
     return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in kernels.items()}
@@ -33,11 +36,12 @@ def tiny(tmp_path_factory):
     return model_folder("llama-tiny", tmp_path_factory.mktemp("models"))
 
 
-def test_serving_compiles_nothing_new(tiny):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_serving_compiles_nothing_new(tiny, batch_invariant):
     # 7 sequences at most: an odd largest graph, whose staging must still give aligned segments; a small
     # token budget splits long prompts into chunks that share steps with decodes (mixed, eager steps).
     llm = LLM(model=str(tiny), device="cuda", load_format="dummy", kv_cache_memory="256MiB", max_num_seqs=7,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, batch_invariant=batch_invariant)
     try:
         assert llm.engine.runner.graphs is not None
         at_start = compiled_variants()
