@@ -155,6 +155,7 @@ for stage in $stages; do
                 # sleep and wake vs raw pinned bandwidth, routed-expert capture at batch 256 (bench/moe.py)
                 run moe $PY bench/moe.py --device cuda --repeats 2 --cycles 2 --steps 32 --out "$RESULTS" ;;
     binv-test)  run binv-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_batch_invariant_gpu.py \
+                  "tests/gpu/test_no_compile_mid_serving_gpu.py::test_serving_compiles_nothing_new[True]" \
                   -p no:cacheprovider ;;
     binv)       # --batch-invariant against the default: decode tok/s at batch 1/64/256, 1B and 8B, in one run
                 run binv $PY bench/batch_invariant.py --out "$RESULTS" ;;
