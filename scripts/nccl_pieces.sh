@@ -17,40 +17,35 @@ case ${1:-} in
     python3 -m pip download -q --no-deps --only-binary=:all: "nvidia-nccl-cu13==$VERSION" -d "$work"
     python3 - "$work" "$PARTS" <<'PY'
 import glob, hashlib, lzma, os, sys, zipfile
+sys.path.insert(0, "scripts")
+import pieces
 work, parts = sys.argv[1], sys.argv[2]
 wheel = glob.glob(os.path.join(work, "nvidia_nccl_cu13-*.whl"))[0]
 data = zipfile.ZipFile(wheel).read("nvidia/nccl/lib/libnccl.so.2")
 packed = lzma.compress(data, preset=6)
-os.makedirs(parts, exist_ok=True)
-for old in glob.glob(os.path.join(parts, "*")):
-    os.remove(old)
-piece = 40 * 10**6
-for i in range(0, len(packed), piece):
-    with open(os.path.join(parts, f"{i // piece:02d}"), "wb") as f:
-        f.write(packed[i:i + piece])
-with open(os.path.join(parts, "sha256"), "w") as f:
-    f.write(hashlib.sha256(data).hexdigest() + "\n")
+count = pieces.split(packed, parts, 40 * 10**6, hashlib.sha256(data).hexdigest())
 print(f"{os.path.basename(wheel)}: libnccl.so.2 {len(data)} bytes, {len(packed)} compressed in "
-      f"{(len(packed) + piece - 1) // piece} pieces under {parts}/ (carry sha256 and 00 in the first call, one more per call)")
+      f"{count} pieces under {parts}/ (carry sha256 and 00 in the first call, one more per call)")
 PY
     rm -rf "$work" ;;
   join)
     out=${2:?join needs the folder to write libnccl.so.2 in}
     mkdir -p "$out"
     python3 - "$PARTS" "$out" <<'PY'
-import glob, hashlib, lzma, os, sys
+import hashlib, lzma, os, sys
+sys.path.insert(0, "scripts")
+import pieces
 parts, out = sys.argv[1], sys.argv[2]
-pieces = sorted(p for p in glob.glob(os.path.join(parts, "[0-9][0-9]")))
-want = open(os.path.join(parts, "sha256")).read().split()[0]
+packed, (want, *_), count = pieces.join(parts)
 try:
-    data = lzma.decompress(b"".join(open(p, "rb").read() for p in pieces))
+    data = lzma.decompress(packed)
 except lzma.LZMAError as e:
-    sys.exit(f"the {len(pieces)} pieces under {parts}/ do not make the library ({e}): one is missing?")
+    sys.exit(f"the {count} pieces under {parts}/ do not make the library ({e}): one is missing?")
 if hashlib.sha256(data).hexdigest() != want:
     sys.exit(f"the joined library's sha256 is not the one recorded in {parts}/sha256")
 with open(os.path.join(out, "libnccl.so.2"), "wb") as f:
     f.write(data)
-print(f"{out}/libnccl.so.2: {len(data)} bytes from {len(pieces)} pieces, sha256 checked")
+print(f"{out}/libnccl.so.2: {len(data)} bytes from {count} pieces, sha256 checked")
 PY
     ;;
   *) echo "usage: $0 split | join DIR" >&2; exit 2 ;;
