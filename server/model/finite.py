@@ -13,11 +13,15 @@ at twice a float32 sum's time where a float64 sum took 20x. The results stay on 
 Where an update copies tensors device to device (an IPC or staged NCCL receive), `copy_many` does the copies
 and the check in one pass (a Triton kernel that flags NaN/Inf while it copies), one launch for a received
 bucket's tensors of a dtype: the check reads nothing the copy does not. Run as a second pass after an 8B IPC
-push it was 18-23% of the push (12 ms of ~65); fused but launched per tensor, 11.6% (the host's launches).
+push it was 18-23% of the push (12 ms of ~65); fused but launched per tensor, 11.6% (the host's launches). The
+kernel's flags live in pinned host memory the device writes through its mapping (HostFlags), so the verdicts are
+read once the device is done, with no device work of their own: read from a device buffer (a compare, a concat and
+a copy back, each bucket) they were 1.9 ms of the 4.6 the check added to the 8B push (H200, 2026-12-06).
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -41,11 +45,9 @@ class FiniteCheck:
         self.enabled = enabled
         # Per dtype (torch.stack wants one): the names, and each one's minimum and maximum in turn.
         self._groups: dict[torch.dtype, tuple[list[str], list[torch.Tensor]]] = {}
-        # Tensors checked while copied: their names, and the int32 flags they set (nonzero: not finite),
-        # slots of buffers zeroed once per FLAG_SLOTS tensors (not a zero-filled flag per tensor).
-        self._flagged: list[tuple[list[str], torch.Tensor]] = []
-        self._slots: torch.Tensor | None = None
-        self._next = 0
+        # Tensors checked while copied: their names, the device, and the int32 flags they set (nonzero: not
+        # finite), in HOST_FLAGS.
+        self._flagged: list[tuple[list[str], torch.device, torch.Tensor]] = []
 
     @torch.no_grad()
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -74,17 +76,8 @@ class FiniteCheck:
         for same in fused.values():
             for i in range(0, len(same), MAX_TENSORS_PER_LAUNCH):
                 group = same[i:i + MAX_TENSORS_PER_LAUNCH]
-                flags = self._flag_slots(len(group), group[0][1].device)
-                self._flagged.append(([name for name, _, _ in group], copy_and_flag(group, flags)))
-
-    def _flag_slots(self, n: int, device: torch.device) -> torch.Tensor:
-        """n zeroed int32 flags on `device`, from the current buffer or a new one."""
-        if self._slots is None or self._slots.device != device or self._next + n > self._slots.numel():
-            self._slots = torch.zeros(max(FLAG_SLOTS, n), dtype=torch.int32, device=device)
-            self._next = 0
-        flags = self._slots[self._next:self._next + n]
-        self._next += n
-        return flags
+                flags = copy_and_flag(group, HOST_FLAGS.take(len(group)))
+                self._flagged.append(([name for name, _, _ in group], group[0][1].device, flags))
 
     def bad(self) -> list[str]:
         """The names whose tensors hold NaN or Inf: one device->host read for all of them."""
@@ -92,15 +85,16 @@ class FiniteCheck:
         for group, values in self._groups.values():
             names += group
             verdicts.append(~torch.isfinite(torch.stack(values)).view(-1, 2).all(1))
-        for group, flags in self._flagged:
-            names += group
-            verdicts.append(flags != 0)
-        self._groups, self._flagged, self._slots, self._next = {}, [], None, 0
-        if not names:
-            return []
-        # One read: the verdicts are on the model's device (a tensor elsewhere is moved there first).
-        device = verdicts[0].device
-        return [n for n, bad in zip(names, torch.cat([v.to(device) for v in verdicts]).tolist()) if bad]
+        bad = []
+        if verdicts:  # One read: the verdicts are on the model's device (a tensor elsewhere is moved there first).
+            device = verdicts[0].device
+            bad = [n for n, b in zip(names, torch.cat([v.to(device) for v in verdicts]).tolist()) if b]
+        for device in {device for _, device, _ in self._flagged}:
+            torch.cuda.synchronize(device)  # the kernels' stores to host memory are there once they finished
+        for group, _, flags in self._flagged:
+            bad += [n for n, flag in zip(group, flags.tolist()) if flag]
+        self._groups, self._flagged = {}, []
+        return bad
 
     def verify(self) -> None:
         bad = self.bad()
@@ -109,7 +103,37 @@ class FiniteCheck:
 
 
 FLAGGED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FLAG_SLOTS = 1024  # flags zeroed at once: an 8B model's 291 tensors fit one buffer
+
+
+class HostFlags:
+    """int32 flags in pinned host memory, which the copy kernel writes through the device's mapping of it (one
+    address for host and device: unified addressing); the host reads them once the device has finished.
+
+    A ring, allocated once and never freed: a kernel still running when its check was dropped (a receive that
+    failed half-way) writes into memory that is still the ring's, never into memory since given to something
+    else. Slots are taken in turn and zeroed when taken; a late write lands in a slot taken again only after
+    SIZE more tensors, and would then flag a finite tensor (a refused update), never pass a bad one."""
+
+    SIZE = 1 << 17
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ring: torch.Tensor | None = None
+        self._next = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        """n zeroed flags (n <= SIZE)."""
+        with self._lock:
+            if self._ring is None:
+                self._ring = torch.zeros(self.SIZE, dtype=torch.int32, pin_memory=True)
+            if self._next + n > self.SIZE:
+                self._next = 0
+            flags = self._ring[self._next:self._next + n]
+            self._next += n
+        return flags.zero_()
+
+
+HOST_FLAGS = HostFlags()
 
 
 def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -122,7 +146,8 @@ def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: torch.Tensor) -> torch.Tensor:
     """Queue dst <- src for every (name, dst, src) of one dtype and device on the current stream, in one launch;
-    flags[i] (zeroed int32 on that device) becomes nonzero if the i-th source held NaN or Inf. Returns flags."""
+    flags[i] (zeroed int32, on that device or in host memory it can write: HostFlags) becomes nonzero if the i-th
+    source held NaN or Inf. Returns flags."""
     import triton.language as tl
 
     from server.model.finite_kernel import copy_and_flag_kernel
@@ -133,13 +158,15 @@ def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: to
         firsts.append(firsts[-1] + (dst.numel() + per_program - 1) // per_program)
     table = torch.tensor([[src.data_ptr() for _, _, src in group] + [0],
                           [dst.data_ptr() for _, dst, _ in group] + [0],
-                          [dst.numel() for _, dst, _ in group] + [0], firsts], dtype=torch.int64)
+                          [dst.numel() for _, dst, _ in group] + [0], firsts,
+                          [flags.data_ptr() + 4 * i for i in range(len(group))] + [0]], dtype=torch.int64)
     dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[group[0][1].dtype]
     steps = next(s for s in SEARCH_STEPS if len(group) <= 1 << s)
-    with torch.cuda.device(flags.device) if flags.is_cuda else contextlib.nullcontext():  # Triton's launch device
+    device = group[0][1].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's launch device
         # Pageable memory: the host's bytes are taken before the call returns, in the stream's order.
-        table = table.to(flags.device, non_blocking=True)
-        copy_and_flag_kernel[(firsts[-1],)](table, len(group), flags, DTYPE=dtype, BLOCK=COPY_BLOCK,
+        table = table.to(device, non_blocking=True)
+        copy_and_flag_kernel[(firsts[-1],)](table, len(group), DTYPE=dtype, BLOCK=COPY_BLOCK,
                                             ITERS=COPY_ITERS, SEARCH_STEPS=steps, num_warps=4)
     return flags
 
@@ -148,15 +175,18 @@ def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: to
 def warm_up(device: torch.device, dtypes) -> None:
     """Compile, at start-up, the fused check's variants a weight update can meet for these dtypes (a launch of
     1 tensor, then one past each step count's reach but the last: each of SEARCH_STEPS), so the first update
-    compiles nothing (Triton caches them on disk: a later start loads them)."""
+    compiles nothing (Triton caches them on disk: a later start loads them). Each launch copies zeros and one
+    NaN, last, through host flags: the device's writes into host memory reach the host (HostFlags)."""
     counts = [1] + [(1 << steps) + 1 for steps in SEARCH_STEPS[:-1]]
     for dtype in (d for d in FLAGGED_DTYPES if d in set(dtypes)):
         for count in counts:
             src = torch.zeros(count * 8, dtype=dtype, device=device)
+            src[-1] = float("nan")
             dst = torch.empty_like(src)
             group = [(str(i), dst[8 * i:8 * i + 8], src[8 * i:8 * i + 8]) for i in range(count)]
-            flags = torch.zeros(count, dtype=torch.int32, device=device)
-            assert not copy_and_flag(group, flags).any(), "zeros flagged as not finite"
+            flags = copy_and_flag(group, HOST_FLAGS.take(count))
+            torch.cuda.synchronize(device)
+            assert flags.tolist() == [0] * (count - 1) + [1], f"the host flags read {flags.tolist()}"
 
 
 # A launch's binary search runs one of these step counts (a compiled variant each): up to 2^16 tensors a launch.

@@ -23,16 +23,18 @@ def _copy_blocks(src, dst, start, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, M
     return bad
 
 
-@triton.jit(do_not_specialize=["n_tensors", "flags"])
-def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+@triton.jit(do_not_specialize=["n_tensors"])
+def copy_and_flag_kernel(table, n_tensors, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
                          SEARCH_STEPS: tl.constexpr):
     """Copies many tensors of one dtype in one launch and flags each one that holds NaN or +-Inf.
 
-    table: int64 [4, n_tensors + 1], rows: source address, destination address, elements, and the first
-    program of each tensor (cumulative; its last column is the grid's size). A program finds its tensor by a
-    binary search of that row (SEARCH_STEPS >= log2(n_tensors) steps; finite.py rounds it up to 4, 8 or 16, so
-    a dtype compiles one or two variants, not one per bucket size), copies its ITERS blocks of BLOCK elements
-    and sets flags[tensor] only when it saw a bad value: no atomic in the common case.
+    table: int64 [5, n_tensors + 1], rows: source address, destination address, elements, the first program of
+    each tensor (cumulative; its last column is the grid's size), and the address of each tensor's int32 flag. A
+    program finds its tensor by a binary search of the fourth row (SEARCH_STEPS >= log2(n_tensors) steps;
+    finite.py rounds it up to 4, 8 or 16, so a dtype compiles one or two variants, not one per bucket size),
+    copies its ITERS blocks of BLOCK elements and stores 1 in its tensor's flag only when it saw a bad value.
+    A plain store, not an atomic: every program that writes writes the same 1, and the flags may be host memory
+    mapped into the device (finite.py's host flags), where an atomic would need the bus to support it.
 
     Addresses read from memory tell the compiler nothing of their alignment: finite.py fuses only tensors whose
     both addresses are 16-byte aligned and says so here (tl.multiple_of), and a program whose blocks all lie
@@ -57,4 +59,4 @@ def copy_and_flag_kernel(table, n_tensors, flags, DTYPE: tl.constexpr, BLOCK: tl
         bad = _copy_blocks(src, dst, start, n, BLOCK, ITERS, MASKED=True)
     seen = tl.max(bad, 0)
     if seen > 0:
-        tl.atomic_max(flags + lo, seen)
+        tl.store(tl.load(table + 4 * width + lo).to(tl.pointer_type(tl.int32)), seen)

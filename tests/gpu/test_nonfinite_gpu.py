@@ -128,7 +128,7 @@ def test_copy_and_check_in_one_pass_on_the_gpu(dtype):
 def test_a_bucket_is_copied_and_checked_by_one_launch_per_dtype():
     """FiniteCheck.copy_many as a receive unpacks a bucket: bf16 and fp32 tensors of many sizes (one launch per
     dtype), a float64, a non-contiguous and a misaligned one (the copy, then min/max); exactly the poisoned ones
-    are named and every byte lands, over two buckets and one flag buffer."""
+    are named and every byte lands, over two buckets (their flags in host memory the kernel writes)."""
     from server.model.finite import FiniteCheck
 
     torch.manual_seed(0)

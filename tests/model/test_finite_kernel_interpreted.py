@@ -52,7 +52,7 @@ def test_copy_and_flag_copies_and_flags_in_interpreter():
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("steps", [4, 16])
 def test_copy_and_flag_compiles_for_sm90_without_a_gpu(dtype, steps):
-    """The addresses loaded from the table and cast to typed pointers, the binary search and the flag's atomic
+    """The addresses loaded from the table and cast to typed pointers, the binary search and the flag's store
     through the compiler to an sm_90 cubin (the interpreter takes an address for a pointer without asking), the
     copy in 16-byte loads and stores (without the alignment hint and the unmasked path it compiled to 2 bytes)."""
     import triton.language as tl
@@ -61,7 +61,7 @@ def test_copy_and_flag_compiles_for_sm90_without_a_gpu(dtype, steps):
     from server.model.finite_kernel import copy_and_flag_kernel
     from tests.interpreter import compile_for_sm90
 
-    kernel = compile_for_sm90(copy_and_flag_kernel, {"table": "*i64", "n_tensors": "i32", "flags": "*i32"},
+    kernel = compile_for_sm90(copy_and_flag_kernel, {"table": "*i64", "n_tensors": "i32"},
                               dict(DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype],
                                    BLOCK=COPY_BLOCK, ITERS=COPY_ITERS, SEARCH_STEPS=steps))
     ptx = kernel.asm["ptx"]  # the unmasked programs' copy: 16 bytes a thread, as a plain copy_ moves them
