@@ -122,15 +122,16 @@ class HostFlags:
         self._next = 0
 
     def take(self, n: int) -> torch.Tensor:
-        """n zeroed flags (n <= SIZE)."""
-        with self._lock:
+        """n zeroed flags (n <= SIZE). Normal tensors wherever taken: the ring may be made, and slices taken,
+        under inference mode (start-up's warm_up), and zeroed outside it (a receive)."""
+        with self._lock, torch.inference_mode(False):
             if self._ring is None:
                 self._ring = torch.zeros(self.SIZE, dtype=torch.int32, pin_memory=True)
             if self._next + n > self.SIZE:
                 self._next = 0
             flags = self._ring[self._next:self._next + n]
             self._next += n
-        return flags.zero_()
+            return flags.zero_()
 
 
 HOST_FLAGS = HostFlags()
