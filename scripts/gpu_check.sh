@@ -31,7 +31,7 @@
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
 # two: bench/tp_release.py's keep / release / suspend).
-# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
+# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-ahead, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there: scripts/gguf_pieces.sh), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -159,6 +159,11 @@ for stage in $stages; do
                   -p no:cacheprovider ;;
     binv)       # --batch-invariant against the default: decode tok/s at batch 1/64/256, 1B and 8B, in one run
                 run binv $PY bench/batch_invariant.py --out "$RESULTS" ;;
+    binv-ahead) # SLEEPSERVE_WEIGHTS_AHEAD=1 (the one-row matmuls' first weight tiles loaded before their chained wait):
+                # the mode's GPU tests, then decode against the default as `binv` (run `binv` in the same call to compare)
+                run binv-ahead-test env SLEEPSERVE_WEIGHTS_AHEAD=1 $PY -m pytest -m gpu -q -x --timeout=600 \
+                  tests/gpu/test_batch_invariant_gpu.py -p no:cacheprovider
+                run binv-ahead env SLEEPSERVE_WEIGHTS_AHEAD=1 $PY bench/batch_invariant.py --out "$RESULTS/ahead" ;;
     binv-gemm)  # the mode's matmul alone per weight shape: its tile, the one before split-K, a sweep, cuBLAS
                 run binv-gemm $PY bench/batch_invariant.py --gemm-only --sweep-tiles --out "$RESULTS" ;;
     binv-splits) # the split weights with fewer K splits than the mode's, at 1, 64 and 256 rows, beside its tile

@@ -29,6 +29,7 @@ CUDA-graph padding rows are rows like any other: they cannot change a real row.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,60 @@ def _split_partial(x_rows, w_rows, row_ok, col_ok, split, K: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _weights_ahead(w_rows, col_ok, ks, K: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
+    """The weight tiles of the first AHEAD (1-4) BLOCK_K steps from the K columns ks, as _k_step loads them: loaded
+    before a chained kernel's wait (weights never depend on the kernel before), so that they stream during it, as
+    small_gemm.py loads its first chunk. Tiles past AHEAD are the first again (never used)."""
+    w0 = _k_tile(w_rows, col_ok, ks, ks < K)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if AHEAD > 1:
+        w1 = _k_tile(w_rows, col_ok, ks + BLOCK_K, ks + BLOCK_K < K)
+    if AHEAD > 2:
+        w2 = _k_tile(w_rows, col_ok, ks + 2 * BLOCK_K, ks + 2 * BLOCK_K < K)
+    if AHEAD > 3:
+        w3 = _k_tile(w_rows, col_ok, ks + 3 * BLOCK_K, ks + 3 * BLOCK_K < K)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _mma_ahead(x_rows, row_ok, ks, w, j: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, acc,
+               IEEE: tl.constexpr):
+    """acc + the step j's product from its weight tile w loaded ahead: _k_step's x tile and MMA."""
+    k = ks + j * BLOCK_K
+    return _mma(_k_tile(x_rows, row_ok, k, k < K), w, acc, IEEE)
+
+
+@triton.jit
+def _zeros_at_run_time(M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """+0.0 everywhere, which the compiler cannot tell from M (never negative): an MMA into a zero it knows of skips
+    reading it (wgmma's scale-d 0: a·b, not +0 + a·b, a -0 where the loop's first step gives +0), so the steps taken
+    out of the loop start from what the loop starts from."""
+    return tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.where(M < 0, 1.0, 0.0)
+
+
+@triton.jit
+def _split_partial_ahead(x_rows, w_rows, row_ok, col_ok, split, w0, w1, w2, w3, M, K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+                         IEEE: tl.constexpr, AHEAD: tl.constexpr):
+    """_split_partial with its first AHEAD steps' weight tiles given (_weights_ahead): the same x tiles, the same
+    MMAs in the same order from zero, the steps after them in the loop."""
+    ks = split * K_CHUNK + tl.arange(0, BLOCK_K)
+    acc = _zeros_at_run_time(M, BLOCK_M, BLOCK_N)
+    acc = _mma_ahead(x_rows, row_ok, ks, w0, 0, K, BLOCK_K, acc, IEEE)
+    if AHEAD > 1:
+        acc = _mma_ahead(x_rows, row_ok, ks, w1, 1, K, BLOCK_K, acc, IEEE)
+    if AHEAD > 2:
+        acc = _mma_ahead(x_rows, row_ok, ks, w2, 2, K, BLOCK_K, acc, IEEE)
+    if AHEAD > 3:
+        acc = _mma_ahead(x_rows, row_ok, ks, w3, 3, K, BLOCK_K, acc, IEEE)
+    for k0 in range(AHEAD * BLOCK_K, K_CHUNK, BLOCK_K):
+        acc = _k_step(x_rows, w_rows, row_ok, col_ok, k0 + ks, K, acc, IEEE)
+    return acc
+
+
+@triton.jit
 def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, first, K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr,
                         IEEE: tl.constexpr):
@@ -119,7 +174,8 @@ def _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, first, K: tl.constexpr, 
 def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, stride_o,
                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       SERIAL: tl.constexpr, FLAT: tl.constexpr, GDC: tl.constexpr, GROUPED: tl.constexpr = 1):
+                       SERIAL: tl.constexpr, FLAT: tl.constexpr, GDC: tl.constexpr, GROUPED: tl.constexpr = 1,
+                       AHEAD: tl.constexpr = 0):
     """out[M, N] = x[M, K] @ w[N, K].T (+ b): program (N tile, K split, M tile), the M tiles of one weight block
     next to each other in launch order (its weights read from HBM once, then from L2). fp32 accumulation over
     the split's K_CHUNK in BLOCK_K steps, in order. SPLIT_K == 1: one rounding to the output dtype. SERIAL
@@ -131,8 +187,9 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
     tile) adds a group of GROUPED consecutive splits in one loop (as FLAT does all of them) and writes that group's
     partial: out is [SPLIT_K / GROUPED, M, N], which _sum_splits folds in groups of one. GDC: chained by
     dependent launch (launch.py): launched before the kernel before it ends, it waits in-kernel for it, and lets
-    the next (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic."""
-    chain_in(GDC)
+    the next (_sum_splits, or the layer's next kernel) launch at once: no launch gaps, the same arithmetic. AHEAD
+    (1-4; a program a split, GROUPED 1, not SERIAL): its split's first AHEAD steps' weight tiles are loaded before
+    that wait (_weights_ahead), its MMAs unchanged."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
@@ -145,12 +202,18 @@ def _fixed_tile_matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_x, stride_w, s
         pid_n = rest // (SPLIT_K // GROUPED)
     rows, cols, row_ok, col_ok, x_rows, w_rows = _tile(x_ptr, w_ptr, pid_m, pid_n, M, N, stride_x, stride_w,
                                                        BLOCK_M, BLOCK_N)
+    if AHEAD:
+        w0, w1, w2, w3 = _weights_ahead(w_rows, col_ok, pid_s * K_CHUNK + tl.arange(0, BLOCK_K), K, BLOCK_K, AHEAD)
+    chain_in(GDC)
     if SERIAL and FLAT:
         acc = _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_CHUNK,
                                   IEEE)
     elif GROUPED > 1:
         acc = _splits_in_one_loop(x_rows, w_rows, row_ok, col_ok, pid_s * GROUPED, K, BLOCK_M, BLOCK_N, BLOCK_K,
                                   GROUPED, K_CHUNK, IEEE)
+    elif AHEAD:
+        acc = _split_partial_ahead(x_rows, w_rows, row_ok, col_ok, pid_s, w0, w1, w2, w3, M, K, BLOCK_M, BLOCK_N,
+                                   BLOCK_K, K_CHUNK, IEEE, AHEAD)
     else:
         acc = _split_partial(x_rows, w_rows, row_ok, col_ok, pid_s, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, IEEE)
         if SERIAL:
@@ -297,16 +360,41 @@ def _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K: tl.constexpr, BLOC
     return acc_g, acc_u
 
 
+@triton.jit
+def _gate_up_steps_ahead(x_rows, g_rows, u_rows, row_ok, col_ok, g0, g1, u0, u1, M, K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                         AHEAD: tl.constexpr):
+    """_gate_up_steps with the first AHEAD (1-2) steps' gate and up tiles given (_weights_ahead): the same x tiles
+    and MMAs in the same order from the same zeros (_zeros_at_run_time), the steps after them in the loop."""
+    ks = tl.arange(0, BLOCK_K)
+    acc_g = _zeros_at_run_time(M, BLOCK_M, BLOCK_N)
+    acc_u = _zeros_at_run_time(M, BLOCK_M, BLOCK_N)
+    x = _k_tile(x_rows, row_ok, ks, ks < K)
+    acc_g = _mma(x, g0, acc_g, IEEE)
+    acc_u = _mma(x, u0, acc_u, IEEE)
+    if AHEAD > 1:
+        x = _k_tile(x_rows, row_ok, ks + BLOCK_K, ks + BLOCK_K < K)
+        acc_g = _mma(x, g1, acc_g, IEEE)
+        acc_u = _mma(x, u1, acc_u, IEEE)
+    for k0 in range(AHEAD * BLOCK_K, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        x = _k_tile(x_rows, row_ok, k, k_ok)
+        acc_g = _mma(x, _k_tile(g_rows, col_ok, k, k_ok), acc_g, IEEE)
+        acc_u = _mma(x, _k_tile(u_rows, col_ok, k, k_ok), acc_u, IEEE)
+    return acc_g, acc_u
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fixed_tile_gate_up(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w, stride_o, K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        IEEE: tl.constexpr, GDC: tl.constexpr):
+                        IEEE: tl.constexpr, GDC: tl.constexpr, AHEAD: tl.constexpr = 0):
     """out[M, I] = silu(x @ gate.T (+ b)) * (x @ up.T (+ b)) for w = gate | up [2I, K], the loader's packed gate_up,
     K not split: program (column tile, M tile) computes BLOCK_N gate columns and the same up columns as
     _fixed_tile_matmul computes each (from zero, all of K in BLOCK_K steps; the column tile does not order an
     element's sum: matmul_tile), rounds both, then SiLU and the product as _silu_mul_packed rounds them. The
-    same bits as the matmul and _silu_mul_packed, without the [M, 2I] round trip and one launch fewer."""
-    chain_in(GDC)
+    same bits as the matmul and _silu_mul_packed, without the [M, 2I] round trip and one launch fewer. AHEAD (1-2):
+    the first AHEAD steps' gate and up tiles loaded before the chained wait, as _fixed_tile_matmul's."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
@@ -314,7 +402,15 @@ def _fixed_tile_gate_up(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w, 
     rows, cols, row_ok, col_ok, x_rows, g_rows = _tile(x_ptr, w_ptr, pid_m, pid_n, M, I, stride_x, stride_w,
                                                        BLOCK_M, BLOCK_N)
     u_rows = w_ptr + (cols + I).to(tl.int64)[:, None] * stride_w  # the up rows: I rows past the gate rows
-    acc_g, acc_u = _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    if AHEAD:
+        g0, g1, _, _ = _weights_ahead(g_rows, col_ok, tl.arange(0, BLOCK_K), K, BLOCK_K, AHEAD)
+        u0, u1, _, _ = _weights_ahead(u_rows, col_ok, tl.arange(0, BLOCK_K), K, BLOCK_K, AHEAD)
+    chain_in(GDC)
+    if AHEAD:
+        acc_g, acc_u = _gate_up_steps_ahead(x_rows, g_rows, u_rows, row_ok, col_ok, g0, g1, u0, u1, M, K, BLOCK_M,
+                                            BLOCK_N, BLOCK_K, IEEE, AHEAD)
+    else:
+        acc_g, acc_u = _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -600,6 +696,25 @@ def matmul_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     return MatmulPlan(tile, splits, group, chunk, serial, flat and serial and splits > 1, grouped)
 
 
+# A chained one-row program's weight tiles loaded before its wait (AHEAD): at most this many bytes of registers (at
+# 64 x 64 bf16 tiles on 4 warps, 16 registers a thread a tile), at most 4 steps.
+AHEAD_BYTES = 32 << 10
+# An experiment, off unless SLEEPSERVE_WEIGHTS_AHEAD=1 (read once): checked bit for bit in the interpreter and on
+# sm_90's compiler, not yet run on a GPU. `make gpu-check ARGS=binv-ahead` runs the mode's GPU tests and its decode
+# with it; it becomes the mode's way, or goes, by what that measures.
+WEIGHTS_AHEAD = os.environ.get("SLEEPSERVE_WEIGHTS_AHEAD", "0") == "1"
+
+
+def steps_ahead(tile: dict, span: int, element_size: int, tiles_a_step: int = 1) -> int:
+    """How many BLOCK_K steps of weight tiles a chained program of `tile` loads before its wait (the kernels' AHEAD):
+    64-row tiles on 4 warps only (a few rows' tiles, whose programs each read little), AHEAD_BYTES of them, at most
+    4 and at most the `span` (K columns) it walks."""
+    if tile["BLOCK_M"] != 64 or tile["num_warps"] != 4:
+        return 0
+    step_bytes = tiles_a_step * tile["BLOCK_N"] * tile["BLOCK_K"] * element_size
+    return min(4 // tiles_a_step, AHEAD_BYTES // step_bytes, span // tile["BLOCK_K"])
+
+
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, tile: dict | None = None, finish=None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype (into `out` when given, [M, N] with unit
@@ -636,12 +751,14 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         if finish is not None:
             raise ValueError(f"a {N} x {K} weight's tile at {M} rows writes its output itself: no split sum to finish")
         grid = (n_tiles * triton.cdiv(M, block_m),)
+        ahead = steps_ahead(tile, K, x.element_size()) if WEIGHTS_AHEAD and chain and splits == 1 else 0
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
-                                 SERIAL=splits > 1, FLAT=plan.flat, **gdc_launch(chain), **tile)
+                                 SERIAL=splits > 1, FLAT=plan.flat, **gdc_launch(chain), **tile, AHEAD=ahead)
         return out
     # Partials a tile writes: one a split, or one a group (its splits added in its program, in order).
     parts = splits // group if plan.grouped else splits
+    ahead = steps_ahead(tile, chunk, x.element_size()) if WEIGHTS_AHEAD and chain and not plan.grouped else 0
     step = max(block_m, WORKSPACE_BYTES // (parts * N * 4) // block_m * block_m)  # rows a launch
     ws = torch.empty((parts * min(M, step) * N,), dtype=torch.float32, device=x.device)
     for r0 in range(0, M, step):  # a row's sums do not depend on its launch or its place in one
@@ -650,7 +767,8 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         grid = (n_tiles * parts * triton.cdiv(rows, block_m),)
         _fixed_tile_matmul[grid](xs, weight, b, ws, rows, N, xs.stride(0), weight.stride(0), N, K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee, SERIAL=False,
-                                 FLAT=False, GROUPED=group if plan.grouped else 1, **gdc_launch(chain), **tile)
+                                 FLAT=False, GROUPED=group if plan.grouped else 1, **gdc_launch(chain), **tile,
+                                 AHEAD=ahead)
         partial_group = 1 if plan.grouped else group
         if finish is not None:
             finish(ws, r0, rows, parts, partial_group, chain)
@@ -755,7 +873,9 @@ def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     grid = (triton.cdiv(I, tile["BLOCK_N"]) * triton.cdiv(M, tile["BLOCK_M"]),)
     _fixed_tile_gate_up[grid](x, weight, bias if bias is not None else weight, out, M, I, x.stride(0),
                               weight.stride(0), out.stride(0), K=K, HAS_BIAS=bias is not None,
-                              IEEE=x.dtype == torch.float32, **gdc_launch(chain), **tile)
+                              IEEE=x.dtype == torch.float32, **gdc_launch(chain), **tile,
+                              AHEAD=steps_ahead(tile, K, x.element_size(), tiles_a_step=2) if WEIGHTS_AHEAD and chain
+                              else 0)
     return out
 
 

@@ -4,6 +4,8 @@ interpreter on small shapes: a matmul row's bits in any position of any number o
 decodes, or inside prefill spans."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.interpreter import run_interpreted, waits_before_memory
@@ -327,6 +329,53 @@ for bias in (False, True):
                        TritonOps.silu_mul_packed(fixed_tile_matmul(x[None], w, b, tile=split))[0])
 print("ok")
 """
+
+
+# Weight tiles loaded ahead of a chained program's wait (AHEAD): the split matmul's partials and gate|up's output
+# with 1-4 (1-2) steps' tiles loaded first are bit for bit those loaded in the loop, a split's masked K tail
+# included (K 200 in 3 splits of 5 steps of 16: the last split's last steps past K), fp32 and bf16.
+AHEAD = BF16_DOT + ROWWISE_DOT + r"""
+import torch
+import triton
+from server.model.batch_invariant_kernels import _fixed_tile_gate_up, _fixed_tile_matmul
+g = torch.Generator().manual_seed(3)
+tile = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3)
+for dtype in (torch.float32, torch.bfloat16):
+    M, N, K, splits = 5, 40, 200, 3
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    chunk = triton.cdiv(triton.cdiv(K, 16), splits) * 16
+    grid = (triton.cdiv(N, 32) * splits * triton.cdiv(M, 64),)
+
+    def partials(ahead):
+        parts = torch.full((splits, M, N), float("nan"))
+        _fixed_tile_matmul[grid](x, w, w, parts, M, N, x.stride(0), w.stride(0), N, K=K, SPLIT_K=splits,
+                                 K_CHUNK=chunk, HAS_BIAS=False, IEEE=dtype == torch.float32, SERIAL=False,
+                                 FLAT=False, GDC=False, AHEAD=ahead, **tile)
+        return parts
+
+    loop = partials(0)
+    for ahead in (1, 2, 3, 4):
+        assert torch.equal(partials(ahead), loop), (dtype, ahead)
+    I = 40
+    wg = torch.randn(2 * I, K, generator=g).to(dtype)
+
+    def gate_up(ahead):
+        out = torch.empty(M, I, dtype=dtype)
+        _fixed_tile_gate_up[(triton.cdiv(I, 32) * triton.cdiv(M, 64),)](
+            x, wg, wg, out, M, I, x.stride(0), wg.stride(0), out.stride(0), K=K, HAS_BIAS=False,
+            IEEE=dtype == torch.float32, GDC=False, AHEAD=ahead, **tile)
+        return out
+
+    plain = gate_up(0)
+    for ahead in (1, 2):
+        assert torch.equal(gate_up(ahead), plain), (dtype, "gate_up", ahead)
+print("ok")
+"""
+
+
+def test_weights_loaded_ahead_of_the_wait_give_the_same_bits_in_interpreter():
+    assert run_interpreted(AHEAD).strip().endswith("ok")
 
 
 def test_fixed_tile_gate_up_is_the_matmul_then_silu_times_up_in_interpreter():
@@ -679,6 +728,55 @@ def test_gate_up_kernel_compiles_for_sm90_without_spills(block_m, block_n, warps
     registers, spills = ptxas_usage(kernel)
     assert spills == 0 and registers <= 255, (registers, spills)
     assert waits_before_memory(kernel.asm["ptx"])
+
+
+def _wgmmas(ptx: str) -> list[str]:
+    """A kernel's warpgroup MMAs: the instruction and its scale-d operand (1: it adds the accumulator, 0: it does not),
+    as a literal or the value of the predicate register that carries it."""
+    import re
+
+    lines = [line.strip() for line in ptx.splitlines()]
+    preds = dict(re.findall(r"mov\.pred\s+(%p\d+), (-?\d+);", "\n".join(lines)))
+    out = []
+    for line in (line for line in lines if line.startswith("wgmma.mma_async")):
+        scale_d = line[line.index("}") + 1:].split(",")[3].strip()
+        out.append(f"{line.split()[0]} scale-d {preds.get(scale_d, scale_d)}")
+    return out
+
+
+@pytest.mark.parametrize("case", ["qkv", "o_proj", "lm_head", "gate_up"])
+def test_chained_one_row_tiles_load_weights_ahead_of_the_wait_on_sm90(case):
+    """The 1B's one-row tiles as the mode launches them on Hopper with AHEAD (steps_ahead: 4 steps of a 64-column
+    weight, 2 of a 128-column one or of gate and up): the weight tiles' loads come before griddepcontrol.wait, every
+    other global access after it; every MMA is the same instruction as the loop's, adding its accumulator (the
+    steps out of the loop start from a zero the compiler cannot see, as the loop does); no spills."""
+    from server.model import batch_invariant_kernels as bik
+    from tests.interpreter import compile_for_sm90, ptxas_usage
+
+    n = "I" if case == "gate_up" else "N"
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32" if case in ("qkv", "o_proj") else "*bf16",
+           **{p: "i32" for p in ("M", n, "stride_x", "stride_w", "stride_o")}}
+    constexprs = dict(K=2048, BLOCK_M=64, BLOCK_N=128 if case == "lm_head" else 64, BLOCK_K=64, HAS_BIAS=False,
+                      IEEE=False, GDC=True)
+    splits, chunk = {"qkv": (6, 384), "o_proj": (8, 256), "lm_head": (1, 2048), "gate_up": (1, 2048)}[case]
+    if case != "gate_up":
+        constexprs.update(SPLIT_K=splits, K_CHUNK=chunk, SERIAL=False, FLAT=False, GROUPED=1)
+    fn = bik._fixed_tile_gate_up if case == "gate_up" else bik._fixed_tile_matmul
+    tile = {"BLOCK_M": 64, "BLOCK_N": constexprs["BLOCK_N"], "BLOCK_K": 64, "num_warps": 4}
+    ahead = bik.steps_ahead(tile, chunk, 2, tiles_a_step=2 if case == "gate_up" else 1)
+    assert ahead == {"qkv": 4, "o_proj": 4, "lm_head": 2, "gate_up": 2}[case]
+    plain, early = (compile_for_sm90(fn, sig, {**constexprs, "AHEAD": a}, num_warps=4, num_stages=4,
+                                     divisible=("x_ptr", "w_ptr", "b_ptr", "out_ptr", n, "stride_x", "stride_w",
+                                                "stride_o"))
+                    for a in (0, ahead))
+    lines = [line.strip() for line in early.asm["ptx"].splitlines()]
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    global_access = re.compile(r"^(@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+    before = [line for line in lines[:wait] if global_access.match(line)]
+    assert before and all(re.match(r"^(@!?%p\d+\s+)?ld\.global", line) for line in before), before[:4]
+    mmas, loop = _wgmmas(early.asm["ptx"]), _wgmmas(plain.asm["ptx"])
+    assert set(mmas) == set(loop) and all(m.endswith("scale-d -1") for m in mmas), (set(mmas), set(loop))
+    assert ptxas_usage(early)[1] == 0
 
 
 def test_the_modes_per_row_kernels_chain_on_sm90_without_a_gpu():
