@@ -348,10 +348,18 @@ def _gate_up_steps(x_rows, g_rows, u_rows, row_ok, col_ok, K: tl.constexpr, BLOC
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """The gate and the up partials of a tile over all of K, in BLOCK_K steps, in order: for each, the loads and
     MMAs of _split_partial over all of K (an unsplit weight's one split), x's tile loaded once a step for both."""
-    ks = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    return _gate_up_from(x_rows, g_rows, u_rows, row_ok, col_ok, 0, acc_g, acc_u, K, BLOCK_K, IEEE)
+
+
+@triton.jit
+def _gate_up_from(x_rows, g_rows, u_rows, row_ok, col_ok, first: tl.constexpr, acc_g, acc_u, K: tl.constexpr,
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """acc_g and acc_u plus the gate and up products of the BLOCK_K steps from K column `first` on, in order, x's tile
+    loaded once a step for both: the loop of _gate_up_steps and of _gate_up_steps_ahead."""
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(first, K, BLOCK_K):
         k = k0 + ks
         k_ok = k < K
         x = _k_tile(x_rows, row_ok, k, k_ok)
@@ -376,13 +384,7 @@ def _gate_up_steps_ahead(x_rows, g_rows, u_rows, row_ok, col_ok, g0, g1, u0, u1,
         x = _k_tile(x_rows, row_ok, ks + BLOCK_K, ks + BLOCK_K < K)
         acc_g = _mma(x, g1, acc_g, IEEE)
         acc_u = _mma(x, u1, acc_u, IEEE)
-    for k0 in range(AHEAD * BLOCK_K, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        x = _k_tile(x_rows, row_ok, k, k_ok)
-        acc_g = _mma(x, _k_tile(g_rows, col_ok, k, k_ok), acc_g, IEEE)
-        acc_u = _mma(x, _k_tile(u_rows, col_ok, k, k_ok), acc_u, IEEE)
-    return acc_g, acc_u
+    return _gate_up_from(x_rows, g_rows, u_rows, row_ok, col_ok, AHEAD * BLOCK_K, acc_g, acc_u, K, BLOCK_K, IEEE)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -733,8 +733,6 @@ def test_gate_up_kernel_compiles_for_sm90_without_spills(block_m, block_n, warps
 def _wgmmas(ptx: str) -> list[str]:
     """A kernel's warpgroup MMAs: the instruction and its scale-d operand (1: it adds the accumulator, 0: it does not),
     as a literal or the value of the predicate register that carries it."""
-    import re
-
     lines = [line.strip() for line in ptx.splitlines()]
     preds = dict(re.findall(r"mov\.pred\s+(%p\d+), (-?\d+);", "\n".join(lines)))
     out = []
