@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=None, help="runs per batch, the median kept (default 3; 1 --small)")
     ap.add_argument("--sweep-tiles", action="store_true", help="CUDA: also time the matmul with each tile of SWEEP")
     ap.add_argument("--gemm-only", action="store_true", help="CUDA: only the matmul timings, no engines")
+    ap.add_argument("--engines-only", action="store_true", help="only the engines' decode, no matmul timings")
     ap.add_argument("--split-schedules", action="store_true",
                     help="CUDA: also the split weights with fewer K splits (SCHEDULE_SPLITS) and with their splits "
                     "added in groups (GROUP_SPLITS), at every batch")
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append({"model": name, "batch": b, "default_tok_s": default[b], "batch_invariant_tok_s": invariant[b],
                          "ratio": invariant[b] / default[b]})
     gemms = ([g for name in models for g in gemm_rows(name, device, batches, args.sweep_tiles, args.split_schedules)]
-             if device.type == "cuda" else [])
+             if device.type == "cuda" and not args.engines_only else [])
     result = {"date": now_iso(), "hardware": hardware(device), "new_tokens": new_tokens, "prompt_tokens": 32,
               "repeat": repeat, "rows": rows, "min_ratio": min((r["ratio"] for r in rows), default=None),
               "gemms": gemms}

@@ -28,9 +28,10 @@ ENV_ONLY: tuple[tuple[str, str, str], ...] = (
      "reads the pinned backup: unaffected by the copy engines' slowdown right after a big release), `engine` (the "
      "copy engines), or `auto`: both timed once before the first sleep, the kernel kept unless it reads below 0.9 "
      "of the engines' rate (one H100 host: 0.62); `allocator/backup.py`"),
-    ("SLEEPSERVE_WEIGHTS_AHEAD", "`0`", "an experiment: `1` makes `--batch-invariant`'s chained one-row matmuls "
-     "on Hopper load their first weight tiles before they wait for the kernel before them (the same bits; not yet "
-     "measured on a GPU: `make gpu-check ARGS=\"binv-ahead binv\"`); `server/model/batch_invariant_kernels.py`"),
+    ("SLEEPSERVE_WEIGHTS_AHEAD", "`0`", "an experiment: `N` (or `all`) makes `--batch-invariant`'s chained "
+     "one-row matmuls on Hopper whose programs walk at most N K steps load their first weight tiles before they "
+     "wait for the kernel before them (the same bits; on an H100 everywhere: the 1B's batch-1 step 7% faster, the "
+     "8B's 5% slower; `make gpu-check ARGS=binv-ahead` times several N); `server/model/batch_invariant_kernels.py`"),
     ("SLEEPSERVE_TP_KEY", "none", "`--tp-launch torchrun`: the shared secret (16+ characters) every host's ranks "
      "authenticate with"),
     ("SLEEPSERVE_TP_PORT", "`MASTER_PORT + 1`", "`--tp-launch torchrun`: the port rank 0's engine listens on"),

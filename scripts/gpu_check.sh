@@ -159,11 +159,15 @@ for stage in $stages; do
                   -p no:cacheprovider ;;
     binv)       # --batch-invariant against the default: decode tok/s at batch 1/64/256, 1B and 8B, in one run
                 run binv $PY bench/batch_invariant.py --out "$RESULTS" ;;
-    binv-ahead) # SLEEPSERVE_WEIGHTS_AHEAD=1 (the one-row matmuls' first weight tiles loaded before their chained wait):
-                # the mode's GPU tests, then decode against the default as `binv` (run `binv` in the same call to compare)
-                run binv-ahead-test env SLEEPSERVE_WEIGHTS_AHEAD=1 $PY -m pytest -m gpu -q -x --timeout=600 \
+    binv-ahead) # SLEEPSERVE_WEIGHTS_AHEAD (a program's first weight tiles loaded before its chained wait, where it walks
+                # at most that many K steps): the mode's GPU tests with it everywhere, then decode at batch 1 and 64
+                # against the default at each limit (0: the mode as it is), each run timing its own default
+                run binv-ahead-test env SLEEPSERVE_WEIGHTS_AHEAD=all $PY -m pytest -m gpu -q -x --timeout=600 \
                   tests/gpu/test_batch_invariant_gpu.py -p no:cacheprovider
-                run binv-ahead env SLEEPSERVE_WEIGHTS_AHEAD=1 $PY bench/batch_invariant.py --out "$RESULTS/ahead" ;;
+                for limit in 0 8 16 32 all; do
+                  run binv-ahead-$limit env SLEEPSERVE_WEIGHTS_AHEAD=$limit $PY bench/batch_invariant.py \
+                    --engines-only --batches 1,64 --out "$RESULTS/ahead-$limit"
+                done ;;
     binv-gemm)  # the mode's matmul alone per weight shape: its tile, the one before split-K, a sweep, cuBLAS
                 run binv-gemm $PY bench/batch_invariant.py --gemm-only --sweep-tiles --out "$RESULTS" ;;
     binv-splits) # the split weights with fewer K splits than the mode's, at 1, 64 and 256 rows, beside its tile
@@ -187,7 +191,7 @@ for stage in $stages; do
                 run nonfinite-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_nonfinite_gpu.py \
                   tests/gpu/test_weight_transfer_gpu.py -k "nonfinite or ipc" -p no:cacheprovider ;;
     finite)     # the non-finite check of weight updates: its cost on the 8B push, check on and off
-                run finite $PY bench/finite_check.py --push --out "$RESULTS" ;;
+                run finite $PY bench/finite_check.py --push --rounds 20 --out "$RESULTS" ;;
     wake-copy)  # the wake's copy chosen by timing (Copier.calibrate) and both ways restoring every byte, then hostcopies
                 run wake-copy-test $PY -m pytest -m gpu -q -x --timeout=300 tests/gpu/test_pool_gpu.py -k "wake" \
                   -p no:cacheprovider

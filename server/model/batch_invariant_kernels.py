@@ -701,10 +701,13 @@ def matmul_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 # A chained one-row program's weight tiles loaded before its wait (AHEAD): at most this many bytes of registers (at
 # 64 x 64 bf16 tiles on 4 warps, 16 registers a thread a tile), at most 4 steps.
 AHEAD_BYTES = 32 << 10
-# An experiment, off unless SLEEPSERVE_WEIGHTS_AHEAD=1 (read once): checked bit for bit in the interpreter and on
-# sm_90's compiler, not yet run on a GPU. `make gpu-check ARGS=binv-ahead` runs the mode's GPU tests and its decode
-# with it; it becomes the mode's way, or goes, by what that measures.
-WEIGHTS_AHEAD = os.environ.get("SLEEPSERVE_WEIGHTS_AHEAD", "0") == "1"
+# An experiment, off unless SLEEPSERVE_WEIGHTS_AHEAD is set (read once): a program loads weight tiles ahead only where
+# it walks at most that many BLOCK_K steps ("all": any). Why a limit: on an H100 (12-06) loading ahead everywhere
+# sped the 1B's batch-1 step 7% (4-32 steps a program) and slowed the 8B's 5% (11-64): where a program walks many
+# steps, what it saves before the wait is small and its registers cost occupancy. `make gpu-check ARGS=binv-ahead`
+# times the mode's decode at several limits against the default in one run.
+WEIGHTS_AHEAD = os.environ.get("SLEEPSERVE_WEIGHTS_AHEAD", "0")
+AHEAD_MAX_STEPS = (1 << 30) if WEIGHTS_AHEAD == "all" else int(WEIGHTS_AHEAD)
 
 
 def steps_ahead(tile: dict, span: int, element_size: int, tiles_a_step: int = 1) -> int:
@@ -715,6 +718,13 @@ def steps_ahead(tile: dict, span: int, element_size: int, tiles_a_step: int = 1)
         return 0
     step_bytes = tiles_a_step * tile["BLOCK_N"] * tile["BLOCK_K"] * element_size
     return min(4 // tiles_a_step, AHEAD_BYTES // step_bytes, span // tile["BLOCK_K"])
+
+
+def ahead_for(tile: dict, span: int, element_size: int, chain: bool, tiles_a_step: int = 1) -> int:
+    """steps_ahead where the experiment asks for it: a chained launch whose programs walk at most AHEAD_MAX_STEPS."""
+    if not chain or triton.cdiv(span, tile["BLOCK_K"]) > AHEAD_MAX_STEPS:
+        return 0
+    return steps_ahead(tile, span, element_size, tiles_a_step)
 
 
 def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -753,14 +763,14 @@ def fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         if finish is not None:
             raise ValueError(f"a {N} x {K} weight's tile at {M} rows writes its output itself: no split sum to finish")
         grid = (n_tiles * triton.cdiv(M, block_m),)
-        ahead = steps_ahead(tile, K, x.element_size()) if WEIGHTS_AHEAD and chain and splits == 1 else 0
+        ahead = ahead_for(tile, K, x.element_size(), chain) if splits == 1 else 0
         _fixed_tile_matmul[grid](x, weight, b, out, M, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
                                  SPLIT_K=splits, K_CHUNK=chunk, HAS_BIAS=has_bias, IEEE=ieee,
                                  SERIAL=splits > 1, FLAT=plan.flat, **gdc_launch(chain), **tile, AHEAD=ahead)
         return out
     # Partials a tile writes: one a split, or one a group (its splits added in its program, in order).
     parts = splits // group if plan.grouped else splits
-    ahead = steps_ahead(tile, chunk, x.element_size()) if WEIGHTS_AHEAD and chain and not plan.grouped else 0
+    ahead = 0 if plan.grouped else ahead_for(tile, chunk, x.element_size(), chain)
     step = max(block_m, WORKSPACE_BYTES // (parts * N * 4) // block_m * block_m)  # rows a launch
     ws = torch.empty((parts * min(M, step) * N,), dtype=torch.float32, device=x.device)
     for r0 in range(0, M, step):  # a row's sums do not depend on its launch or its place in one
@@ -876,8 +886,7 @@ def fixed_tile_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     _fixed_tile_gate_up[grid](x, weight, bias if bias is not None else weight, out, M, I, x.stride(0),
                               weight.stride(0), out.stride(0), K=K, HAS_BIAS=bias is not None,
                               IEEE=x.dtype == torch.float32, **gdc_launch(chain), **tile,
-                              AHEAD=steps_ahead(tile, K, x.element_size(), tiles_a_step=2) if WEIGHTS_AHEAD and chain
-                              else 0)
+                              AHEAD=ahead_for(tile, K, x.element_size(), chain, tiles_a_step=2))
     return out
 
 
