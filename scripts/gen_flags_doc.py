@@ -28,10 +28,11 @@ ENV_ONLY: tuple[tuple[str, str, str], ...] = (
      "reads the pinned backup: unaffected by the copy engines' slowdown right after a big release), `engine` (the "
      "copy engines), or `auto`: both timed once before the first sleep, the kernel kept unless it reads below 0.9 "
      "of the engines' rate (one H100 host: 0.62); `allocator/backup.py`"),
-    ("SLEEPSERVE_WEIGHTS_AHEAD", "`0`", "an experiment: `N` (or `all`) makes `--batch-invariant`'s chained "
-     "one-row matmuls on Hopper whose programs walk at most N K steps load their first weight tiles before they "
-     "wait for the kernel before them (the same bits; on an H100 everywhere: the 1B's batch-1 step 7% faster, the "
-     "8B's 5% slower; `make gpu-check ARGS=binv-ahead` times several N); `server/model/batch_invariant_kernels.py`"),
+    ("SLEEPSERVE_WEIGHTS_AHEAD", "`16`", "`--batch-invariant` on Hopper: a chained one-row matmul whose programs "
+     "walk at most this many K steps loads its first weight tiles before it waits for the kernel before it (the "
+     "same bits; `all`: any, `0`: never). At 16 the 1B's batch-1 decode ran 8% faster on an H100; loading ahead in "
+     "the 8B's long programs slowed it (`make gpu-check ARGS=binv-ahead` times the limits); "
+     "`server/model/batch_invariant_kernels.py`"),
     ("SLEEPSERVE_TP_KEY", "none", "`--tp-launch torchrun`: the shared secret (16+ characters) every host's ranks "
      "authenticate with"),
     ("SLEEPSERVE_TP_PORT", "`MASTER_PORT + 1`", "`--tp-launch torchrun`: the port rank 0's engine listens on"),

@@ -701,12 +701,12 @@ def matmul_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 # A chained one-row program's weight tiles loaded before its wait (AHEAD): at most this many bytes of registers (at
 # 64 x 64 bf16 tiles on 4 warps, 16 registers a thread a tile), at most 4 steps.
 AHEAD_BYTES = 32 << 10
-# An experiment, off unless SLEEPSERVE_WEIGHTS_AHEAD is set (read once): a program loads weight tiles ahead only where
-# it walks at most that many BLOCK_K steps ("all": any). Why a limit: on an H100 (12-06) loading ahead everywhere
-# sped the 1B's batch-1 step 7% (4-32 steps a program) and slowed the 8B's 5% (11-64): where a program walks many
-# steps, what it saves before the wait is small and its registers cost occupancy. `make gpu-check ARGS=binv-ahead`
-# times the mode's decode at several limits against the default in one run.
-WEIGHTS_AHEAD = os.environ.get("SLEEPSERVE_WEIGHTS_AHEAD", "0")
+# A program loads weight tiles ahead only where it walks at most SLEEPSERVE_WEIGHTS_AHEAD BLOCK_K steps (read once;
+# "all": any, 0: never). Why 16 (H100, 12-06, decode tok/s of the mode at each limit, one machine): the 1B's batch-1
+# step +8% at 16 (qkv 6 steps a program, o_proj 4, down 16), nothing more at 32 (gate|up), and the 8B's batch 1 / 64
+# -3% / -6% at all (gate|up 64 steps, down 38): where a program walks many steps, what it saves before the wait is
+# small and the registers it holds cost occupancy. `make gpu-check ARGS=binv-ahead` times the limits again.
+WEIGHTS_AHEAD = os.environ.get("SLEEPSERVE_WEIGHTS_AHEAD", "16")
 AHEAD_MAX_STEPS = (1 << 30) if WEIGHTS_AHEAD == "all" else int(WEIGHTS_AHEAD)
 
 
