@@ -154,10 +154,9 @@ class ModelRunner:
 
             # the model's output dtype: a decode graph's logits buffer is in it (graphs.py)
             warm_up_sampler(self.model.config.vocab_size, self.device, self.model.output_weight().dtype)
-            if self.check_finite:  # the weight updates' fused copy-and-check (model/finite.py)
-                from server.model.finite import warm_up as warm_up_finite
+            from server.model.finite import warm_up as warm_up_finite  # the weight updates' copy (and check)
 
-                warm_up_finite(self.device, {p.dtype for p in self.model.parameters()})
+            warm_up_finite(self.device, {p.dtype for p in self.model.parameters()}, check=self.check_finite)
             if self.model.config.num_experts:  # every fused-MoE variant (a long prefill's tiles too)
                 from server.model.fused_moe import warm_up as warm_up_moe
 

@@ -17,6 +17,8 @@ push it was 18-23% of the push (12 ms of ~65); fused but launched per tensor, 11
 kernel's flags live in pinned host memory the device writes through its mapping (HostFlags), so the verdicts are
 read once the device is done, with no device work of their own: read from a device buffer (a compare, a concat and
 a copy back, each bucket) they were 1.9 ms of the 4.6 the check added to the 8B push (H200, 2026-12-06).
+A received IPC bucket is copied by address (copy_packed): the kernel reads each tensor where it lies in the
+bucket, with no view made of it, and a server with the check off launches the same kernel without the check.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import threading
 
 import torch
 
+from server.weight_transfer.protocol import unpack, view_at
 from server.wire.errors import NonFiniteWeightsError
 
 __all__ = ["FiniteCheck", "NonFiniteWeightsError", "nonfinite_message"]
@@ -79,6 +82,49 @@ class FiniteCheck:
                 flags = copy_and_flag(group, HOST_FLAGS.take(len(group)))
                 self._flagged.append(([name for name, _, _ in group], group[0][1].device, flags))
 
+    @torch.no_grad()
+    def copy_packed(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor]) -> list[str]:
+        """The tensors a packed uint8 bucket carries (metas: name, dtype, shape, back to back) copied into
+        targets[name] (the names not in targets skipped) and checked; returns the names written. On CUDA the
+        copy kernel reads the bucket at each tensor's address: no view is made of a fusable tensor (unpack's
+        views, ~10 us of host time each, made a received 8B bucket's kernel start ~0.2 ms after the plain
+        copies would have). A disabled check launches the same kernel without the check, so the two differ by
+        the check alone. Any other tensor: its view, through copy_many."""
+        if not bucket.is_cuda:
+            return self._copy_views(bucket, metas, targets)
+        return self._copy_fused(bucket, metas, targets)
+
+    def _copy_fused(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor]) -> list[str]:
+        base, offset = bucket.data_ptr(), 0
+        fused: dict[torch.dtype, list[tuple[str, int, int, int]]] = {}
+        others = []
+        for m in metas:
+            dst = targets.get(m.name)
+            src = base + offset
+            if dst is not None:
+                if (dst.dtype == m.dtype and m.dtype in FLAGGED_DTYPES and dst.device == bucket.device
+                        and tuple(dst.shape) == tuple(m.shape) and dst.is_contiguous() and dst.numel() > 0
+                        and src % 16 == 0 and dst.data_ptr() % 16 == 0):
+                    fused.setdefault(m.dtype, []).append((m.name, src, dst.data_ptr(), dst.numel()))
+                else:
+                    others.append((m, offset))
+            offset += m.nbytes
+        for dtype, entries in fused.items():
+            for i in range(0, len(entries), MAX_TENSORS_PER_LAUNCH):
+                group = entries[i:i + MAX_TENSORS_PER_LAUNCH]
+                flags = HOST_FLAGS.take(len(group)) if self.enabled else None
+                launch_copy(group, dtype, bucket.device, flags)
+                if self.enabled:
+                    self._flagged.append(([name for name, _, _, _ in group], bucket.device, flags))
+        for m, at in others:
+            self.copy_many([(m.name, targets[m.name], view_at(bucket, at, m))])
+        return [name for entries in fused.values() for name, _, _, _ in entries] + [m.name for m, _ in others]
+
+    def _copy_views(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor]) -> list[str]:
+        triples = [(name, targets[name], tensor) for name, tensor in unpack(bucket, metas) if name in targets]
+        self.copy_many(triples)
+        return [name for name, _, _ in triples]
+
     def bad(self) -> list[str]:
         """The names whose tensors hold NaN or Inf: one device->host read for all of them."""
         names, verdicts = [], []
@@ -89,7 +135,7 @@ class FiniteCheck:
         if verdicts:  # One read: the verdicts are on the model's device (a tensor elsewhere is moved there first).
             device = verdicts[0].device
             bad = [n for n, b in zip(names, torch.cat([v.to(device) for v in verdicts]).tolist()) if b]
-        for device in {device for _, device, _ in self._flagged}:
+        for device in {device for _, device, _ in self._flagged if device.type == "cuda"}:
             torch.cuda.synchronize(device)  # the kernels' stores to host memory are there once they finished
         for group, _, flags in self._flagged:
             bad += [n for n, flag in zip(group, flags.tolist()) if flag]
@@ -126,7 +172,8 @@ class HostFlags:
         under inference mode (start-up's warm_up), and zeroed outside it (a receive)."""
         with self._lock, torch.inference_mode(False):
             if self._ring is None:
-                self._ring = torch.zeros(self.SIZE, dtype=torch.int32, pin_memory=True)
+                # Pinned where a device writes it; plain memory on a host without one (the interpreter's tests).
+                self._ring = torch.zeros(self.SIZE, dtype=torch.int32, pin_memory=torch.cuda.is_available())
             if self._next + n > self.SIZE:
                 self._next = 0
             flags = self._ring[self._next:self._next + n]
@@ -149,35 +196,44 @@ def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: to
     """Queue dst <- src for every (name, dst, src) of one dtype and device on the current stream, in one launch;
     flags[i] (zeroed int32, on that device or in host memory it can write: HostFlags) becomes nonzero if the i-th
     source held NaN or Inf. Returns flags."""
+    entries = [(name, src.data_ptr(), dst.data_ptr(), dst.numel()) for name, dst, src in group]
+    launch_copy(entries, group[0][1].dtype, group[0][1].device, flags)
+    return flags
+
+
+def launch_copy(entries: list[tuple[str, int, int, int]], dtype: torch.dtype, device: torch.device,
+                flags: torch.Tensor | None) -> None:
+    """Queue, in one launch on the current stream, the copy of each (name, source address, destination address,
+    elements) of one dtype, both addresses 16-byte aligned; with flags (zeroed int32, one a tensor) it also
+    checks (flags[i] nonzero: the i-th source held NaN or Inf), without it only copies."""
     import triton.language as tl
 
     from server.model.finite_kernel import copy_and_flag_kernel
 
     per_program = COPY_BLOCK * COPY_ITERS
     firsts = [0]
-    for _, dst, _ in group:
-        firsts.append(firsts[-1] + (dst.numel() + per_program - 1) // per_program)
-    table = torch.tensor([[src.data_ptr() for _, _, src in group] + [0],
-                          [dst.data_ptr() for _, dst, _ in group] + [0],
-                          [dst.numel() for _, dst, _ in group] + [0], firsts,
-                          [flags.data_ptr() + 4 * i for i in range(len(group))] + [0]], dtype=torch.int64)
-    dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[group[0][1].dtype]
-    steps = next(s for s in SEARCH_STEPS if len(group) <= 1 << s)
-    device = group[0][1].device
+    for _, _, _, numel in entries:
+        firsts.append(firsts[-1] + (numel + per_program - 1) // per_program)
+    flag_at = [flags.data_ptr() + 4 * i for i in range(len(entries))] if flags is not None else [0] * len(entries)
+    table = torch.tensor([[src for _, src, _, _ in entries] + [0], [dst for _, _, dst, _ in entries] + [0],
+                          [numel for _, _, _, numel in entries] + [0], firsts, flag_at + [0]], dtype=torch.int64)
+    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+    steps = next(s for s in SEARCH_STEPS if len(entries) <= 1 << s)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's launch device
         # Pageable memory: the host's bytes are taken before the call returns, in the stream's order.
         table = table.to(device, non_blocking=True)
-        copy_and_flag_kernel[(firsts[-1],)](table, len(group), DTYPE=dtype, BLOCK=COPY_BLOCK,
-                                            ITERS=COPY_ITERS, SEARCH_STEPS=steps, num_warps=4)
-    return flags
+        copy_and_flag_kernel[(firsts[-1],)](table, len(entries), DTYPE=tl_dtype, BLOCK=COPY_BLOCK,
+                                            ITERS=COPY_ITERS, SEARCH_STEPS=steps, CHECK=flags is not None,
+                                            num_warps=4)
 
 
 @torch.inference_mode()
-def warm_up(device: torch.device, dtypes) -> None:
-    """Compile, at start-up, the fused check's variants a weight update can meet for these dtypes (a launch of
-    1 tensor, then one past each step count's reach but the last: each of SEARCH_STEPS), so the first update
-    compiles nothing (Triton caches them on disk: a later start loads them). Each launch copies zeros and one
-    NaN, last, through host flags: the device's writes into host memory reach the host (HostFlags)."""
+def warm_up(device: torch.device, dtypes, check: bool = True) -> None:
+    """Compile, at start-up, the receive copy's variants a weight update can meet for these dtypes (a launch of
+    1 tensor, then one past each step count's reach but the last: each of SEARCH_STEPS), with the check or, for
+    a server that turned it off, without, so the first update compiles nothing (Triton caches them on disk: a
+    later start loads them). Each launch copies zeros and one NaN, last; checked, through host flags: the
+    device's writes into host memory reach the host (HostFlags)."""
     counts = [1] + [(1 << steps) + 1 for steps in SEARCH_STEPS[:-1]]
     for dtype in (d for d in FLAGGED_DTYPES if d in set(dtypes)):
         for count in counts:
@@ -185,9 +241,15 @@ def warm_up(device: torch.device, dtypes) -> None:
             src[-1] = float("nan")
             dst = torch.empty_like(src)
             group = [(str(i), dst[8 * i:8 * i + 8], src[8 * i:8 * i + 8]) for i in range(count)]
-            flags = copy_and_flag(group, HOST_FLAGS.take(count))
-            torch.cuda.synchronize(device)
-            assert flags.tolist() == [0] * (count - 1) + [1], f"the host flags read {flags.tolist()}"
+            if check:
+                flags = copy_and_flag(group, HOST_FLAGS.take(count))
+                torch.cuda.synchronize(device)
+                assert flags.tolist() == [0] * (count - 1) + [1], f"the host flags read {flags.tolist()}"
+            else:
+                launch_copy([(name, s.data_ptr(), d.data_ptr(), d.numel()) for name, d, s in group], dtype, device,
+                            None)
+                torch.cuda.synchronize(device)
+                assert dst[:-1].eq(0).all() and dst[-1].isnan(), "the copy kernel lost bytes"
 
 
 # A launch's binary search runs one of these step counts (a compiled variant each): up to 2^16 tensors a launch.

@@ -25,7 +25,7 @@ def _copy_blocks(src, dst, start, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, M
 
 @triton.jit(do_not_specialize=["n_tensors"])
 def copy_and_flag_kernel(table, n_tensors, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                         SEARCH_STEPS: tl.constexpr):
+                         SEARCH_STEPS: tl.constexpr, CHECK: tl.constexpr = True):
     """Copies many tensors of one dtype in one launch and flags each one that holds NaN or +-Inf.
 
     table: int64 [5, n_tensors + 1], rows: source address, destination address, elements, the first program of
@@ -39,7 +39,9 @@ def copy_and_flag_kernel(table, n_tensors, DTYPE: tl.constexpr, BLOCK: tl.conste
     Addresses read from memory tell the compiler nothing of their alignment: finite.py fuses only tensors whose
     both addresses are 16-byte aligned and says so here (tl.multiple_of), and a program whose blocks all lie
     inside its tensor copies them unmasked, so the loads and stores are 16 bytes a thread; only a tensor's last
-    program masks (masked with an arbitrary length, the compiled copy fell to 2 bytes a thread)."""
+    program masks (masked with an arbitrary length, the compiled copy fell to 2 bytes a thread).
+
+    CHECK False: the copy alone (a receive with the check turned off), the flags' row unread."""
     pid = tl.program_id(0)
     width = n_tensors + 1
     lo = pid * 0
@@ -57,6 +59,7 @@ def copy_and_flag_kernel(table, n_tensors, DTYPE: tl.constexpr, BLOCK: tl.conste
         bad = _copy_blocks(src, dst, start, n, BLOCK, ITERS, MASKED=False)
     else:
         bad = _copy_blocks(src, dst, start, n, BLOCK, ITERS, MASKED=True)
-    seen = tl.max(bad, 0)
-    if seen > 0:
-        tl.store(tl.load(table + 4 * width + lo).to(tl.pointer_type(tl.int32)), seen)
+    if CHECK:
+        seen = tl.max(bad, 0)
+        if seen > 0:
+            tl.store(tl.load(table + 4 * width + lo).to(tl.pointer_type(tl.int32)), seen)

@@ -58,13 +58,18 @@ def unpack(bucket: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, tor
     """Views of a uint8 bucket as the tensors it carries (no copy unless a start is misaligned)."""
     out, offset = [], 0
     for m in metas:
-        n = m.nbytes
-        piece = bucket[offset:offset + n]
-        if (bucket.storage_offset() + offset) % m.dtype.itemsize:
-            piece = piece.clone()  # a view needs an aligned start (e.g. float32 after an odd bf16 count)
-        out.append((m.name, piece.view(m.dtype).view(m.shape)))
-        offset += n
+        out.append((m.name, view_at(bucket, offset, m)))
+        offset += m.nbytes
     return out
+
+
+def view_at(bucket: torch.Tensor, offset: int, meta: TensorMeta) -> torch.Tensor:
+    """The tensor `meta` describes at `offset` in a uint8 bucket: a view, or a copy where its start is not
+    aligned to its dtype (a view needs it: e.g. float32 after an odd bf16 count)."""
+    piece = bucket[offset:offset + meta.nbytes]
+    if (bucket.storage_offset() + offset) % meta.dtype.itemsize:
+        piece = piece.clone()
+    return piece.view(meta.dtype).view(meta.shape)
 
 
 def pack_into(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> int:

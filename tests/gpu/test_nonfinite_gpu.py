@@ -149,3 +149,34 @@ def test_a_bucket_is_copied_and_checked_by_one_launch_per_dtype():
     assert sorted(check.bad()) == sorted(poisoned)
     for _, dst, src in triples:
         assert torch.equal(dst.isnan(), src.isnan()) and torch.equal(dst.nan_to_num(), src.nan_to_num())
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_packed_bucket_is_copied_by_address_as_its_views_would_be(enabled):
+    """FiniteCheck.copy_packed on a CUDA bucket (a received IPC bucket's path): the kernel reads each aligned
+    tensor in place, the others go through their views; every byte lands as UncheckedCopy's view copies land
+    it, and, checked, exactly the poisoned tensors are named (one the kernel read, one copied from its view)."""
+    from server.model.finite import FiniteCheck
+    from server.weight_transfer.protocol import TensorMeta, pack_into
+    from server.weight_transfer.unchecked_copy import UncheckedCopy
+
+    torch.manual_seed(0)
+    specs = [("a", torch.bfloat16, (8192 * 3 + 8,)), ("b", torch.float32, (64, 4)), ("skipped", torch.bfloat16, (8,)),
+             ("c", torch.float16, (1 << 20,)), ("f64", torch.float64, (2,)), ("odd", torch.bfloat16, (3,)),
+             ("misaligned", torch.float32, (9,)), ("g", torch.bfloat16, (33,))]
+    metas = [TensorMeta(name, dtype, shape) for name, dtype, shape in specs]
+    sources = [torch.randn(shape, device="cuda").to(dtype) for _, dtype, shape in specs]
+    sources[0][-1], sources[6][2] = float("nan"), float("inf")
+    bucket = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device="cuda")
+    pack_into(bucket, sources)
+
+    def targets():
+        return {name: torch.full(shape, 7, dtype=dtype, device="cuda") for name, dtype, shape in specs
+                if name != "skipped"}
+
+    want, got, check = targets(), targets(), FiniteCheck(enabled)
+    UncheckedCopy().copy_packed(bucket, metas, want)
+    assert sorted(check.copy_packed(bucket, metas, got)) == sorted(got)
+    assert sorted(check.bad()) == (["a", "misaligned"] if enabled else [])
+    for name in got:
+        assert torch.equal(got[name].nan_to_num(), want[name].nan_to_num()), name
