@@ -273,7 +273,7 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
         except (RuntimeError, AttributeError) as e:  # torch._grouped_mm missing or refusing these shapes here
             row["library_error"] = f"{type(e).__name__}: {e}"[:300]
         if T <= SMALL_TOKENS:  # the ungrouped few-token path (two launches, every program busy), by its block_n
-            row["small_us"] = {n: timed(None, lambda *a, n=n: small_experts(*a[:5], block_n=n)) for n in (16, 32, 64)}
+            row["small_us"] = {n: timed(None, lambda *a, n=n: small_experts(*a[:5], block_n=n)) for n in (1, 2, 4)}
             # the one-program routing alone (unchained: its own time) by its warps: a batch-1 layer waits for it
             logits = x @ gate.t()
             def routings(w: int, n: int = 16) -> None:  # n in one graph: the replay's own launch cost shared
