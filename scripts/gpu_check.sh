@@ -31,7 +31,7 @@
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
 # two: bench/tp_release.py's keep / release / suspend).
-# By name only: moe-test, moe, moe-small, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-ahead, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
+# By name only: moe-test, moe, moe-small (moe-small-decode: its decode alone), rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-engines, binv-ahead, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there: scripts/gguf_pieces.sh), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -155,6 +155,8 @@ for stage in $stages; do
                 # without, each run timing one sparse layer's paths too (bench/moe.py)
                 run moe-small-test env SLEEPSERVE_MOE_SMALL_EXPERTS=8 $PY -m pytest -m gpu -q -x --timeout=600 \
                   tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider
+                ;&
+    moe-small-decode) # the decode half of moe-small alone
                 for n in 1 0; do
                   run moe-small-$n env SLEEPSERVE_MOE_SMALL_EXPERTS=$n $PY bench/moe.py --device cuda --batches 1 \
                     --repeats 2 --cycles 1 --no-off-engine --out "$RESULTS/small-$n"
@@ -168,6 +170,8 @@ for stage in $stages; do
                   -p no:cacheprovider ;;
     binv)       # --batch-invariant against the default: decode tok/s at batch 1/64/256, 1B and 8B, in one run
                 run binv $PY bench/batch_invariant.py --out "$RESULTS" ;;
+    binv-engines) # binv's decode alone, no matmul timings (< 1.5 min)
+                run binv-engines $PY bench/batch_invariant.py --engines-only --out "$RESULTS" ;;
     binv-ahead) # SLEEPSERVE_WEIGHTS_AHEAD (a program's first weight tiles loaded before its chained wait, where it walks
                 # at most that many K steps): the mode's GPU tests with it everywhere, then decode at batch 1 and 64
                 # against the default at each limit (0: the mode as it is), each run timing its own default
