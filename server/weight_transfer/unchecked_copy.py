@@ -1,9 +1,9 @@
 """The copy a receive makes when nothing checks it: the interface model/finite.py's FiniteCheck fills in.
 
 A receive copies every tensor it writes through one check object (`copy_many`; `copy_packed` for a packed
-bucket's tensors; `add` for a tensor written
-in place; `bad` once every byte landed). The engine injects FiniteCheck (this package sits below the model
-and may not import it); a receiver built alone, as in tests, copies through this one.
+bucket's tensors; `add` for a tensor written in place; `bad` once every byte landed). The engine injects
+FiniteCheck (this package sits below the model and may not import it); a receiver built alone, as in tests,
+copies through this one.
 """
 from __future__ import annotations
 
