@@ -27,7 +27,6 @@ import threading
 
 import torch
 
-from server.weight_transfer.protocol import unpack, view_at
 from server.wire.errors import NonFiniteWeightsError
 
 __all__ = ["FiniteCheck", "NonFiniteWeightsError", "nonfinite_message"]
@@ -83,18 +82,16 @@ class FiniteCheck:
                 self._flagged.append(([name for name, _, _ in group], group[0][1].device, flags))
 
     @torch.no_grad()
-    def copy_packed(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor]) -> list[str]:
-        """The tensors a packed uint8 bucket carries (metas: name, dtype, shape, back to back) copied into
-        targets[name] (the names not in targets skipped) and checked; returns the names written. On CUDA the
-        copy kernel reads the bucket at each tensor's address: no view is made of a fusable tensor (unpack's
-        views, ~10 us of host time each, made a received 8B bucket's kernel start ~0.2 ms after the plain
-        copies would have). A disabled check launches the same kernel without the check, so the two differ by
-        the check alone. Any other tensor: its view, through copy_many."""
-        if not bucket.is_cuda:
-            return self._copy_views(bucket, metas, targets)
-        return self._copy_fused(bucket, metas, targets)
-
-    def _copy_fused(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor]) -> list[str]:
+    def copy_packed(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor], view,
+                    fuse: bool | None = None) -> list[str]:
+        """The tensors a packed uint8 bucket carries (metas: name, dtype, shape, nbytes, back to back) copied into
+        targets[name] (the names not in targets skipped) and checked; returns the names written. view(bucket,
+        offset, meta): a tensor's view (the receive's protocol.view_at; the model does not import it). On CUDA
+        (fuse: whether to, by default where the bucket is) the copy kernel reads the bucket at each tensor's
+        address: no view is made of it (unpack's views, ~10 us of host time each, made a received 8B bucket's
+        kernel start ~0.2 ms after the plain copies would have). A disabled check launches the same kernel
+        without the check, so the two differ by the check alone. Any other tensor: its view, through copy_many."""
+        fuse = bucket.is_cuda if fuse is None else fuse
         base, offset = bucket.data_ptr(), 0
         fused: dict[torch.dtype, list[tuple[str, int, int, int]]] = {}
         others = []
@@ -102,12 +99,12 @@ class FiniteCheck:
             dst = targets.get(m.name)
             src = base + offset
             if dst is not None:
-                if (dst.dtype == m.dtype and m.dtype in FLAGGED_DTYPES and dst.device == bucket.device
+                if (fuse and dst.dtype == m.dtype and m.dtype in FLAGGED_DTYPES and dst.device == bucket.device
                         and tuple(dst.shape) == tuple(m.shape) and dst.is_contiguous() and dst.numel() > 0
                         and src % 16 == 0 and dst.data_ptr() % 16 == 0):
                     fused.setdefault(m.dtype, []).append((m.name, src, dst.data_ptr(), dst.numel()))
                 else:
-                    others.append((m, offset))
+                    others.append((m.name, targets[m.name], view(bucket, offset, m)))
             offset += m.nbytes
         for dtype, entries in fused.items():
             for i in range(0, len(entries), MAX_TENSORS_PER_LAUNCH):
@@ -116,14 +113,8 @@ class FiniteCheck:
                 launch_copy(group, dtype, bucket.device, flags)
                 if self.enabled:
                     self._flagged.append(([name for name, _, _, _ in group], bucket.device, flags))
-        for m, at in others:
-            self.copy_many([(m.name, targets[m.name], view_at(bucket, at, m))])
-        return [name for entries in fused.values() for name, _, _, _ in entries] + [m.name for m, _ in others]
-
-    def _copy_views(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor]) -> list[str]:
-        triples = [(name, targets[name], tensor) for name, tensor in unpack(bucket, metas) if name in targets]
-        self.copy_many(triples)
-        return [name for name, _, _ in triples]
+        self.copy_many(others)
+        return [name for entries in fused.values() for name, _, _, _ in entries] + [name for name, _, _ in others]
 
     def bad(self) -> list[str]:
         """The names whose tensors hold NaN or Inf: one device->host read for all of them."""

@@ -23,7 +23,7 @@ from server.weight_transfer import handles, rendezvous
 from server.weight_transfer.broadcast_receive import BroadcastReceive
 from server.weight_transfer.config import WeightTransferConfig
 from server.weight_transfer.group import TransferGroup, open_group
-from server.weight_transfer.protocol import DTYPES, TensorMeta
+from server.weight_transfer.protocol import DTYPES, TensorMeta, view_at
 from server.weight_transfer.unchecked_copy import UncheckedCopy
 
 log = logging.getLogger("sleepserve.weights")
@@ -274,7 +274,7 @@ class WeightReceiver:
                 bucket = handles.open_shm(update.handles, nbytes)
             t1 = time.perf_counter()
             with torch.no_grad():
-                loaded.update(self._check.copy_packed(bucket, update.metas, self.targets))
+                loaded.update(self._check.copy_packed(bucket, update.metas, self.targets, view_at))
             self.last_stats.update(open_s=t1 - t0, copy_s=time.perf_counter() - t1)
             del bucket  # a shm mapping goes now; a CUDA one when the update finishes
             return

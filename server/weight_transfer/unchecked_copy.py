@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import torch
 
-from server.weight_transfer.protocol import unpack
-
 
 class UncheckedCopy:
     def copy_many(self, triples: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         for _, dst, src in triples:
             dst.copy_(src, non_blocking=True)
 
-    def copy_packed(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor]) -> list[str]:
-        pairs = [(name, tensor) for name, tensor in unpack(bucket, metas) if name in targets]
-        self.copy_many([(name, targets[name], tensor) for name, tensor in pairs])
-        return [name for name, _ in pairs]
+    def copy_packed(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor], view) -> list[str]:
+        """The packed bucket's tensors into targets, each through its view(bucket, offset, meta)."""
+        written, offset = [], 0
+        for m in metas:
+            if m.name in targets:
+                targets[m.name].copy_(view(bucket, offset, m), non_blocking=True)
+                written.append(m.name)
+            offset += m.nbytes
+        return written
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         pass

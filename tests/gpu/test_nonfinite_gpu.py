@@ -157,7 +157,7 @@ def test_a_packed_bucket_is_copied_by_address_as_its_views_would_be(enabled):
     tensor in place, the others go through their views; every byte lands as UncheckedCopy's view copies land
     it, and, checked, exactly the poisoned tensors are named (one the kernel read, one copied from its view)."""
     from server.model.finite import FiniteCheck
-    from server.weight_transfer.protocol import TensorMeta, pack_into
+    from server.weight_transfer.protocol import TensorMeta, pack_into, view_at
     from server.weight_transfer.unchecked_copy import UncheckedCopy
 
     torch.manual_seed(0)
@@ -175,8 +175,8 @@ def test_a_packed_bucket_is_copied_by_address_as_its_views_would_be(enabled):
                 if name != "skipped"}
 
     want, got, check = targets(), targets(), FiniteCheck(enabled)
-    UncheckedCopy().copy_packed(bucket, metas, want)
-    assert sorted(check.copy_packed(bucket, metas, got)) == sorted(got)
+    UncheckedCopy().copy_packed(bucket, metas, want, view_at)
+    assert sorted(check.copy_packed(bucket, metas, got, view_at)) == sorted(got)
     assert sorted(check.bad()) == (["a", "misaligned"] if enabled else [])
     for name in got:
         assert torch.equal(got[name].nan_to_num(), want[name].nan_to_num()), name

@@ -52,7 +52,7 @@ def test_copy_and_flag_copies_and_flags_in_interpreter():
 PACKED = r"""
 import torch
 from server.model.finite import FiniteCheck
-from server.weight_transfer.protocol import TensorMeta, pack_into
+from server.weight_transfer.protocol import TensorMeta, pack_into, view_at
 from server.weight_transfer.unchecked_copy import UncheckedCopy
 
 per = 2048 * 4
@@ -74,7 +74,7 @@ def targets():
     return out
 
 want = targets()
-assert sorted(UncheckedCopy().copy_packed(bucket, metas, want)) == sorted(want)
+assert sorted(UncheckedCopy().copy_packed(bucket, metas, want, view_at)) == sorted(want)
 for enabled in (True, False):
     for bad in (None, "a", "misaligned", "d", "e", "g"):
         src = {k: v.clone() for k, v in sources.items()}
@@ -82,9 +82,9 @@ for enabled in (True, False):
             src[bad].view(-1)[-1] = float("nan")
         pack_into(bucket, [src[m.name] for m in metas])
         expect = targets()
-        UncheckedCopy().copy_packed(bucket, metas, expect)
+        UncheckedCopy().copy_packed(bucket, metas, expect, view_at)
         got, check = targets(), FiniteCheck(enabled)
-        names = check._copy_fused(bucket, metas, got)
+        names = check.copy_packed(bucket, metas, got, view_at, fuse=True)
         assert sorted(names) == sorted(got), names
         for name in got:
             same = (got[name] == expect[name]) | (got[name].isnan() & expect[name].isnan())
