@@ -701,13 +701,22 @@ def matmul_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 # A chained one-row program's weight tiles loaded before its wait (AHEAD): at most this many bytes of registers (at
 # 64 x 64 bf16 tiles on 4 warps, 16 registers a thread a tile), at most 4 steps.
 AHEAD_BYTES = 32 << 10
+
+
+def _ahead_limit(value: str) -> int:
+    if value == "all":
+        return 1 << 30
+    if not value.isdigit():
+        raise ValueError(f"SLEEPSERVE_WEIGHTS_AHEAD={value!r}: a number of K steps (0: never) or 'all'")
+    return int(value)
+
+
 # A program loads weight tiles ahead only where it walks at most SLEEPSERVE_WEIGHTS_AHEAD BLOCK_K steps (read once;
 # "all": any, 0: never). Why 16 (H100, 12-06, decode tok/s of the mode at each limit, one machine): the 1B's batch-1
 # step +8% at 16 (qkv 6 steps a program, o_proj 4, down 16), nothing more at 32 (gate|up), and the 8B's batch 1 / 64
 # -3% / -6% at all (gate|up 64 steps, down 38): where a program walks many steps, what it saves before the wait is
 # small and the registers it holds cost occupancy. `make gpu-check ARGS=binv-ahead` times the limits again.
-WEIGHTS_AHEAD = os.environ.get("SLEEPSERVE_WEIGHTS_AHEAD", "16")
-AHEAD_MAX_STEPS = (1 << 30) if WEIGHTS_AHEAD == "all" else int(WEIGHTS_AHEAD)
+AHEAD_MAX_STEPS = _ahead_limit(os.environ.get("SLEEPSERVE_WEIGHTS_AHEAD", "16"))
 
 
 def steps_ahead(tile: dict, span: int, element_size: int, tiles_a_step: int = 1) -> int:
@@ -721,7 +730,7 @@ def steps_ahead(tile: dict, span: int, element_size: int, tiles_a_step: int = 1)
 
 
 def ahead_for(tile: dict, span: int, element_size: int, chain: bool, tiles_a_step: int = 1) -> int:
-    """steps_ahead where the experiment asks for it: a chained launch whose programs walk at most AHEAD_MAX_STEPS."""
+    """steps_ahead for a chained launch whose programs walk at most AHEAD_MAX_STEPS K steps; else 0."""
     if not chain or triton.cdiv(span, tile["BLOCK_K"]) > AHEAD_MAX_STEPS:
         return 0
     return steps_ahead(tile, span, element_size, tiles_a_step)
