@@ -443,6 +443,26 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
     return experts(x, w13, w2, weights, grouped, K, cfg, gdc)
 
 
+def small_norm_path(x: torch.Tensor, block) -> bool:
+    """Whether norm_moe_small takes this step's sparse layer: SLEEPSERVE_MOE_SMALL_EXPERTS covers its tokens and
+    small_gemm its rows (the router's matmul must be small_gemm's, which writes the normed rows)."""
+    return small_rows(x) and x.shape[0] <= SMALL_EXPERTS_TOKENS
+
+
+def norm_moe_small(x: torch.Tensor, residual: torch.Tensor, norm, block, ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """The post-attention norm and a sparse layer of a few rows (SLEEPSERVE_MOE_SMALL_EXPERTS) in four chained
+    launches: the router's small_gemm does the residual add and the norm and writes the normed rows the experts
+    read (no norm launch of its own), then _route and small_experts' two. Returns (the layer's output, the
+    residual stream), as ops.norm_then_moe does; ops: the ops set a shared expert runs on."""
+    gdc = chained(x)
+    h = torch.empty_like(x)
+    logits, rsum = small_gemm(x, block.gate.weight, residual=residual, norm_weight=norm.weight, eps=norm.eps,
+                              gdc=gdc, normed=h)
+    ids, weights = route_logits(logits, block.top_k, block.norm_topk_prob, block.round_weights, block.routed, gdc)
+    out = small_experts(h, block.experts.w13_weight, block.experts.w2_weight, ids, weights, gdc=gdc)
+    return block.finish(out, h, ops), x if rsum is None else rsum
+
+
 # --batch-invariant's one tile for every number of tokens: tiles() picks BLOCK_K (a row's order of summation)
 # and BLOCK_M (16-row blocks, m16 MMAs, up to 16 assignments an expert; 64-row blocks, Hopper's m64 warpgroup
 # MMAs, above) from the batch. Here 64 rows a block on one warpgroup at every batch: a decode step's blocks are

@@ -162,3 +162,39 @@ def check_small_experts(dtype: torch.dtype, device: str, tol: float) -> str:
         assert err <= tol, f"T={T} E={E} K={K}: relative error {err:.2e} > {tol}"
         report.append(f"T={T}: {err:.1e}")
     return ", ".join(report)
+
+
+def check_norm_moe_small(dtype: torch.dtype, device: str, tol: float) -> str:
+    """fused_moe.norm_moe_small (the post-attention norm inside the router's small_gemm, then _route and
+    small_experts) on one token against TorchOps' norm then moe_torch: the layer's output within tol, the
+    residual sum bit for bit, the routed ids in the capture rows."""
+    from types import SimpleNamespace
+
+    from server.model.fused_moe import norm_moe_small
+    from server.model.moe import moe_torch
+    from server.model.ops import TorchOps
+
+    report = []
+    for E, K, H, I in [(8, 2, 64, 48), (16, 4, 2048 + 64, 40)]:  # the second: H in two of small_gemm's chunks
+        x, gate, w13, w2 = moe_inputs(1, E, K, H, I, dtype, device, seed=E)
+        residual = moe_inputs(1, E, K, H, I, dtype, device, seed=E + 1)[0]
+        norm = SimpleNamespace(weight=(torch.rand(H) + 0.5).to(device, dtype), eps=1e-6)
+        layers, buffers = [], []
+        for _ in range(2):
+            buffers.append(torch.full((3, K), -1, dtype=torch.int32, device=device))
+            layers.append(SimpleNamespace(gate=SimpleNamespace(weight=gate), experts=SimpleNamespace(
+                w13_weight=w13, w2_weight=w2), top_k=K, norm_topk_prob=True, round_weights=True,
+                routed=buffers[-1], finish=lambda out, h, ops: out))
+        got, rsum = norm_moe_small(x, residual, norm, layers[0], TorchOps)
+        h, want_rsum = TorchOps.add_rmsnorm(x, residual, norm.weight, norm.eps)
+        want = moe_torch(h, layers[1])
+        assert torch.equal(rsum, want_rsum), "the residual sum is the unfused one, bit for bit"
+        assert (buffers[0][1:] == -1).all(), "rows past the token were written"
+        if dtype == torch.float32:  # else the same experts but where the router's two roundings tie
+            assert torch.equal(buffers[0], buffers[1]), (buffers[0], buffers[1])
+        same = (buffers[0][:1].sort(-1).values == buffers[1][:1].sort(-1).values).all(-1)
+        check_only_ties_differ(same, h, gate, K, dtype)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err <= tol, f"E={E} K={K} H={H}: relative error {err:.2e} > {tol}"
+        report.append(f"H={H}: {err:.1e}")
+    return ", ".join(report)

@@ -31,16 +31,17 @@ def test_fused_moe_matches_the_reference_in_interpreter():
 def test_the_small_experts_layer_matches_the_reference_in_interpreter(monkeypatch):
     """SLEEPSERVE_MOE_SMALL_EXPERTS (an experiment): up to its tokens a sparse layer is the router's matmul,
     _route and small_experts; the layer against moe_torch, its ids in the capture rows, at 1 and 8 tokens and
-    past them (the grouped path)."""
+    past them (the grouped path); at one row with the post-attention norm inside the router's matmul."""
     monkeypatch.setenv("SLEEPSERVE_MOE_SMALL_EXPERTS", "8")
     out = run_interpreted("""
 import torch
 from server.model import fused_moe
-from tests.model.moe_cases import check_moe_layer
+from tests.model.moe_cases import check_moe_layer, check_norm_moe_small
 assert fused_moe.SMALL_EXPERTS_TOKENS == 8
 print(check_moe_layer(torch.float32, "cpu", 1e-5))
+print(check_norm_moe_small(torch.float32, "cpu", 1e-5))
 """)
-    assert "T=1:" in out and "T=9:" in out
+    assert "T=1:" in out and "T=9:" in out and "H=2112:" in out
 
 
 @pytest.mark.parametrize("gate_up, tile, gdc", [(True, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), True),
