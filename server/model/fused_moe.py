@@ -302,7 +302,13 @@ SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program
 # router's matmul, _route and small_experts' two launches (no align step, no combine launch), as small_gemm
 # streams a dense layer's weights. `make gpu-check ARGS=moe-small` runs the MoE GPU tests with it and decodes
 # at batch 1 with and without it.
-SMALL_EXPERTS_TOKENS = int(os.environ.get("SLEEPSERVE_MOE_SMALL_EXPERTS", "0") or 0)
+def _small_experts_tokens(value: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"SLEEPSERVE_MOE_SMALL_EXPERTS={value!r}: a number of tokens (0: off)")
+    return int(value)
+
+
+SMALL_EXPERTS_TOKENS = _small_experts_tokens(os.environ.get("SLEEPSERVE_MOE_SMALL_EXPERTS", "0"))
 # Its warps. At batch 1 that program is on a layer's critical path (6.2 us of a 30B-A3B layer on 4 warps, 0.30 ms
 # a step, H100 2026-12-05), and it is reductions over 128 experts, each across warps a trip through shared
 # memory: compiled for sm_90 the 4-warp program has 99 barriers, the 1-warp one 4 (its reductions in shuffles;
