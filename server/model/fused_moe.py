@@ -298,16 +298,18 @@ def _small_down_combine(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, stride_a
 
 
 SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program (_route_align_small)
-# An experiment, off unless SLEEPSERVE_MOE_SMALL_EXPERTS=N (read once): up to N tokens a sparse layer is the
-# router's matmul, _route and small_experts' two launches (no align step, no combine launch), as small_gemm
-# streams a dense layer's weights. `make gpu-check ARGS=moe-small` runs the MoE GPU tests with it and decodes
-# at batch 1 with and without it.
+
+
 def _small_experts_tokens(value: str) -> int:
     if not value.isdigit():
         raise ValueError(f"SLEEPSERVE_MOE_SMALL_EXPERTS={value!r}: a number of tokens (0: off)")
     return int(value)
 
 
+# An experiment, off unless SLEEPSERVE_MOE_SMALL_EXPERTS=N (read once): up to N tokens a sparse layer is the
+# router's matmul (at one row with the norm before it: norm_moe_small), _route and small_experts' two launches
+# (no align step, no combine launch), as small_gemm streams a dense layer's weights. `make gpu-check
+# ARGS="moe-small-test moe-small-decode"` runs the MoE GPU tests with it and decodes at batch 1 with and without.
 SMALL_EXPERTS_TOKENS = _small_experts_tokens(os.environ.get("SLEEPSERVE_MOE_SMALL_EXPERTS", "0"))
 # Its warps. At batch 1 that program is on a layer's critical path (6.2 us of a 30B-A3B layer on 4 warps, 0.30 ms
 # a step, H100 2026-12-05), and it is reductions over 128 experts, each across warps a trip through shared
