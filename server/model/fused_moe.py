@@ -298,6 +298,12 @@ def _small_down_combine(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, stride_a
 
 
 SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program (_route_align_small)
+# Its warps. At batch 1 that program is on a layer's critical path (6.2 us of a 30B-A3B layer on 4 warps, 0.30 ms
+# a step, H100 2026-12-05), and it is reductions over 128 experts, each across warps a trip through shared
+# memory: compiled for sm_90 the 4-warp program has 99 barriers, the 1-warp one 4 (its reductions in shuffles;
+# 150 registers, no spills). Timed alone on the H200 (bench/moe.py's route_align_us, 2026-12-06): 6.0 us on one
+# warp, 6.6 on two, 6.5 on four (~2 was predicted: the barriers were not its cost; route_align_widths's are).
+ROUTE_WARPS = 1
 
 
 def _small_experts_tokens(value: str) -> int:
@@ -311,12 +317,6 @@ def _small_experts_tokens(value: str) -> int:
 # (no align step, no combine launch), as small_gemm streams a dense layer's weights. `make gpu-check
 # ARGS="moe-small-test moe-small-decode"` runs the MoE GPU tests with it and decodes at batch 1 with and without.
 SMALL_EXPERTS_TOKENS = _small_experts_tokens(os.environ.get("SLEEPSERVE_MOE_SMALL_EXPERTS", "0"))
-# Its warps. At batch 1 that program is on a layer's critical path (6.2 us of a 30B-A3B layer on 4 warps, 0.30 ms
-# a step, H100 2026-12-05), and it is reductions over 128 experts, each across warps a trip through shared
-# memory: compiled for sm_90 the 4-warp program has 99 barriers, the 1-warp one 4 (its reductions in shuffles;
-# 150 registers, no spills). Timed alone on the H200 (bench/moe.py's route_align_us, 2026-12-06): 6.0 us on one
-# warp, 6.6 on two, 6.5 on four (~2 was predicted: the barriers were not its cost; route_align_widths's are).
-ROUTE_WARPS = 1
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
