@@ -68,18 +68,16 @@ class FiniteCheck:
         16- or 32-bit float dtype (contiguous, same shape, same device) are copied and checked by one launch:
         a received bucket's ~20 tensors cost one launch, not ~20 (the host's launches, not the device's
         bytes, were the check's cost on the 8B IPC push). Any other pair: the copy, then `add`."""
-        fused: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        fused: dict[tuple[torch.dtype, torch.device], list[tuple[str, int, int, int]]] = {}
         for name, dst, src in triples:
             if self.enabled and _fusable(dst, src):
-                fused.setdefault((dst.dtype, dst.device), []).append((name, dst, src))
+                fused.setdefault((dst.dtype, dst.device), []).append((name, src.data_ptr(), dst.data_ptr(),
+                                                                      dst.numel()))
             else:
                 dst.copy_(src, non_blocking=True)
                 self.add(name, dst)
-        for same in fused.values():
-            for i in range(0, len(same), MAX_TENSORS_PER_LAUNCH):
-                group = same[i:i + MAX_TENSORS_PER_LAUNCH]
-                flags = copy_and_flag(group, HOST_FLAGS.take(len(group)))
-                self._flagged.append(([name for name, _, _ in group], group[0][1].device, flags))
+        for (dtype, device), entries in fused.items():
+            self._launch(entries, dtype, device)
 
     @torch.no_grad()
     def copy_packed(self, bucket: torch.Tensor, metas, targets: dict[str, torch.Tensor], view,
@@ -99,22 +97,25 @@ class FiniteCheck:
             dst = targets.get(m.name)
             src = base + offset
             if dst is not None:
-                if (fuse and dst.dtype == m.dtype and m.dtype in FLAGGED_DTYPES and dst.device == bucket.device
-                        and tuple(dst.shape) == tuple(m.shape) and dst.is_contiguous() and dst.numel() > 0
-                        and src % 16 == 0 and dst.data_ptr() % 16 == 0):
+                if fuse and dst.device == bucket.device and _fits_kernel(dst, m.dtype, m.shape, src):
                     fused.setdefault(m.dtype, []).append((m.name, src, dst.data_ptr(), dst.numel()))
                 else:
-                    others.append((m.name, targets[m.name], view(bucket, offset, m)))
+                    others.append((m.name, dst, view(bucket, offset, m)))
             offset += m.nbytes
         for dtype, entries in fused.items():
-            for i in range(0, len(entries), MAX_TENSORS_PER_LAUNCH):
-                group = entries[i:i + MAX_TENSORS_PER_LAUNCH]
-                flags = HOST_FLAGS.take(len(group)) if self.enabled else None
-                launch_copy(group, dtype, bucket.device, flags)
-                if self.enabled:
-                    self._flagged.append(([name for name, _, _, _ in group], bucket.device, flags))
+            self._launch(entries, dtype, bucket.device)
         self.copy_many(others)
         return [name for entries in fused.values() for name, _, _, _ in entries] + [name for name, _, _ in others]
+
+    def _launch(self, entries: list[tuple[str, int, int, int]], dtype: torch.dtype, device: torch.device) -> None:
+        """launch_copy of (name, source address, destination address, elements) entries of one dtype and device,
+        MAX_TENSORS_PER_LAUNCH a launch; checked (flags from HOST_FLAGS, read by `bad`) when the check is on."""
+        for i in range(0, len(entries), MAX_TENSORS_PER_LAUNCH):
+            group = entries[i:i + MAX_TENSORS_PER_LAUNCH]
+            flags = HOST_FLAGS.take(len(group)) if self.enabled else None
+            launch_copy(group, dtype, device, flags)
+            if flags is not None:
+                self._flagged.append(([name for name, _, _, _ in group], device, flags))
 
     def bad(self) -> list[str]:
         """The names whose tensors hold NaN or Inf: one device->host read for all of them."""
@@ -176,17 +177,24 @@ HOST_FLAGS = HostFlags()
 
 
 def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Copied and checked by the kernel: one CUDA device and float dtype, contiguous, both 16-byte aligned (the
-    kernel's 16-byte loads assume it; a packed bucket's tensors are, when their sizes are whole 16 bytes)."""
-    return (dst.is_cuda and src.device == dst.device and dst.dtype == src.dtype and dst.dtype in FLAGGED_DTYPES
-            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape and dst.numel() > 0
-            and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0)
+    """Copied and checked by the kernel: one CUDA device, src contiguous, and _fits_kernel."""
+    return (dst.is_cuda and src.device == dst.device and src.is_contiguous()
+            and _fits_kernel(dst, src.dtype, src.shape, src.data_ptr()))
 
 
-def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]], flags: torch.Tensor) -> torch.Tensor:
+def _fits_kernel(dst: torch.Tensor, dtype: torch.dtype, shape, src_ptr: int) -> bool:
+    """Whether the kernel can copy a source of this dtype and shape at src_ptr into dst: a float dtype, dst's,
+    dst's shape, dst contiguous and not empty, both addresses 16-byte aligned (the kernel's 16-byte loads
+    assume it; a packed bucket's tensors are, when their sizes are whole 16 bytes)."""
+    return (dst.dtype == dtype and dtype in FLAGGED_DTYPES and tuple(dst.shape) == tuple(shape)
+            and dst.is_contiguous() and dst.numel() > 0 and src_ptr % 16 == 0 and dst.data_ptr() % 16 == 0)
+
+
+def copy_and_flag(group: list[tuple[str, torch.Tensor, torch.Tensor]],
+                  flags: torch.Tensor | None) -> torch.Tensor | None:
     """Queue dst <- src for every (name, dst, src) of one dtype and device on the current stream, in one launch;
     flags[i] (zeroed int32, on that device or in host memory it can write: HostFlags) becomes nonzero if the i-th
-    source held NaN or Inf. Returns flags."""
+    source held NaN or Inf (without flags: the copy alone). Returns flags."""
     entries = [(name, src.data_ptr(), dst.data_ptr(), dst.numel()) for name, dst, src in group]
     launch_copy(entries, group[0][1].dtype, group[0][1].device, flags)
     return flags
@@ -232,14 +240,11 @@ def warm_up(device: torch.device, dtypes, check: bool = True) -> None:
             src[-1] = float("nan")
             dst = torch.empty_like(src)
             group = [(str(i), dst[8 * i:8 * i + 8], src[8 * i:8 * i + 8]) for i in range(count)]
+            flags = copy_and_flag(group, HOST_FLAGS.take(count) if check else None)
+            torch.cuda.synchronize(device)
             if check:
-                flags = copy_and_flag(group, HOST_FLAGS.take(count))
-                torch.cuda.synchronize(device)
                 assert flags.tolist() == [0] * (count - 1) + [1], f"the host flags read {flags.tolist()}"
             else:
-                launch_copy([(name, s.data_ptr(), d.data_ptr(), d.numel()) for name, d, s in group], dtype, device,
-                            None)
-                torch.cuda.synchronize(device)
                 assert dst[:-1].eq(0).all() and dst[-1].isnan(), "the copy kernel lost bytes"
 
 

@@ -451,7 +451,7 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
     return experts(x, w13, w2, weights, grouped, K, cfg, gdc)
 
 
-def small_norm_path(x: torch.Tensor, block) -> bool:
+def small_norm_path(x: torch.Tensor) -> bool:
     """Whether norm_moe_small takes this step's sparse layer: SLEEPSERVE_MOE_SMALL_EXPERTS covers its tokens and
     small_gemm its rows (the router's matmul must be small_gemm's, which writes the normed rows)."""
     return small_rows(x) and x.shape[0] <= SMALL_EXPERTS_TOKENS

@@ -215,7 +215,7 @@ class TritonOps:
     def norm_moe(block, norm, x: torch.Tensor, residual: torch.Tensor):
         """The post-attention norm and a sparse layer; with SLEEPSERVE_MOE_SMALL_EXPERTS at a few rows, the norm
         inside the router's small_gemm (fused_moe.norm_moe_small)."""
-        if small_norm_path(x, block):
+        if small_norm_path(x):
             return norm_moe_small(x, residual, norm, block, TritonOps)
         return norm_then_moe(TritonOps, block, norm, x, residual)
 
