@@ -243,7 +243,7 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
     TILES, captured in a CUDA graph as decode runs them and timed per replay with CUDA events (median of 20),
     beside the bytes of the distinct experts the tokens chose. (Timed eagerly, every tile took the same
     349 us at 1 token, 2026-12-04: the launches, not the kernels.)"""
-    from server.model.fused_moe import SMALL_TOKENS, fused_experts, route, route_align_small, small_experts, tiles
+    from server.model.fused_moe import SMALL_TOKENS, fused_experts, route, route_align_small, tiles
 
     H, I, E, K = (config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
                   config["num_experts_per_tok"])
@@ -272,8 +272,7 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
             row["library_us"] = timed(None, lambda *a: library_experts(*a[:5]))
         except (RuntimeError, AttributeError) as e:  # torch._grouped_mm missing or refusing these shapes here
             row["library_error"] = f"{type(e).__name__}: {e}"[:300]
-        if T <= SMALL_TOKENS:  # the ungrouped few-token path (two launches, every program busy), by its block_n
-            row["small_us"] = {n: timed(None, lambda *a, n=n: small_experts(*a[:5], block_n=n)) for n in (1, 2, 4)}
+        if T <= SMALL_TOKENS:
             # the one-program routing alone (unchained: its own time) by its warps: a batch-1 layer waits for it
             logits = x @ gate.t()
             def routings(w: int, n: int = 16) -> None:  # n in one graph: the replay's own launch cost shared

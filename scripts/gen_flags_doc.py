@@ -33,10 +33,6 @@ ENV_ONLY: tuple[tuple[str, str, str], ...] = (
      "same bits; `all`: any, `0`: never). At 16 the 1B's batch-1 decode ran 8% faster on an H100; loading ahead in "
      "the 8B's long programs slowed it (`make gpu-check ARGS=binv-ahead` times the limits); "
      "`server/model/batch_invariant_kernels.py`"),
-    ("SLEEPSERVE_MOE_SMALL_EXPERTS", "`0`", "an experiment: up to this many tokens a sparse layer on CUDA skips the "
-     "grouping (the router's matmul, at one row with the norm before it, the routing, then two launches that "
-     "stream the chosen experts' weights as the dense small-batch kernel does; `make gpu-check "
-     "ARGS=\"moe-small-test moe-small-decode\"` measures it); `server/model/fused_moe.py`"),
     ("SLEEPSERVE_TP_KEY", "none", "`--tp-launch torchrun`: the shared secret (16+ characters) every host's ranks "
      "authenticate with"),
     ("SLEEPSERVE_TP_PORT", "`MASTER_PORT + 1`", "`--tp-launch torchrun`: the port rank 0's engine listens on"),

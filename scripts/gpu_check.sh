@@ -31,7 +31,7 @@
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
 # two: bench/tp_release.py's keep / release / suspend).
-# By name only: moe-test, moe, moe-small-test, moe-small-decode, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-engines, binv-ahead, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
+# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-engines, binv-ahead, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there: scripts/gguf_pieces.sh), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -150,16 +150,6 @@ for stage in $stages; do
                 # span includes its predecessor's), and the step's time without the chains
                 run moe-profile-serial env SLEEPSERVE_DEPENDENT_LAUNCH=0 $PY bench/step_profile.py --model qwen3-30b-a3b \
                   --batches 1 --steps 40 --kernels 10 --top 40 --out "$RESULTS/serial" ;;
-    moe-small-test) # SLEEPSERVE_MOE_SMALL_EXPERTS (an experiment: a few tokens' sparse layer without grouping, in
-                # small_gemm's way): the MoE GPU tests with it up to 8 tokens
-                run moe-small-test env SLEEPSERVE_MOE_SMALL_EXPERTS=8 $PY -m pytest -m gpu -q -x --timeout=600 \
-                  tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider ;;
-    moe-small-decode) # the 30B-A3B decode at batch 1 with it and without, each run timing one sparse layer's
-                # paths too (bench/moe.py)
-                for n in 1 0; do
-                  run moe-small-$n env SLEEPSERVE_MOE_SMALL_EXPERTS=$n $PY bench/moe.py --device cuda --batches 1 \
-                    --repeats 2 --cycles 1 --no-off-engine --out "$RESULTS/small-$n"
-                done ;;
     moe-test)   run moe-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider ;;
     moe)        # the Qwen3-30B-A3B shape, dummy weights: decode vs the roofline of the bytes a step reads, level-1/2
                 # sleep and wake vs raw pinned bandwidth, routed-expert capture at batch 256 (bench/moe.py)

@@ -26,7 +26,7 @@ import torch
 
 from server.model.attention import AttentionContext
 from server.model.moe import moe_torch
-from server.model.ops import TorchOps, norm_then_gate_up_act, norm_then_moe, norm_then_qkv, split_qkv
+from server.model.ops import TorchOps, norm_then_gate_up_act, norm_then_qkv, split_qkv
 
 # Rows of every GEMM call: 16 rows cost the CPU about what 1 row does (the weights' reads dominate) and
 # keep a 512-token prefill to 32 calls per matmul.
@@ -168,10 +168,6 @@ class InvariantProjections:
     @classmethod
     def norm_gate_up_act(cls, mlp, norm, x: torch.Tensor, residual: torch.Tensor):
         return norm_then_gate_up_act(cls, mlp, norm, x, residual)
-
-    @classmethod
-    def norm_moe(cls, block, norm, x: torch.Tensor, residual: torch.Tensor):
-        return norm_then_moe(cls, block, norm, x, residual)
 
     @classmethod
     def linear(cls, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,6 @@ The PyTorch reference is model/moe.py (experts_torch); tests/moe_cases.py checks
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -40,8 +38,7 @@ from server.model.small_gemm import chained, small_gemm, small_rows
 
 @triton.jit(do_not_specialize=["ids_stride"])  # K or layers x K (routed_experts.py): one compile for both
 def _route(logits_ptr, ids_ptr, weights_ptr, E, stride, ids_stride, K: tl.constexpr, BLOCK_E: tl.constexpr,
-           BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, GDC: tl.constexpr = False):
-    chain_in(GDC)
+           BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -225,78 +222,6 @@ def _combine(parts_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, GDC:
     tl.store(out_ptr + t.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["ids_stride"])
-def _small_gate_up(x_ptr, w13_ptr, act_ptr, ids_ptr, stride_x, stride_act, ids_stride, H: tl.constexpr,
-                   I: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GDC: tl.constexpr):
-    """A decode batch of a few tokens, no grouping: program (assignment a = token * K + slot, N tile) reads its
-    token's row and its expert's gate and up rows [n, n + BLOCK_N) and writes silu(gate) * up, rounded as
-    _grouped_gemm's GATE_UP does. As small_gemm's programs: a few weight rows each, the whole row in chunks of
-    BLOCK_K loaded at once (H <= BLOCK_K: one load a row), products of rows on the CUDA cores, so thousands of
-    programs each have all their bytes in flight. Which expert is known only after the wait (GDC): nothing to
-    load ahead of it. w13 is [E, 2I, H] contiguous: its strides are constants, so the compiler knows every row
-    starts 16 bytes aligned and loads 16 bytes a thread."""
-    a = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    chain_in(GDC)
-    expert = tl.load(ids_ptr + (a // K) * ids_stride + a % K).to(tl.int64)
-    x_row = x_ptr + (a // K).to(tl.int64) * stride_x
-    gate_rows = w13_ptr + expert * (2 * I * H) + offs_n.to(tl.int64)[:, None] * H
-    up_rows = gate_rows + I * H
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range((H + BLOCK_K - 1) // BLOCK_K):
-        offs_k = c * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        mask = n_ok[:, None] & k_ok[None, :]
-        g = tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        u = tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(g.to(tl.float32) * x, axis=1)
-        acc_up += tl.sum(u.to(tl.float32) * x, axis=1)
-    dtype = act_ptr.dtype.element_ty
-    gate = acc.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    out = silu * acc_up.to(dtype).to(tl.float32)
-    tl.store(act_ptr + a.to(tl.int64) * stride_act + offs_n, out.to(dtype), mask=n_ok)
-
-
-@triton.jit(do_not_specialize=["ids_stride"])
-def _small_down_combine(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, stride_act, stride_out, ids_stride,
-                        H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
-    """Program (token, N tile): all K slots at once, each its activation row times its expert's down rows
-    [n, n + BLOCK_N) (one [slots, rows, BLOCK_K] load a chunk: every weight byte of the program in flight
-    together), rounded and scaled by the routing weight as _grouped_gemm's WEIGHTED does, then added in fp32
-    from zero in slot order as _combine adds them, and one rounding: the down GEMM and the combine in one launch.
-    w2 is [E, H, I] contiguous (constant strides, as _small_gate_up's)."""
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    slots = tl.arange(0, BLOCK_S)
-    s_ok = slots < K
-    chain_in(GDC)
-    experts = tl.load(ids_ptr + t * ids_stride + slots, mask=s_ok, other=0).to(tl.int64)
-    weight = tl.load(weights_ptr + t * K + slots, mask=s_ok, other=0.0).to(tl.float32)
-    rows = w2_ptr + experts[:, None, None] * (H * I) + offs_n.to(tl.int64)[None, :, None] * I
-    act_rows = act_ptr + (t * K + slots).to(tl.int64)[:, None] * stride_act
-    acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range((I + BLOCK_K - 1) // BLOCK_K):
-        offs_k = c * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
-        w = tl.load(rows + offs_k[None, None, :], mask=s_ok[:, None, None] & n_ok[None, :, None] &
-                    k_ok[None, None, :], other=0.0, eviction_policy="evict_first")
-        h = tl.load(act_rows + offs_k[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
-    dtype = out_ptr.dtype.element_ty
-    parts = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in tl.static_range(K):
-        total += tl.sum(tl.where(slots[:, None] == slot, parts, 0.0), axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, total.to(dtype), mask=n_ok)
-
-
 SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program (_route_align_small)
 # Its warps. At batch 1 that program is on a layer's critical path (6.2 us of a 30B-A3B layer on 4 warps, 0.30 ms
 # a step, H100 2026-12-05), and it is reductions over 128 experts, each across warps a trip through shared
@@ -304,19 +229,6 @@ SMALL_TOKENS = 8  # up to this many tokens, routing and grouping are one program
 # 150 registers, no spills). Timed alone on the H200 (bench/moe.py's route_align_us, 2026-12-06): 6.0 us on one
 # warp, 6.6 on two, 6.5 on four (~2 was predicted: the barriers were not its cost; route_align_widths's are).
 ROUTE_WARPS = 1
-
-
-def _small_experts_tokens(value: str) -> int:
-    if not value.isdigit():
-        raise ValueError(f"SLEEPSERVE_MOE_SMALL_EXPERTS={value!r}: a number of tokens (0: off)")
-    return int(value)
-
-
-# An experiment, off unless SLEEPSERVE_MOE_SMALL_EXPERTS=N (read once): up to N tokens a sparse layer is the
-# router's matmul (at one row with the norm before it: norm_moe_small), _route and small_experts' two launches
-# (no align step, no combine launch), as small_gemm streams a dense layer's weights. `make gpu-check
-# ARGS="moe-small-test moe-small-decode"` runs the MoE GPU tests with it and decodes at batch 1 with and without.
-SMALL_EXPERTS_TOKENS = _small_experts_tokens(os.environ.get("SLEEPSERVE_MOE_SMALL_EXPERTS", "0"))
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
@@ -340,16 +252,15 @@ def ids_into(routed: torch.Tensor | None, T: int, top_k: int, device: torch.devi
 
 
 def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool,
-                 routed: torch.Tensor | None = None, gdc: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's top_k experts and their weights (ids written into the capture rows `routed`: ids_into).
-    gdc: chained by dependent launch (launch.py)."""
+                 routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts and their weights (ids written into the capture rows `routed`: ids_into)."""
     T, E = logits.shape
     ids = ids_into(routed, T, top_k, logits.device)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     if T:
         _route[(T,)](logits, ids, weights, E, logits.stride(0), ids.stride(0), K=top_k,
                      BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
-                     ROUND=round_weights, num_warps=1, **gdc_launch(gdc))
+                     ROUND=round_weights, num_warps=1)
     return ids, weights
 
 
@@ -438,9 +349,6 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
     else:
         logits = torch.nn.functional.linear(x, block.gate.weight)
     T, K = x.shape[0], block.top_k
-    if 0 < T <= SMALL_EXPERTS_TOKENS:
-        ids, weights = route_logits(logits, K, block.norm_topk_prob, block.round_weights, block.routed, gdc)
-        return small_experts(x, w13, w2, ids, weights, gdc=gdc)
     cfg = tiles(T * K, max(w2.shape[1], w2.shape[2]), w13.shape[0])
     if 0 < T <= SMALL_TOKENS:
         ids, weights, *grouped = route_align_small(logits, K, block.norm_topk_prob, block.round_weights,
@@ -449,26 +357,6 @@ def moe(x: torch.Tensor, block) -> torch.Tensor:
         ids, weights = route_logits(logits, K, block.norm_topk_prob, block.round_weights, block.routed)
         grouped = list(align(ids, w13.shape[0], cfg["BLOCK_M"])) if T else []
     return experts(x, w13, w2, weights, grouped, K, cfg, gdc)
-
-
-def small_norm_path(x: torch.Tensor) -> bool:
-    """Whether norm_moe_small takes this step's sparse layer: SLEEPSERVE_MOE_SMALL_EXPERTS covers its tokens and
-    small_gemm its rows (the router's matmul must be small_gemm's, which writes the normed rows)."""
-    return small_rows(x) and x.shape[0] <= SMALL_EXPERTS_TOKENS
-
-
-def norm_moe_small(x: torch.Tensor, residual: torch.Tensor, norm, block, ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """The post-attention norm and a sparse layer of a few rows (SLEEPSERVE_MOE_SMALL_EXPERTS) in four chained
-    launches: the router's small_gemm does the residual add and the norm and writes the normed rows the experts
-    read (no norm launch of its own), then _route and small_experts' two. Returns (the layer's output, the
-    residual stream), as ops.norm_then_moe does; ops: the ops set a shared expert runs on."""
-    gdc = chained(x)
-    h = torch.empty_like(x)
-    logits, rsum = small_gemm(x, block.gate.weight, residual=residual, norm_weight=norm.weight, eps=norm.eps,
-                              gdc=gdc, normed=h)
-    ids, weights = route_logits(logits, block.top_k, block.norm_topk_prob, block.round_weights, block.routed, gdc)
-    out = small_experts(h, block.experts.w13_weight, block.experts.w2_weight, ids, weights, gdc=gdc)
-    return block.finish(out, h, ops), x if rsum is None else rsum
 
 
 # --batch-invariant's one tile for every number of tokens: tiles() picks BLOCK_K (a row's order of summation)
@@ -525,32 +413,6 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         parts.stride(0), KDIM=I, A_DIV=1, GATE_UP=False, WEIGHTED=True, **cfg, **common)
     BLOCK_H = min(1024, triton.next_power_of_2(H))
     _combine[(T, triton.cdiv(H, BLOCK_H))](parts, out, H, K=K, BLOCK_H=BLOCK_H, num_warps=4, **gdc_launch(gdc))
-    return out
-
-
-def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  block_n: int = 2, gdc: bool = False) -> torch.Tensor:
-    """fused_experts for a decode batch of a few tokens without grouping: two launches (_small_gate_up over
-    the T*k assignments, _small_down_combine over the tokens), no align step. ids: [T, k] int32 with unit column
-    stride (the routed-experts capture rows too: ids_into); block_n: weight rows a program (gate and up count
-    once). gdc: both chained by dependent launch (launch.py)."""
-    T, H = x.shape
-    I = w2.shape[2]
-    K = ids.shape[1]
-    out = torch.empty_like(x)
-    if T == 0:
-        return out
-    x = x.contiguous()
-    assert ids.stride(1) == 1 and weights.is_contiguous()
-    act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
-    assert w13.is_contiguous() and w2.is_contiguous(), "the small path's kernels take the experts' strides as constants"
-    _small_gate_up[(T * K, triton.cdiv(I, block_n))](
-        x, w13, act, ids, x.stride(0), act.stride(0), ids.stride(0), H=H, I=I, K=K,
-        BLOCK_N=block_n, BLOCK_K=min(2048, triton.next_power_of_2(H)), num_warps=4, **gdc_launch(gdc))
-    _small_down_combine[(T, triton.cdiv(H, block_n))](
-        act, w2, out, ids, weights, act.stride(0), out.stride(0), ids.stride(0),
-        H=H, I=I, K=K, BLOCK_S=triton.next_power_of_2(K), BLOCK_N=block_n,
-        BLOCK_K=min(1024, triton.next_power_of_2(I)), num_warps=8, **gdc_launch(gdc))
     return out
 
 

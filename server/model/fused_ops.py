@@ -19,8 +19,7 @@ from server.model.prefill_kernel import triton_prefill_attention
 from server.model.kv_layout import check_kernel_views
 from server.model.launch import chain_in, gdc_launch
 from server.model.fused_moe import moe as fused_moe
-from server.model.fused_moe import norm_moe_small, small_norm_path
-from server.model.ops import heads_then_rope, norm_then_gate_up_act, norm_then_moe, norm_then_qkv, split_qkv
+from server.model.ops import heads_then_rope, norm_then_gate_up_act, norm_then_qkv, split_qkv
 from server.model.small_gemm import chained, small_gemm, small_rows
 
 
@@ -210,14 +209,6 @@ class TritonOps:
             return norm_then_gate_up_act(TritonOps, mlp, norm, x, residual)
         return small_gemm(x, mlp.gate_up_weight, mlp.gate_up_bias, residual=residual, norm_weight=norm.weight,
                           eps=norm.eps, silu=True, gdc=chained(x))
-
-    @staticmethod
-    def norm_moe(block, norm, x: torch.Tensor, residual: torch.Tensor):
-        """The post-attention norm and a sparse layer; with SLEEPSERVE_MOE_SMALL_EXPERTS at a few rows, the norm
-        inside the router's small_gemm (fused_moe.norm_moe_small)."""
-        if small_norm_path(x):
-            return norm_moe_small(x, residual, norm, block, TritonOps)
-        return norm_then_moe(TritonOps, block, norm, x, residual)
 
     @staticmethod
     def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,8 @@ class DecoderLayer(nn.Module):
         qkv, residual = ops.norm_qkv(self.self_attn, self.input_layernorm, x, residual)
         x = self.self_attn(qkv, cos, sin, ctx, ops)
         if self.moe_name is not None:
-            return ops.norm_moe(self._modules[self.moe_name], self.post_attention_layernorm, x, residual)
+            h, residual = self.post_attention_layernorm(x, residual, ops)
+            return self._modules[self.moe_name](h, ops), residual
         act, residual = ops.norm_gate_up_act(self.mlp, self.post_attention_layernorm, x, residual)
         return self.mlp.down(act, ops), residual
 

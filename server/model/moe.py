@@ -97,11 +97,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: the post-attention-normed hidden states [T, H] -> the experts' weighted sum [T, H]."""
-        return self.finish(ops.moe(x, self), x, ops)
-
-    def finish(self, out: torch.Tensor, x: torch.Tensor, ops) -> torch.Tensor:
-        """The routed experts' sum `out` of the normed x -> the layer's output: the shared expert added where the
-        model has one, the ranks' partial sums all-reduced."""
+        out = ops.moe(x, self)
         if self.shared_expert is not None:  # Qwen2-MoE: + sigmoid(gate(x)) * shared(x), as transformers adds it
             shared = ops.project(ops.gate_up_act(self.shared_expert, x), self.shared_expert.down_proj.weight)
             out = out + ops.sigmoid(ops.project(x, self.shared_expert_gate.weight)) * shared

@@ -73,11 +73,6 @@ class TorchOps:
         return norm_then_gate_up_act(TorchOps, mlp, norm, x, residual)
 
     @staticmethod
-    def norm_moe(block, norm, x: torch.Tensor, residual: torch.Tensor):
-        """The post-attention norm, then a sparse layer: (its output, the residual stream)."""
-        return norm_then_moe(TorchOps, block, norm, x, residual)
-
-    @staticmethod
     def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """o_proj and down_proj on one device."""
         return module(x)
@@ -126,12 +121,6 @@ def heads_then_rope(ops, attn, qkv, cos: torch.Tensor, sin: torch.Tensor, slots:
     norms = None if attn.q_norm is None else (attn.q_norm, attn.k_norm)  # Qwen3's, before the rotation
     q, k = ops.rope_and_cache(q, k, v, cos, sin, attn.k_cache, attn.v_cache, slots, norms)
     return q, k, v
-
-
-def norm_then_moe(ops, block, norm, x: torch.Tensor, residual: torch.Tensor):
-    """norm_moe as two steps of an ops set: its add_rmsnorm, then the sparse layer (moe.py SparseMoeBlock)."""
-    h, residual = norm(x, residual, ops)
-    return block(h, ops), residual
 
 
 def norm_then_gate_up_act(ops, mlp, norm, x: torch.Tensor, residual: torch.Tensor):

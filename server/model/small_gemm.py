@@ -7,8 +7,7 @@ around it (the norm before it, SiLU × up after it, each a launch). One kernel h
     out = epilogue( norm(x + residual) @ W.T + bias )
 
 - NORM: the residual add and RMSNorm of the layer before the matmul (every program recomputes the row's
-  mean square from x: a few KB from L2); program 0 also writes the residual sum out, and, asked (normed),
-  the normed row (a sparse layer's router: its experts read that row too).
+  mean square from x: a few KB from L2); program 0 also writes the residual sum out.
 - SILU: W holds gate | up rows (the loader's packed gate_up); a program computes the same rows of both and
   writes silu(gate) × up, so the activation costs no launch and no [T, 2I] round trip.
 - GDC (programmatic dependent launch, Hopper and newer): the kernel is launched before the one it follows
@@ -60,7 +59,7 @@ def _load_x(x_ptr, r_ptr, rout_ptr, m, M, k, K: tl.constexpr, EVEN: tl.constexpr
 def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps, stride_x, stride_r, stride_ro,
                 stride_o, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GDC: tl.constexpr, normed_ptr=None, stride_no=0, WRITE_NORMED: tl.constexpr = False):
+                GDC: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -111,9 +110,6 @@ def _small_gemm(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rout_ptr, M, N, eps
                 else:
                     nw = tl.load(nw_ptr + c * BLOCK_K + k, mask=_in_row(c * BLOCK_K + k, K, EVEN), other=0.0)
                 xs = nw * (xs.to(tl.float32) * inv_m).to(xs.dtype)
-                if WRITE_NORMED:  # program 0 keeps the normed row for what reads it besides this matmul
-                    tl.store(normed_ptr + m * stride_no + c * BLOCK_K + k, xs,
-                             mask=_in_row(c * BLOCK_K + k, K, EVEN) & (m < M) & (pid == 0))
             xf = xs.to(tl.float32)[None, :]
             acc += tl.where(rows[:, None] == m, tl.sum(w * xf, axis=1)[None, :], 0.0)
             if SILU:
@@ -163,12 +159,11 @@ def block_k(K: int, cap: int = 2048) -> int:
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                silu: bool = False, gdc: bool = False, out: torch.Tensor | None = None,
-               block_n: int | None = None, block_k_cap: int | None = None, num_warps: int | None = None,
-               normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               block_n: int | None = None, block_k_cap: int | None = None,
+               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """epilogue(norm(x + residual) @ weight.T + bias) for x [M, K] of a few rows. Returns (out, x + residual),
     the sum None without a residual. silu: weight is [2I, K] (gate | up) and out [M, I]. out: where to write
-    (contiguous rows). normed ([M, K], unit column stride; with norm_weight): also gets the normed rows the
-    matmul read. The tile defaults to default_tile's."""
+    (contiguous rows). The tile defaults to default_tile's."""
     M, K = x.shape
     assert x.stride(1) == 1 and weight.is_contiguous() and weight.shape[1] == K
     N = weight.shape[0] // 2 if silu else weight.shape[0]
@@ -188,14 +183,5 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         out.stride(0),
         K=K, BLOCK_N=block_n, BLOCK_K=bk, ROWS=triton.next_power_of_2(M), NORM=norm_weight is not None,
         RESIDUAL=residual is not None, SILU=silu, HAS_BIAS=bias is not None, num_warps=num_warps,
-        **gdc_launch(gdc), **normed_args(normed, norm_weight))
+        **gdc_launch(gdc))
     return out, (rout if residual is not None else None)
-
-
-def normed_args(normed: torch.Tensor | None, norm_weight: torch.Tensor | None) -> dict:
-    """_small_gemm's arguments for writing the normed rows (none: the kernel compiles as without them)."""
-    if normed is None:
-        return {}
-    if norm_weight is None or normed.stride(1) != 1:
-        raise ValueError("the normed rows come with a norm and go to rows of unit column stride")
-    return {"normed_ptr": normed, "stride_no": normed.stride(0), "WRITE_NORMED": True}

@@ -13,8 +13,6 @@ from tests.model.moe_cases import (
     check_fused_moe,
     check_moe_invariant,
     check_moe_layer,
-    check_norm_moe_small,
-    check_small_experts,
     moe_inputs,
 )
 
@@ -33,8 +31,6 @@ def test_fused_moe_matches_the_reference(dtype, tol):
     print(check_fused_moe(dtype, "cuda", tol, shapes=shapes))
     # the whole layer (the one-program route+align up to 8 tokens, the separate kernels above)
     print(check_moe_layer(dtype, "cuda", tol, shapes=[(T, E, K, H, I, True, True) for T in (1, 8, 9, 256)]))
-    print(check_small_experts(dtype, "cuda", tol))  # the few-token path bench/moe.py times beside the grouped one
-    print(check_norm_moe_small(dtype, "cuda", tol))  # it with the norm in the router's matmul (an experiment)
     print(check_moe_invariant(dtype, "cuda", tol))  # --batch-invariant's layer: a token's row alone = in a batch
 
 

@@ -10,11 +10,9 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from tests.model.moe_cases import (check_align, check_fused_moe, check_moe_invariant, check_moe_layer,
-                                   check_small_experts)
+from tests.model.moe_cases import check_align, check_fused_moe, check_moe_invariant, check_moe_layer
 check_align("cpu")
 print(check_moe_invariant(torch.float32, "cpu", 1e-5))
-print(check_small_experts(torch.float32, "cpu", 1e-5))
 print(check_moe_layer(torch.float32, "cpu", 1e-5))
 print(check_fused_moe(torch.float32, "cpu", 1e-5))
 # the prefill tiles (64-row blocks) on a batch that spans several blocks per expert
@@ -26,22 +24,6 @@ print(check_fused_moe(torch.float16, "cpu", 2e-2, shapes=[(9, 8, 2, 64, 48, True
 
 def test_fused_moe_matches_the_reference_in_interpreter():
     print(run_interpreted(CHECK))
-
-
-def test_the_small_experts_layer_matches_the_reference_in_interpreter(monkeypatch):
-    """SLEEPSERVE_MOE_SMALL_EXPERTS (an experiment): up to its tokens a sparse layer is the router's matmul,
-    _route and small_experts; the layer against moe_torch, its ids in the capture rows, at 1 and 8 tokens and
-    past them (the grouped path); at one row with the post-attention norm inside the router's matmul."""
-    monkeypatch.setenv("SLEEPSERVE_MOE_SMALL_EXPERTS", "8")
-    out = run_interpreted("""
-import torch
-from server.model import fused_moe
-from tests.model.moe_cases import check_moe_layer, check_norm_moe_small
-assert fused_moe.SMALL_EXPERTS_TOKENS == 8
-print(check_moe_layer(torch.float32, "cpu", 1e-5))
-print(check_norm_moe_small(torch.float32, "cpu", 1e-5))
-""")
-    assert "T=1:" in out and "T=9:" in out and "H=2112:" in out
 
 
 @pytest.mark.parametrize("gate_up, tile, gdc", [(True, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), True),
@@ -116,34 +98,3 @@ def test_one_program_routing_compiles_for_sm90_on_fewer_warps_without_a_gpu(warp
                                    BLOCK_B=block_b, GDC=True), num_warps=warps)
     registers, spills = ptxas_usage(kernel)
     assert spills == 0, (registers, spills)
-
-
-@pytest.mark.parametrize("block_n", [1, 2, 4])
-def test_small_batch_kernels_compile_for_sm90_without_a_gpu(block_n):
-    """fused_moe.small_experts' two kernels at the Qwen3-30B-A3B shapes (bf16, 8 of 128 experts), chained, through
-    the compiler to an sm_90 cubin as small_experts launches them (16-byte aligned tensors and row strides, as the
-    JIT marks them): no spills, the weights read 16 bytes a thread, and every load of a program issued before
-    its first multiply (the loads are what its time is)."""
-    from server.model.fused_moe import _small_down_combine, _small_gate_up
-    from tests.interpreter import compile_for_sm90, ptxas_usage
-
-    ints = ("stride_x", "stride_act", "ids_stride")
-    gate_up = compile_for_sm90(_small_gate_up, {"x_ptr": "*bf16", "w13_ptr": "*bf16", "act_ptr": "*bf16",
-                                                "ids_ptr": "*i32", **{p: "i32" for p in ints}},
-                               dict(H=2048, I=768, K=8, BLOCK_N=block_n, BLOCK_K=2048, GDC=True),
-                               divisible=("x_ptr", "w13_ptr", "act_ptr", "ids_ptr", "stride_x", "stride_act"),
-                               num_warps=4)
-    ints = ("stride_act", "stride_out", "ids_stride")
-    down = compile_for_sm90(_small_down_combine, {"act_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16",
-                                                  "ids_ptr": "*i32", "weights_ptr": "*fp32",
-                                                  **{p: "i32" for p in ints}},
-                            dict(H=2048, I=768, K=8, BLOCK_S=8, BLOCK_N=block_n, BLOCK_K=1024, GDC=True),
-                            divisible=("act_ptr", "w2_ptr", "out_ptr", "ids_ptr", "weights_ptr", "stride_act",
-                                       "stride_out"), num_warps=8)
-    for kernel in (gate_up, down):
-        assert ptxas_usage(kernel)[1] == 0, ptxas_usage(kernel)
-        assert "ld.global.L1::evict_first.L2::cache_hint.v4" in kernel.asm["ptx"], "the weights' loads are narrow"
-        body = kernel.asm["ptx"].split("griddepcontrol.wait")[1]
-        loads = [i for i, line in enumerate(body.splitlines()) if "ld.global" in line]
-        first_fma = next(i for i, line in enumerate(body.splitlines()) if "fma.rn.f32" in line)
-        assert max(loads) < first_fma, "a load waits on the math"
