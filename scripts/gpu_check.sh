@@ -31,7 +31,7 @@
 # flows: the README's sleep-mode curl blocks, verbatim, against the HTTP server (bench/readme_flows.py).
 # nccl-suspend (ncclCommSuspend with a newer libnccl brought in pieces: scripts/nccl_pieces.sh; one GPU: its test;
 # two: bench/tp_release.py's keep / release / suspend).
-# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv, binv-engines, binv-ahead, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
+# By name only: moe-test, moe, rollout-moe (Mixture of Experts: docs/moe.md), binv-test, binv-http, binv, binv-engines, binv-ahead, binv-gemm, binv-splits, binv-profile, binv-profile-serial, binv-fidelity (--batch-invariant:
 # docs/batch-invariance.md; fidelity needs the embedded model's weights there: scripts/gguf_pieces.sh), finite (the weight-update finite check).
 # By name only: limits (sleep/wake through HTTP, 1B and 8B at 0.9 utilization, against the hardware's
 # limits: bench/sleep_limits.py), vmmfloor (the driver's cost to release and re-create memory by handle
@@ -157,6 +157,14 @@ for stage in $stages; do
     binv-test)  run binv-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_batch_invariant_gpu.py \
                   "tests/gpu/test_no_compile_mid_serving_gpu.py::test_serving_compiles_nothing_new[True]" \
                   -p no:cacheprovider ;;
+    binv-http)  # the mode's bitwise checks through the real server on the GPU, among 255 concurrent others (the
+                # embedded model's weights where .gguf_parts came, as binv-fidelity; else llama-tiny, random)
+                if [ -f .gguf_parts/sha256 ]; then
+                  run gguf-join bash scripts/gguf_pieces.sh join /tmp/gguf-model
+                  export PYTHONPATH=/tmp/gguf-model:$PYTHONPATH
+                fi
+                run binv-http env SLEEPSERVE_BI_OTHERS=255 $PY -m pytest -m gpu -q -x --timeout=900 \
+                  tests/gpu/test_batch_invariant_http_gpu.py -p no:cacheprovider ;;
     binv)       # --batch-invariant against the default: decode tok/s at batch 1/64/256, 1B and 8B, in one run
                 run binv $PY bench/batch_invariant.py --out "$RESULTS" ;;
     binv-engines) # binv's decode alone, no matmul timings (< 1.5 min)
