@@ -238,11 +238,18 @@ def library_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
     return torch.zeros_like(x).index_add_(0, tokens, y)
 
 
+# Up to SMALL_TOKENS tokens a layer reads a few experts (75 MB at one token of the 30B-A3B shape, against a 50 MB
+# L2): replayed alone, part of them could come from L2, which a decode step, reading 48 layers' experts in turn,
+# never gives. So a capture runs the layer on this many inputs, each routed to its own experts, in turn.
+FEW_TOKEN_INPUTS = 8
+
+
 def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth: float, flops: float) -> list[dict]:
     """One sparse layer's experts (align + both GEMMs + combine) per token count: the default tiles and each of
     TILES, captured in a CUDA graph as decode runs them and timed per replay with CUDA events (median of 20),
-    beside the bytes of the distinct experts the tokens chose. (Timed eagerly, every tile took the same
-    349 us at 1 token, 2026-12-04: the launches, not the kernels.)"""
+    beside the bytes of the distinct experts the tokens chose (a mean over the inputs, FEW_TOKEN_INPUTS of them
+    up to SMALL_TOKENS tokens). (Timed eagerly, every tile took the same 349 us at 1 token, 2026-12-04: the
+    launches, not the kernels.)"""
     from server.model.fused_moe import SMALL_TOKENS, fused_experts, route, route_align_small, tiles
 
     H, I, E, K = (config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
@@ -253,28 +260,33 @@ def layer_times(config: dict, device: torch.device, tokens: list[int], bandwidth
     gate = torch.randn(E, H, device=device, dtype=torch.bfloat16, generator=g) / H ** 0.5
     rows = []
     for T in tokens:
-        x = torch.randn(T, H, device=device, dtype=torch.bfloat16, generator=g)
-        ids, weights = route(x, gate, K, True, True)
+        inputs = []  # (x, ids, weights): one layer call each, in turn in one capture
+        for _ in range(FEW_TOKEN_INPUTS if T <= SMALL_TOKENS else 1):
+            x = torch.randn(T, H, device=device, dtype=torch.bfloat16, generator=g)
+            inputs.append((x, *route(x, gate, K, True, True)))
 
-        def timed(cfg, layer=fused_experts) -> float:  # microseconds, as a decode graph replays it
-            return 1e3 * graph_ms(lambda: layer(x, w13, w2, ids, weights, cfg), device, replays=20)
+        def timed(cfg, layer=fused_experts) -> float:  # microseconds a call, as a decode graph replays it
+            def calls() -> None:
+                for x, ids, weights in inputs:
+                    layer(x, w13, w2, ids, weights, cfg)
+            return 1e3 * graph_ms(calls, device, replays=20, per_replay=len(inputs))
 
         default = tiles(T * K, max(H, I), E)
         sweep = {json.dumps(t): timed(t) for t in TILES}
         best = min(sweep, key=sweep.get)
-        experts = len(torch.unique(ids))
+        experts = sum(len(torch.unique(ids)) for _, ids, _ in inputs) / len(inputs)
         nbytes = experts * 3 * H * I * 2
         floor_us = 1e6 * max(nbytes / bandwidth, 2 * 3 * H * I * T * K / flops)
-        row = {"tokens": T, "experts_read": experts, "default_tile": default, "default_us": sweep.get(
-            json.dumps(default), None) or timed(default), "best_tile": json.loads(best), "best_us": sweep[best],
-            "roofline_us": floor_us, "sweep_us": sweep}
+        row = {"tokens": T, "inputs": len(inputs), "experts_read": experts, "default_tile": default,
+               "default_us": sweep.get(json.dumps(default), None) or timed(default), "best_tile": json.loads(best),
+               "best_us": sweep[best], "roofline_us": floor_us, "sweep_us": sweep}
         try:  # the library's grouped GEMM, as the same graph runs it
             row["library_us"] = timed(None, lambda *a: library_experts(*a[:5]))
         except (RuntimeError, AttributeError) as e:  # torch._grouped_mm missing or refusing these shapes here
             row["library_error"] = f"{type(e).__name__}: {e}"[:300]
         if T <= SMALL_TOKENS:
             # the one-program routing alone (unchained: its own time) by its warps: a batch-1 layer waits for it
-            logits = x @ gate.t()
+            logits = inputs[0][0] @ gate.t()
             def routings(w: int, n: int = 16) -> None:  # n in one graph: the replay's own launch cost shared
                 for _ in range(n):
                     route_align_small(logits, K, True, True, 16, num_warps=w)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.interpreter import run_interpreted
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,3 +32,35 @@ def test_small_run_reports_every_measure(tmp_path):
     capture = report["routed_capture"]
     assert {"off_tok_s", "on_not_asking_tok_s", "on_asking_tok_s", "cost_asking"} <= set(capture)
     assert "[moe] decode at batch 8" in res.stderr  # progress per phase
+
+
+def test_layer_alone_runs_a_few_tokens_on_inputs_with_their_own_experts():
+    """bench/moe.py's sparse layer alone (CUDA-only: here its kernels in Triton's interpreter and graph_ms as one
+    plain call): up to SMALL_TOKENS tokens a capture runs FEW_TOKEN_INPUTS inputs in turn, each routed on its
+    own, and the time is per call; past that, one input. One token's 8 experts replayed alone could be read from
+    L2, which a decode step never allows (docs/moe.md)."""
+    out = run_interpreted("""
+import torch
+import bench.moe as bench
+import server.model.fused_moe as fused_moe
+seen, captures = [], []
+real = fused_moe.fused_experts
+def counted(x, w13, w2, ids, weights, cfg):
+    seen.append((tuple(ids.shape), tuple(sorted(ids.reshape(-1).tolist()))))
+    return real(x, w13, w2, ids, weights, cfg)
+def one_call(fn, device, replays=10, per_replay=1):
+    captures.append(per_replay); fn(); return 1.0
+fused_moe.fused_experts, bench.graph_ms, bench.TILES = counted, one_call, bench.TILES[:1]
+config = {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 32, "num_experts_per_tok": 2}
+rows = bench.layer_times(config, torch.device("cpu"), [1, 12], 1e12, 1e15)
+print(rows[0]["inputs"], rows[1]["inputs"], rows[0]["experts_read"], rows[0]["default_us"])
+print(sorted(set(captures)))
+one_token = [ids for shape, ids in seen if shape == (1, 2)]
+print(len(one_token), len(set(one_token)))
+""")
+    inputs, inputs_12, experts, us = out.splitlines()[0].split()
+    assert (int(inputs), int(inputs_12), float(experts), float(us)) == (8, 1, 2.0, 1000.0)
+    assert out.splitlines()[1] == "[1, 8, 16]"  # 8 inputs a capture at one token; 1 at 12; the routing's 16
+    calls, distinct = map(int, out.splitlines()[2].split())
+    # the swept tile's capture and the default's, 8 inputs each, routed apart (not one input replayed)
+    assert calls == 16 and distinct >= 6, out
